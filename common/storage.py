@@ -1,0 +1,220 @@
+"""All storage I/O of the pipeline goes through this module.
+
+A URI is either ``s3://bucket/key`` or a local path (plain or ``file://``). Remote paths stay
+strings: they never pass through ``pathlib``. The S3 client takes its endpoint and credentials
+from the standard AWS environment variables (``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``), so tests point it at a local S3 server by
+setting the environment, not by passing clients around.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Every S3 call is bounded: connect/read timeouts plus botocore's own retry with backoff.
+_CONNECT_TIMEOUT_S = 10
+_READ_TIMEOUT_S = 120
+_MAX_ATTEMPTS = 5
+
+
+class StorageError(RuntimeError):
+    """A storage operation failed in a way the caller should report, not retry blindly."""
+
+
+class AlreadyExists(StorageError):
+    """A conditional write found the object already there (``If-None-Match: *``)."""
+
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` → ``("bucket", "a/b")``."""
+    if not is_s3(uri):
+        raise ValueError(f"not an s3:// URI: {uri!r}")
+    rest = uri[len("s3://"):]
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"S3 URI has no bucket: {uri!r}")
+    return bucket, key
+
+
+def join(base: str, *parts: str) -> str:
+    """Join URI parts with single slashes (works for s3:// and local paths alike)."""
+    out = base.rstrip("/")
+    for p in parts:
+        p = p.strip("/")
+        if p:
+            out = f"{out}/{p}"
+    return out
+
+
+def _local(uri: str) -> str:
+    return uri[len("file://"):] if uri.startswith("file://") else uri
+
+
+@functools.lru_cache(maxsize=4)
+def _client_for(endpoint: str | None, key_id: str | None, region: str) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    cfg = Config(
+        connect_timeout=_CONNECT_TIMEOUT_S,
+        read_timeout=_READ_TIMEOUT_S,
+        retries={"max_attempts": _MAX_ATTEMPTS, "mode": "standard"},
+        s3={"addressing_style": "path"},
+    )
+    return boto3.session.Session().client("s3", endpoint_url=endpoint, region_name=region, config=cfg)
+
+
+def s3_client() -> Any:
+    """A boto3 S3 client for the endpoint and credentials in the current environment."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    region = os.environ.get("AWS_DEFAULT_REGION", "us-east-1")
+    return _client_for(endpoint, os.environ.get("AWS_ACCESS_KEY_ID"), region)
+
+
+def _is_not_found(exc: Exception) -> bool:
+    code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+    return code in ("404", "NoSuchKey", "NotFound")
+
+
+def put_bytes(uri: str, data: bytes, *, if_none_match: bool = False) -> None:
+    """Write ``data`` to ``uri``. With ``if_none_match`` the write fails if the object exists."""
+    if is_s3(uri):
+        from botocore.exceptions import ClientError
+
+        bucket, key = split_s3(uri)
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Body": data}
+        if if_none_match:
+            kwargs["IfNoneMatch"] = "*"
+        try:
+            s3_client().put_object(**kwargs)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                raise AlreadyExists(f"{uri} already exists") from exc
+            raise StorageError(f"cannot write {uri}: {code or exc}") from exc
+        return
+    path = _local(uri)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    if if_none_match:
+        try:
+            with open(path, "xb") as fh:
+                fh.write(data)
+        except FileExistsError as exc:
+            raise AlreadyExists(f"{uri} already exists") from exc
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def get_bytes(uri: str) -> bytes:
+    if is_s3(uri):
+        from botocore.exceptions import ClientError
+
+        bucket, key = split_s3(uri)
+        try:
+            return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        except ClientError as exc:
+            if _is_not_found(exc):
+                raise FileNotFoundError(uri) from exc
+            raise StorageError(f"cannot read {uri}: {exc}") from exc
+    with open(_local(uri), "rb") as fh:
+        return fh.read()
+
+
+def exists(uri: str) -> bool:
+    if is_s3(uri):
+        from botocore.exceptions import ClientError
+
+        bucket, key = split_s3(uri)
+        try:
+            s3_client().head_object(Bucket=bucket, Key=key)
+            return True
+        except ClientError as exc:
+            if _is_not_found(exc):
+                return False
+            raise StorageError(f"cannot stat {uri}: {exc}") from exc
+    return os.path.exists(_local(uri))
+
+
+def list_uris(prefix: str) -> Iterator[str]:
+    """Every object URI under ``prefix`` (recursive), in lexicographic order."""
+    if is_s3(prefix):
+        bucket, key = split_s3(prefix)
+        key = key.rstrip("/") + "/" if key else ""
+        paginator = s3_client().get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=bucket, Prefix=key):
+            for obj in page.get("Contents", []):
+                yield f"s3://{bucket}/{obj['Key']}"
+        return
+    root = _local(prefix)
+    if not os.path.isdir(root):
+        return
+    found = []
+    for dirpath, _, files in os.walk(root):
+        found.extend(os.path.join(dirpath, f) for f in files)
+    yield from sorted(found)
+
+
+def delete_prefix(prefix: str) -> int:
+    """Delete every object under ``prefix``; returns how many were deleted."""
+    uris = list(list_uris(prefix))
+    if is_s3(prefix):
+        bucket, _ = split_s3(prefix)
+        client = s3_client()
+        for i in range(0, len(uris), 1000):
+            batch = [{"Key": split_s3(u)[1]} for u in uris[i:i + 1000]]
+            client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+    else:
+        shutil.rmtree(_local(prefix), ignore_errors=True)
+    return len(uris)
+
+
+def upload_file(local_path: str, uri: str) -> None:
+    if is_s3(uri):
+        bucket, key = split_s3(uri)
+        s3_client().upload_file(local_path, bucket, key)
+        return
+    dest = _local(uri)
+    os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
+    shutil.copyfile(local_path, dest)
+
+
+def download_file(uri: str, local_path: str) -> None:
+    os.makedirs(os.path.dirname(local_path) or ".", exist_ok=True)
+    if is_s3(uri):
+        from botocore.exceptions import ClientError
+
+        bucket, key = split_s3(uri)
+        try:
+            s3_client().download_file(bucket, key, local_path)
+        except ClientError as exc:
+            if _is_not_found(exc):
+                raise FileNotFoundError(uri) from exc
+            raise
+        return
+    shutil.copyfile(_local(uri), local_path)
+
+
+def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

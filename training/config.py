@@ -1,0 +1,205 @@
+"""One typed config that flows end to end: DAG params → shard → train → register.
+
+``TrainConfig`` is frozen and validates itself on construction, so a bad value fails at once
+with a message naming the field, never minutes later on a cluster. Recipes are plain functions
+returning a config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+MODELS = ("mlp", "lenet")
+OPTIMIZERS = ("sgd", "nag", "adam")
+KVSTORES = ("local", "dist_sync", "dist_async")
+BACKENDS = ("local",)
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; deterministic, so never worth a retry."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the source table is and how it is split and sharded."""
+
+    source_uri: str = ""
+    label_column: str = "label"
+    # Train shards; 0 means one per worker.
+    num_shards: int = 0
+    val_fraction: float = 0.1
+    test_fraction: float = 0.2
+    # Shape of one example for convolutional models, e.g. (1, 8, 8); empty = flat features.
+    input_shape: tuple[int, ...] = ()
+    # A shard may hold at most this many times the mean number of train records.
+    max_shard_imbalance: float = 1.5
+
+    def __post_init__(self) -> None:
+        _check(bool(self.label_column), "data.label_column must not be empty")
+        _check(self.num_shards >= 0, f"data.num_shards must be >= 0, got {self.num_shards}")
+        _check(0 < self.val_fraction < 0.5, f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        _check(0 < self.test_fraction < 0.5, f"data.test_fraction must be in (0, 0.5), got {self.test_fraction}")
+        _check(self.val_fraction + self.test_fraction < 0.8, "data.val_fraction + data.test_fraction must be < 0.8")
+        _check(all(d > 0 for d in self.input_shape), f"data.input_shape must be positive, got {self.input_shape}")
+        _check(self.max_shard_imbalance >= 1.0, "data.max_shard_imbalance must be >= 1.0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "mlp"
+    hidden: tuple[int, ...] = (128, 64)
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.name in MODELS, f"model.name must be one of {MODELS}, got {self.name!r}")
+        _check(all(h > 0 for h in self.hidden), f"model.hidden sizes must be positive, got {self.hidden}")
+        _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    optimizer: str = "adam"
+    learning_rate: float = 0.002
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    # Per-worker batch; the global batch is batch_size * num_workers.
+    batch_size: int = 32
+    epochs: int = 20
+
+    def __post_init__(self) -> None:
+        _check(self.optimizer in OPTIMIZERS, f"optim.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        _check(0 < self.learning_rate <= 10, f"optim.learning_rate must be in (0, 10], got {self.learning_rate}")
+        _check(0 <= self.momentum < 1, f"optim.momentum must be in [0, 1), got {self.momentum}")
+        _check(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        _check(1 <= self.batch_size <= 65536, f"optim.batch_size must be in [1, 65536], got {self.batch_size}")
+        _check(1 <= self.epochs <= 10000, f"optim.epochs must be in [1, 10000], got {self.epochs}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    backend: str = "local"
+    kvstore: str = "dist_sync"
+    num_workers: int = 2
+    num_servers: int = 1
+    # Bounds of the distributed job (seconds). A worker that logs nothing for stall_timeout_s
+    # is considered hung: ps-lite never recovers from a lost peer by itself.
+    start_timeout_s: float = 120.0
+    stall_timeout_s: float = 120.0
+    job_timeout_s: float = 3600.0
+    # Threads per role process; on a small machine several roles share the cores.
+    threads_per_role: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.backend in BACKENDS, f"cluster.backend must be one of {BACKENDS}, got {self.backend!r}")
+        _check(self.kvstore in KVSTORES, f"cluster.kvstore must be one of {KVSTORES}, got {self.kvstore!r}")
+        _check(1 <= self.num_workers <= 256, f"cluster.num_workers must be in [1, 256], got {self.num_workers}")
+        _check(1 <= self.num_servers <= 64, f"cluster.num_servers must be in [1, 64], got {self.num_servers}")
+        _check(self.kvstore != "local" or self.num_workers == 1,
+               "cluster.kvstore='local' runs a single process: set cluster.num_workers=1")
+        for name in ("start_timeout_s", "stall_timeout_s", "job_timeout_s"):
+            _check(getattr(self, name) > 0, f"cluster.{name} must be > 0")
+        _check(self.threads_per_role >= 1, "cluster.threads_per_role must be >= 1")
+
+    @property
+    def distributed(self) -> bool:
+        return self.kvstore.startswith("dist_")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_n_steps: int = 50
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        _check(self.every_n_steps >= 1, f"checkpoint.every_n_steps must be >= 1, got {self.every_n_steps}")
+        _check(self.keep >= 2, f"checkpoint.keep must be >= 2 (a torn newest one needs a fallback), got {self.keep}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    seed: int = 42
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.seed < 2**31, f"seed must be in [0, 2**31), got {self.seed}")
+        _check(self.model.name != "lenet" or len(self.data.input_shape) == 3,
+               "model.name='lenet' needs data.input_shape=(channels, height, width)")
+
+    @property
+    def num_train_shards(self) -> int:
+        return self.data.num_shards or self.cluster.num_workers
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=2)
+
+    def digest(self) -> str:
+        """A stable hash of the resolved config (embedded in checkpoints)."""
+        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "TrainConfig":
+        """Build from a nested dict, rejecting unknown keys by name."""
+        sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig,
+                    "cluster": ClusterConfig, "checkpoint": CheckpointConfig}
+        unknown = set(raw) - set(sections) - {"seed"}
+        _check(not unknown, f"unknown config keys: {sorted(unknown)}")
+        kwargs: dict[str, Any] = {}
+        for name, section_cls in sections.items():
+            values = dict(raw.get(name) or {})
+            known = {f.name: f for f in dataclasses.fields(section_cls)}
+            bad = set(values) - set(known)
+            _check(not bad, f"unknown keys in config section {name!r}: {sorted(bad)}")
+            for key, val in list(values.items()):
+                if isinstance(val, list):
+                    values[key] = tuple(val)
+            try:
+                kwargs[name] = section_cls(**values)
+            except TypeError as exc:
+                raise ConfigError(f"config section {name!r}: {exc}") from exc
+        if "seed" in raw:
+            kwargs["seed"] = raw["seed"]
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainConfig":
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **sections: dict[str, Any]) -> "TrainConfig":
+        """Copy with some fields of some sections changed: ``cfg.replace(optim={"epochs": 3})``."""
+        raw = self.to_dict()
+        for name, values in sections.items():
+            if name == "seed":
+                raw["seed"] = values
+            else:
+                raw[name] = {**raw[name], **values}
+        return TrainConfig.from_dict(raw)
+
+
+def recipe(name: str, source_uri: str = "") -> TrainConfig:
+    """Named, versioned starting points. ``debug`` trains on CPU in well under a minute."""
+    if name == "digits":
+        return TrainConfig(data=DataConfig(source_uri=source_uri, label_column="label"),
+                           model=ModelConfig(name="mlp", hidden=(128, 64)),
+                           optim=OptimConfig(optimizer="adam", learning_rate=0.002, batch_size=32, epochs=20))
+    if name == "debug":
+        return TrainConfig(data=DataConfig(source_uri=source_uri, label_column="label"),
+                           model=ModelConfig(name="mlp", hidden=(32,)),
+                           optim=OptimConfig(optimizer="adam", learning_rate=0.005, batch_size=32, epochs=3),
+                           checkpoint=CheckpointConfig(every_n_steps=10, keep=3))
+    raise ConfigError(f"unknown recipe {name!r}; expected 'digits' or 'debug'")
