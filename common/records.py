@@ -13,13 +13,9 @@ import numpy as np
 
 
 def _recordio() -> Any:
-    import sys
+    from common.mx import import_mxnet
 
-    # mxnet.model imports scikit-learn when it is installed, which only costs start-up time here.
-    sys.modules.setdefault("sklearn", None)  # type: ignore[arg-type]
-    from mxnet import recordio
-
-    return recordio
+    return import_mxnet().recordio
 
 
 def pack(features: np.ndarray, label: int, row_id: int) -> bytes:

@@ -1,0 +1,88 @@
+"""Command line of the trainer; runs with no Airflow at all.
+
+    python -m training run --config cfg.json --shards PREFIX --out PREFIX
+        Runs the distributed job (1 scheduler, S servers, W workers as local processes) over
+        shards written by ``python -m data_checks shard``; checkpoints, metrics and the exported
+        model go under ``--out``. Rerunning the same command resumes from the latest checkpoint.
+
+    python -m training worker JOB_URI
+        One worker role (started by the launcher with the DMLC_* variables set).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+
+from common.mx import import_mxnet
+
+
+def _worker(job_uri: str) -> int:
+    from training.config import ConfigError
+    from training.data import ShardIntegrityError
+    from training.job import EXIT_BAD_INPUT, EXIT_NAN_LOSS, JobSpec
+    from training.worker import NaNLossError, run
+
+    log = logging.getLogger("training.worker")
+    try:
+        run(JobSpec.load(job_uri))
+    except (ConfigError, ShardIntegrityError, ValueError) as exc:
+        log.error("bad input: %s", exc)
+        return EXIT_BAD_INPUT
+    except NaNLossError as exc:
+        log.error("%s", exc)
+        return EXIT_NAN_LOSS
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from common import storage
+    from common.procs import GroupSpawner
+    from training.config import TrainConfig
+    from training.job import JobSpec
+    from training.launcher import JobFailed, Supervisor
+    from training.ports import free_port
+
+    cfg = TrainConfig.from_json(open(args.config).read())
+    out = args.out.rstrip("/")
+    job = JobSpec(config=cfg, shards_prefix=args.shards, checkpoint_prefix=storage.join(out, "checkpoints"),
+                  model_prefix=storage.join(out, "model"), metrics_uri=storage.join(out, "metrics", "train.json"))
+    job_uri = storage.join(out, "config", "job.json")
+    job.save(job_uri)
+    with tempfile.TemporaryDirectory(prefix="mxpipe-job-") as tmp:
+        spawner = GroupSpawner(os.path.join(tmp, "procs"))
+        sup = Supervisor(cfg, spawner, host="127.0.0.1", port=free_port("127.0.0.1"), base_env=os.environ)
+        try:
+            sup.run(job_uri)
+        except JobFailed as exc:
+            print(f"training failed: {exc}", file=sys.stderr)
+            return 1
+    metrics = json.loads(storage.get_bytes(job.metrics_uri))
+    print(json.dumps({"model": job.model_prefix, "checkpoints": job.checkpoint_prefix,
+                      "final": metrics["history"][-1]}, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("worker", help="run one worker role (started by the launcher)")
+    w.add_argument("job_uri")
+    r = sub.add_parser("run", help="run a distributed job on local processes")
+    r.add_argument("--config", required=True, help="TrainConfig JSON file")
+    r.add_argument("--shards", required=True, help="prefix holding manifest.json and the shards")
+    r.add_argument("--out", required=True, help="prefix for checkpoints, metrics and the model")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cmd == "worker":
+        import_mxnet()  # before anything else can import mxnet with sklearn present
+        return _worker(args.job_uri)
+    return _run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Checkpoints are committed, never assumed.
+
+Layout: ``{prefix}/step-{NNNNNNNN}/`` with the data files (model params, train state) written
+first and ``MANIFEST.json`` (names, sizes, sha256) written last with a conditional write, so a
+duplicate writer cannot overwrite a committed checkpoint. A folder without a manifest, or whose
+bytes do not match it, does not exist as far as restore is concerned. Retention keeps the newest
+``keep`` committed checkpoints and deletes older ones only after a newer one is committed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from common import storage
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "MANIFEST.json"
+_STEP_DIR = re.compile(r"/step-(\d{8})/")
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A checkpoint's manifest is missing, unreadable, or its bytes do not match."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    uri: str
+    files: dict[str, bytes]
+    state: dict[str, Any]
+
+
+class CheckpointStore:
+    def __init__(self, prefix: str, keep: int = 3) -> None:
+        if keep < 2:
+            raise ValueError("keep must be >= 2 so a torn newest checkpoint has a fallback")
+        self.prefix = prefix.rstrip("/")
+        self.keep = keep
+
+    def step_uri(self, step: int) -> str:
+        return storage.join(self.prefix, f"step-{step:08d}")
+
+    def save(self, step: int, files: dict[str, bytes], state: dict[str, Any]) -> str:
+        """Write the files, then the state, then commit with the manifest; prune old ones."""
+        base = self.step_uri(step)
+        payload = dict(files)
+        payload["state.json"] = json.dumps(state, sort_keys=True).encode()
+        for name, data in payload.items():
+            storage.put_bytes(storage.join(base, name), data)
+        manifest = {
+            "step": step,
+            "created_at": time.time(),
+            "files": {n: {"bytes": len(d), "sha256": storage.sha256_bytes(d)} for n, d in payload.items()},
+        }
+        try:
+            storage.put_bytes(storage.join(base, MANIFEST), json.dumps(manifest, indent=1).encode(),
+                              if_none_match=True)
+        except storage.AlreadyExists:
+            # An earlier attempt committed this step before it died. Keep it if it verifies
+            # (a resumed job recomputes the same step); a corrupt one is replaced.
+            try:
+                self.load(step)
+                log.info("checkpoint step %d was already committed by an earlier attempt", step)
+                return base
+            except CorruptCheckpoint as exc:
+                log.warning("replacing corrupt committed checkpoint: %s", exc)
+                storage.delete_prefix(base)
+                return self.save(step, files, state)
+        log.info("checkpoint committed: step %d at %s", step, base)
+        self.prune()
+        return base
+
+    def steps(self) -> list[int]:
+        """Steps of every checkpoint folder (committed or not), newest first."""
+        found = {int(m.group(1)) for u in storage.list_uris(self.prefix) if (m := _STEP_DIR.search(u))}
+        return sorted(found, reverse=True)
+
+    def committed_steps(self) -> list[int]:
+        return [s for s in self.steps() if storage.exists(storage.join(self.step_uri(s), MANIFEST))]
+
+    def load(self, step: int) -> Checkpoint:
+        """Read and verify one checkpoint; raises CorruptCheckpoint on any mismatch."""
+        base = self.step_uri(step)
+        try:
+            manifest = json.loads(storage.get_bytes(storage.join(base, MANIFEST)))
+        except FileNotFoundError as exc:
+            raise CorruptCheckpoint(f"{base}: no manifest (never committed)") from exc
+        except ValueError as exc:
+            raise CorruptCheckpoint(f"{base}: unreadable manifest: {exc}") from exc
+        files: dict[str, bytes] = {}
+        for name, meta in manifest["files"].items():
+            try:
+                data = storage.get_bytes(storage.join(base, name))
+            except FileNotFoundError as exc:
+                raise CorruptCheckpoint(f"{base}/{name}: missing") from exc
+            if len(data) != meta["bytes"] or storage.sha256_bytes(data) != meta["sha256"]:
+                raise CorruptCheckpoint(f"{base}/{name}: size or sha256 does not match the manifest")
+            files[name] = data
+        state = json.loads(files.pop("state.json"))
+        return Checkpoint(step=step, uri=base, files=files, state=state)
+
+    def latest(self) -> Checkpoint | None:
+        """The newest checkpoint that verifies; torn or corrupt ones are skipped and logged."""
+        for step in self.steps():
+            try:
+                ckpt = self.load(step)
+            except CorruptCheckpoint as exc:
+                log.warning("skipping checkpoint: %s", exc)
+                continue
+            log.info("restoring checkpoint step %d from %s", step, ckpt.uri)
+            return ckpt
+        log.info("no valid checkpoint under %s: starting fresh", self.prefix)
+        return None
+
+    def prune(self) -> list[int]:
+        """Delete committed checkpoints beyond the newest ``keep``, and torn ones older than them."""
+        committed = self.committed_steps()
+        if len(committed) <= self.keep:
+            return []
+        oldest_kept = committed[self.keep - 1]
+        doomed = [s for s in self.steps() if s < oldest_kept]
+        for step in doomed:
+            storage.delete_prefix(self.step_uri(step))
+        return doomed

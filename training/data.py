@@ -1,0 +1,90 @@
+"""What one worker reads: its own train shards, and (rank 0) the validation split.
+
+Worker ``r`` of ``W`` reads train shards ``i`` with ``i % W == r``. Every worker runs the same
+number of steps per epoch (set by the largest worker's share), wrapping around its own rows,
+because a ``dist_sync`` worker that stops pushing early leaves the others blocked forever.
+The order of rows is a deterministic function of (seed, epoch, rank), so a resumed job can skip
+to the exact position inside an epoch.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from common import records, storage
+
+
+class ShardIntegrityError(RuntimeError):
+    """A downloaded shard does not match the manifest's sha256: never train on it."""
+
+
+def load_manifest(shards_prefix: str) -> dict[str, Any]:
+    return json.loads(storage.get_bytes(storage.join(shards_prefix, "manifest.json")))
+
+
+def train_shards(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for s in manifest["shards"] if s["split"] == "train"]
+
+
+def shards_for_rank(manifest: dict[str, Any], rank: int, num_workers: int) -> list[dict[str, Any]]:
+    return [s for i, s in enumerate(train_shards(manifest)) if i % num_workers == rank]
+
+
+def steps_per_epoch(manifest: dict[str, Any], num_workers: int, batch_size: int) -> int:
+    """The same for every worker: the largest worker share, in batches."""
+    shares = [sum(s["count"] for s in shards_for_rank(manifest, r, num_workers)) for r in range(num_workers)]
+    if min(shares) == 0:
+        raise ValueError(f"{len(train_shards(manifest))} train shards cannot feed {num_workers} workers: "
+                         f"a worker would get no data (shares {shares})")
+    return math.ceil(max(shares) / batch_size)
+
+
+def fetch_split(manifest: dict[str, Any], shards_prefix: str, shards: list[dict[str, Any]],
+                work_dir: str) -> tuple[np.ndarray, np.ndarray]:
+    """Download, verify and load ``shards``; returns features ``[n, f]`` and labels ``[n]``."""
+    xs, ys = [], []
+    for shard in shards:
+        paths = {}
+        for kind in ("rec", "idx"):
+            meta = shard["files"][kind]
+            local = os.path.join(work_dir, meta["name"])
+            storage.download_file(storage.join(shards_prefix, meta["name"]), local)
+            digest = storage.sha256_file(local)
+            if digest != meta["sha256"]:
+                raise ShardIntegrityError(
+                    f"{meta['name']}: sha256 {digest[:12]}… does not match the manifest's {meta['sha256'][:12]}…")
+            paths[kind] = local
+        X, y, _ = records.read_all(paths["idx"], paths["rec"], manifest["num_features"])
+        xs.append(X)
+        ys.append(y)
+    if not xs:
+        return np.empty((0, manifest["num_features"]), np.float32), np.empty(0, np.int32)
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+@dataclass
+class EpochOrder:
+    """Row order of one worker for one epoch, padded by wrap-around to ``steps * batch``."""
+
+    num_rows: int
+    steps: int
+    batch_size: int
+    seed: int
+    rank: int
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, epoch, self.rank])
+        perm = rng.permutation(self.num_rows)
+        reps = math.ceil(self.steps * self.batch_size / self.num_rows)
+        return np.tile(perm, reps)[:self.steps * self.batch_size]
+
+    def batches(self, epoch: int, start_step: int = 0) -> Any:
+        """Yields ``(step, indices)`` from ``start_step`` to the end of the epoch."""
+        order = self.epoch_order(epoch)
+        for step in range(start_step, self.steps):
+            yield step, order[step * self.batch_size:(step + 1) * self.batch_size]

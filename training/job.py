@@ -1,0 +1,46 @@
+"""The description of one distributed training job, handed to every role as a JSON document.
+
+Everything a worker needs is in it (the resolved config and where to read and write), so a role
+process needs no arguments beyond the job's URI, and a retry of the job is the same document.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from common import storage
+from training.config import TrainConfig
+
+# Role exit codes. A deterministic failure is not worth a retry; anything else may be.
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_NAN_LOSS = 3
+DETERMINISTIC_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_NAN_LOSS})
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    config: TrainConfig
+    shards_prefix: str
+    checkpoint_prefix: str
+    model_prefix: str
+    metrics_uri: str
+    run_name: str = "job"
+
+    def to_json(self) -> str:
+        raw = asdict(self)
+        raw["config"] = self.config.to_dict()
+        return json.dumps(raw, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobSpec":
+        raw = json.loads(text)
+        raw["config"] = TrainConfig.from_dict(raw["config"])
+        return cls(**raw)
+
+    @classmethod
+    def load(cls, uri: str) -> "JobSpec":
+        return cls.from_json(storage.get_bytes(uri).decode())
+
+    def save(self, uri: str) -> None:
+        storage.put_bytes(uri, self.to_json().encode())
