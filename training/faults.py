@@ -1,4 +1,4 @@
-"""Fault injection for recovery tests: ``kill -9`` of the worker itself at a chosen step.
+"""Fault injection for recovery tests: a worker that kills itself (``kill -9``) or hangs at a step.
 
 Off unless ``MXPIPE_FAULT_KILL_STEP`` is set. ``MXPIPE_FAULT_KILL_RANK`` picks the worker
 (default 1). With ``MXPIPE_FAULT_ONCE_FILE`` the fault fires only if that file does not exist,
@@ -22,3 +22,13 @@ def maybe_kill(global_step: int, rank: int) -> None:
         except FileExistsError:
             return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_hang(global_step: int, rank: int) -> None:
+    """With ``MXPIPE_FAULT_HANG_STEP`` set, the chosen worker stops making progress (a stall)."""
+    target = os.environ.get("MXPIPE_FAULT_HANG_STEP")
+    if target and global_step == int(target) and rank == int(os.environ.get("MXPIPE_FAULT_KILL_RANK", "1")):
+        import time
+
+        while True:
+            time.sleep(60)

@@ -143,6 +143,7 @@ def run(job: JobSpec) -> dict[str, Any]:
             global_step += 1
             samples_seen += len(idx)
             faults.maybe_kill(global_step, rank)
+            faults.maybe_hang(global_step, rank)
             if global_step % cfg.checkpoint.every_n_steps == 0 and step + 1 < steps:
                 save_checkpoint(epoch, step + 1)
             now = time.monotonic()
