@@ -71,6 +71,7 @@ class _Role:
     proc: subprocess.Popen
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     last_output: float = field(default_factory=time.monotonic)
+    seen_output: bool = False
     reader: threading.Thread | None = None
 
 
@@ -116,6 +117,7 @@ def _pump(role: _Role) -> None:
         line = line.rstrip("\n")
         role.tail.append(line)
         role.last_output = time.monotonic()
+        role.seen_output = True
         log.info("[%s] %s", role.name, line)
 
 
@@ -174,10 +176,12 @@ class Supervisor:
                 return
             if now - started > c.job_timeout_s:
                 self._fail(None, f"job exceeded its timeout of {c.job_timeout_s:.0f}s", None)
-            quiet = [w for w in workers if w.proc.poll() is None and now - w.last_output > c.stall_timeout_s]
-            if quiet:
-                self._fail(quiet[0], f"{quiet[0].name} on {self.host} stalled: no output for "
-                                     f"{c.stall_timeout_s:.0f}s", None)
+            for w in workers:
+                # Before its first line a worker is still importing mxnet and joining the job.
+                limit = c.stall_timeout_s if w.seen_output else c.start_timeout_s
+                if w.proc.poll() is None and now - w.last_output > limit:
+                    what = "stalled: no output" if w.seen_output else "did not start: no output"
+                    self._fail(w, f"{w.name} on {self.host} {what} for {limit:.0f}s", None)
 
     def _drain(self) -> None:
         deadline = time.monotonic() + DRAIN_TIMEOUT_S

@@ -1,0 +1,74 @@
+"""The DAG file: imports cleanly, stays light at parse time, and has the structure and policy
+the pipeline relies on (setup/teardown, retries on train only, params with bounds)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.dag
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HEAVY = ("mxnet", "mlflow", "great_expectations", "pandas", "boto3", "sklearn", "s3fs")
+
+
+@pytest.fixture(scope="module")
+def dag(tmp_path_factory):
+    os.environ.setdefault("AIRFLOW_HOME", str(tmp_path_factory.mktemp("airflow-home")))
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(os.path.join(REPO, "dags"))
+    assert bag.import_errors == {}
+    return bag.dags["mxnet_training"]
+
+
+def test_parse_loads_nothing_heavy():
+    """In a fresh interpreter, importing the DAG file loads none of the heavy packages.
+    (Its parse time is measured in benchmarks/parse_time.py, not asserted here.)"""
+    code = (
+        "import sys, time, json, importlib.util\n"
+        "import airflow.sdk\n"
+        f"spec = importlib.util.spec_from_file_location('dagfile', {os.path.join(REPO, 'dags', 'mxnet_training.py')!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        f"print(json.dumps({{'heavy': [h for h in {HEAVY!r} if h in sys.modules]}}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["heavy"] == []
+
+
+def test_structure(dag):
+    tasks = {t.task_id: t for t in dag.tasks}
+    assert set(tasks) == {"shard", "validate", "provision", "train", "release", "register"}
+    assert tasks["provision"].is_setup and tasks["release"].is_teardown
+    # Nothing is provisioned before the data has passed validation.
+    assert "validate" in tasks["provision"].upstream_task_ids
+    assert {"provision", "train"} <= tasks["release"].upstream_task_ids
+    assert tasks["train"].retries >= 2
+    assert tasks["shard"].retries == 0 and tasks["validate"].retries == 0
+    assert dag.max_active_runs == 1 and dag.catchup is False
+    assert type(dag.timetable).__name__ == "CronTriggerTimetable"
+
+
+@pytest.mark.parametrize("name,bad", [("num_workers", 0), ("num_workers", 17), ("epochs", 0),
+                                      ("learning_rate", 0), ("kvstore", "local"), ("model", "resnet"),
+                                      ("dataset_uri", "s3://bucket/data.txt")])
+def test_params_reject_out_of_range_values(dag, name, bad):
+    from airflow.sdk.definitions.param import ParamsDict
+    from airflow.sdk.exceptions import ParamValidationError
+
+    params = ParamsDict(dag.params)
+    with pytest.raises(ParamValidationError):
+        params[name] = bad
+
+
+def test_params_defaults_resolve_to_a_valid_config(dag):
+    from plugins.pipeline_tasks import resolve_config
+
+    values = {k: dag.params[k] for k in dag.params}
+    cfg = resolve_config(values)
+    assert cfg.cluster.num_workers == 2 and cfg.cluster.num_servers == 1
+    assert cfg.cluster.kvstore == "dist_sync"

@@ -1,0 +1,100 @@
+"""Real multi-process parameter-server jobs (scheduler + servers + workers) on this machine,
+reading shards from and checkpointing to a real S3 server (SeaweedFS)."""
+import json
+import logging
+import os
+import re
+
+import pytest
+from sklearn.datasets import load_digits
+
+from common import storage
+from common.procs import GroupSpawner, group_members
+from data_checks.shard import shard_dataset
+from training.checkpoint import CheckpointStore
+from training.config import recipe
+from training.job import JobSpec
+from training.launcher import JobFailed, Supervisor
+from training.ports import free_port
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def digits_shards(s3_server, tmp_path_factory):
+    import pandas as pd
+
+    d = load_digits()
+    frame = pd.DataFrame(d.data, columns=[f"pixel_{i}" for i in range(64)])
+    frame["label"] = d.target
+    bucket = f"s3://{s3_server.bucket}/test-jobs"
+    source = storage.join(bucket, "digits.csv")
+    storage.put_bytes(source, frame.to_csv(index=False).encode())
+    cfg = recipe("debug", source)
+    shard_dataset(cfg, storage.join(bucket, "shards"))
+    return cfg, storage.join(bucket, "shards")
+
+
+def _job(cfg, shards, prefix, **overrides):
+    cfg = cfg.replace(**overrides) if overrides else cfg
+    return JobSpec(config=cfg, shards_prefix=shards, checkpoint_prefix=storage.join(prefix, "checkpoints"),
+                   model_prefix=storage.join(prefix, "model"), metrics_uri=storage.join(prefix, "metrics.json"))
+
+
+def _run(job, prefix, tmp_path, env=None):
+    job_uri = storage.join(prefix, "job.json")
+    job.save(job_uri)
+    spawner = GroupSpawner(str(tmp_path / f"procs-{len(os.listdir(tmp_path))}"))
+    sup = Supervisor(job.config, spawner, host="127.0.0.1", port=free_port(), base_env={**os.environ, **(env or {})})
+    try:
+        sup.run(job_uri)
+    finally:
+        leftover = [r.name for r in spawner.records if group_members(r.pgid)]
+        assert leftover == [], f"role processes left behind: {leftover}"
+    return spawner
+
+
+def test_dist_sync_two_workers_one_server(digits_shards, s3_prefix, tmp_path):
+    cfg, shards = digits_shards
+    job = _job(cfg, shards, s3_prefix, optim={"epochs": 4})
+    spawner = _run(job, s3_prefix, tmp_path)
+    assert [r.name for r in spawner.records] == ["scheduler", "server-0", "worker-0", "worker-1"]
+    metrics = json.loads(storage.get_bytes(job.metrics_uri))
+    assert metrics["num_workers"] == 2
+    assert len(metrics["history"]) == 4
+    assert metrics["history"][-1]["val_accuracy"] > 0.85
+    names = sorted(u.rsplit("/", 1)[1] for u in storage.list_uris(job.model_prefix))
+    assert names == ["model-0000.params", "model-symbol.json", "model_meta.json"]
+    store = CheckpointStore(job.checkpoint_prefix, keep=cfg.checkpoint.keep)
+    assert store.committed_steps()[0] == metrics["global_step"]
+    assert len(store.committed_steps()) == cfg.checkpoint.keep
+
+
+def test_killed_worker_stops_the_job_and_the_retry_resumes(digits_shards, s3_prefix, tmp_path, caplog):
+    cfg, shards = digits_shards
+    job = _job(cfg, shards, s3_prefix, optim={"epochs": 3}, checkpoint={"every_n_steps": 7})
+    fault = {"MXPIPE_FAULT_KILL_STEP": "30", "MXPIPE_FAULT_KILL_RANK": "1",
+             "MXPIPE_FAULT_ONCE_FILE": str(tmp_path / "fault-fired")}
+    with pytest.raises(JobFailed) as failed:
+        _run(job, s3_prefix, tmp_path, env=fault)
+    assert failed.value.role.startswith("worker-")
+    assert "SIGKILL" in str(failed.value)
+    assert not failed.value.deterministic
+    committed = CheckpointStore(job.checkpoint_prefix, keep=cfg.checkpoint.keep).committed_steps()
+    assert committed and 0 < committed[0] < 30
+
+    caplog.set_level(logging.INFO, logger="training.launcher")
+    _run(job, s3_prefix, tmp_path, env=fault)  # the once-file makes the retry run clean
+    resumed = [int(m.group(1)) for m in re.finditer(r"resumed from step (\d+)", caplog.text)]
+    assert resumed and resumed[0] == committed[0], caplog.text[-2000:]
+    metrics = json.loads(storage.get_bytes(job.metrics_uri))
+    assert [h["epoch"] for h in metrics["history"]] == [0, 1, 2]
+
+
+def test_stalled_worker_is_detected_and_every_role_stopped(digits_shards, s3_prefix, tmp_path):
+    cfg, shards = digits_shards
+    job = _job(cfg, shards, s3_prefix, cluster={"stall_timeout_s": 8.0})
+    with pytest.raises(JobFailed, match="stalled") as failed:
+        _run(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_HANG_STEP": "5", "MXPIPE_FAULT_KILL_RANK": "0"})
+    # It stalled after it had started training, not while starting up.
+    assert "started (kvstore=dist_sync)" in str(failed.value)
