@@ -1,0 +1,26 @@
+# The two commands of the README: `make demo` runs the pipeline end to end on the embedded
+# stack; `make test` runs the test suite. Both install what they need first.
+PY := .venv/bin/python
+
+.PHONY: setup demo test test-fast down status benchmark
+
+setup:
+	@scripts/bootstrap.sh
+
+demo: setup
+	$(PY) scripts/demo.py
+
+test: setup
+	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "unit or dag"
+
+down:
+	$(PY) -m infra.services down
+
+status:
+	$(PY) -m infra.services status
+
+benchmark: setup
+	$(PY) benchmarks/parse_time.py
