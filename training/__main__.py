@@ -21,15 +21,15 @@ from common.mx import import_mxnet
 
 
 def _worker(job_uri: str) -> int:
+    from common.errors import DataError
     from training.config import ConfigError
-    from training.data import ShardIntegrityError
     from training.job import EXIT_BAD_INPUT, EXIT_NAN_LOSS, JobSpec
     from training.worker import NaNLossError, run
 
     log = logging.getLogger("training.worker")
     try:
         run(JobSpec.load(job_uri))
-    except (ConfigError, ShardIntegrityError, ValueError) as exc:
+    except (ConfigError, DataError, ValueError) as exc:
         log.error("bad input: %s", exc)
         return EXIT_BAD_INPUT
     except NaNLossError as exc:

@@ -8,23 +8,16 @@ to the exact position inside an epoch.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from common import records, storage
+from common import records
+from common.manifest import download_shard, load_manifest, manifest_digest
 
-
-class ShardIntegrityError(RuntimeError):
-    """A downloaded shard does not match the manifest's sha256: never train on it."""
-
-
-def load_manifest(shards_prefix: str) -> dict[str, Any]:
-    return json.loads(storage.get_bytes(storage.join(shards_prefix, "manifest.json")))
+__all__ = ["load_manifest", "manifest_digest", "fetch_split", "shards_for_rank", "steps_per_epoch", "EpochOrder"]
 
 
 def train_shards(manifest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -46,20 +39,11 @@ def steps_per_epoch(manifest: dict[str, Any], num_workers: int, batch_size: int)
 
 def fetch_split(manifest: dict[str, Any], shards_prefix: str, shards: list[dict[str, Any]],
                 work_dir: str) -> tuple[np.ndarray, np.ndarray]:
-    """Download, verify and load ``shards``; returns features ``[n, f]`` and labels ``[n]``."""
+    """Download, verify (size + sha256) and load ``shards``: features ``[n, f]``, labels ``[n]``."""
     xs, ys = [], []
     for shard in shards:
-        paths = {}
-        for kind in ("rec", "idx"):
-            meta = shard["files"][kind]
-            local = os.path.join(work_dir, meta["name"])
-            storage.download_file(storage.join(shards_prefix, meta["name"]), local)
-            digest = storage.sha256_file(local)
-            if digest != meta["sha256"]:
-                raise ShardIntegrityError(
-                    f"{meta['name']}: sha256 {digest[:12]}… does not match the manifest's {meta['sha256'][:12]}…")
-            paths[kind] = local
-        X, y, _ = records.read_all(paths["idx"], paths["rec"], manifest["num_features"])
+        idx_path, rec_path = download_shard(manifest, shards_prefix, shard["name"], work_dir)
+        X, y, _ = records.read_all(idx_path, rec_path, manifest["num_features"])
         xs.append(X)
         ys.append(y)
     if not xs:

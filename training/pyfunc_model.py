@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +123,10 @@ def load_exported(symbol_file: str, params_file: str, meta_file: str) -> LoadedN
     # a HybridBlock export); the params file stores names as 'arg:NAME' / 'aux:NAME'.
     param_names = {k.split(":", 1)[-1] for k in mx.nd.load(params_file)}
     inputs = [n for n in mx.sym.load(symbol_file).list_inputs() if n not in param_names]
-    net = mx.gluon.SymbolBlock.imports(symbol_file, inputs, params_file, ctx=mx.cpu())
+    with warnings.catch_warnings():
+        # SymbolBlock cannot infer the input dtype before the first call; float32 is fed.
+        warnings.filterwarnings("ignore", message="Cannot decide type", category=UserWarning)
+        net = mx.gluon.SymbolBlock.imports(symbol_file, inputs, params_file, ctx=mx.cpu())
     return LoadedNet(
         net=net,
         feature_columns=[str(c) for c in meta["feature_columns"]],
@@ -151,7 +155,9 @@ class MXNetClassifier(PythonModel):
         a = context.artifacts
         self._loaded = load_exported(a[ARTIFACT_SYMBOL], a[ARTIFACT_PARAMS], a[ARTIFACT_META])
 
-    def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> pd.DataFrame:
+    # MLflow reads this type hint: pd.DataFrame means "no type-hint validation" (the logged
+    # signature validates instead); no hint or `Any` makes it warn on every load.
+    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         if self._loaded is None:
             raise RuntimeError("MXNetClassifier.predict called before load_context")
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)

@@ -122,7 +122,7 @@ def run(job: JobSpec) -> dict[str, Any]:
             return
         state = {"epoch": ep, "step_in_epoch": step_in_epoch, "global_step": global_step,
                  "history": history, "config_digest": cfg.digest(), "num_workers": num_workers,
-                 "manifest_sha256": storage.sha256_bytes(json.dumps(manifest, sort_keys=True).encode())}
+                 "manifest_digest": data.manifest_digest(manifest)}
         store.save(global_step, {"model.params": _params_bytes(net)}, state)
 
     started = last_log = time.monotonic()

@@ -1,0 +1,517 @@
+"""Log a trained model to MLflow and register it as the ``challenger``; evaluate an export.
+
+``log_model_run`` is what the pipeline's register step calls (on rank 0 or in an Airflow task).
+It is safe to retry: given the ``run_id`` of an earlier attempt it reuses that run, skips params
+and metric points that are already there, and reuses a model version already registered from
+the same run with the same model bytes. MLflow params are immutable, so a retry that brings a
+*different* value for a logged key fails at once with ``ParamConflictError`` (deterministic:
+not worth an Airflow retry) instead of the server's generic 400.
+
+Bounded waits: every MLflow HTTP call runs under ``bounded_mlflow_env()``, which sets
+``MLFLOW_HTTP_REQUEST_TIMEOUT`` / ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / backoff (only where the
+environment does not already set them). MLflow's defaults (120 s timeout, 7 retries with
+exponential backoff) let one call to a dead server hang for many minutes; with ours a refused
+connection fails in under 10 s and a black-holed one in about 70 s (4 tries x 15 s + 0/2/4 s
+backoff). This covers artifacts too, as long as the tracking server proxies them (the default
+``mlflow server`` mode, used here); a client that writes to S3 directly would use boto's own
+timeouts instead.
+
+mlflow and mxnet are imported inside the functions: importing this module is cheap (pure
+helpers only), so Airflow plugins may import it at module level.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from importlib import metadata
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+
+CHALLENGER_ALIAS = "challenger"
+LOGGED_MODEL_NAME = "model"
+# MLflow's batch limits (mlflow.utils.validation): 100 params/tags and 1000 metrics per
+# log_batch, 1000 entities in all. We never mix params and metrics in one call.
+MAX_PARAMS_PER_BATCH = 100
+MAX_METRICS_PER_BATCH = 1000
+# MLflow 3.x servers accept 6000-character param values; 500 was the limit for years and is
+# what every server version accepts. The full resolved config is logged as an artifact anyway.
+MAX_PARAM_VALUE_LENGTH = 500
+MAX_KEY_LENGTH = 250
+# Rows of the input example stored in the model (MLflow also replays it at log time).
+MAX_EXAMPLE_ROWS = 5
+REGISTRATION_WAIT_S = 60
+
+MLFLOW_ENV_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
+    # MLflow 3 otherwise looks for uv.lock + pyproject.toml in the *current directory* and copies
+    # them into the model: what a model carries would depend on the task's cwd. Requirements
+    # are pinned explicitly instead.
+    "MLFLOW_UV_AUTO_DETECT": "false",
+    "MLFLOW_LOG_UV_FILES": "false",
+}
+
+
+class ParamConflictError(ValueError):
+    """A reused run already holds a different value for a param (MLflow params are immutable)."""
+
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------- pure helpers (unit-tested)
+
+
+def stringify(value: Any) -> str:
+    """The string MLflow stores for a param value; lists/tuples as JSON for readability."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)):
+        return json.dumps(list(value), default=str)
+    return str(value)
+
+
+def truncate_value(value: str, limit: int = MAX_PARAM_VALUE_LENGTH) -> str:
+    """Cut an over-long value deterministically (a retry yields the same string) and mark it."""
+    if len(value) <= limit:
+        return value
+    suffix = f"...[truncated, sha256:{hashlib.sha256(value.encode()).hexdigest()[:12]}]"
+    return value[: limit - len(suffix)] + suffix
+
+
+def _valid_key(key: str) -> bool:
+    import posixpath
+    import re
+
+    if not key or len(key) > MAX_KEY_LENGTH or not re.fullmatch(r"[/\w.\- :]+", key):
+        return False
+    norm = posixpath.normpath(key)
+    return norm == key and not norm.startswith(("..", "/"))
+
+
+def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested dicts (and dataclasses) → dotted keys with string values within MLflow's limits."""
+    flat: dict[str, str] = {}
+    for raw_key, value in params.items():
+        key = f"{prefix}.{raw_key}" if prefix else str(raw_key)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
+        nested = flatten_params(value, key) if isinstance(value, Mapping) else {key: truncate_value(stringify(value))}
+        clash = flat.keys() & nested.keys()
+        if clash:
+            raise ValueError(f"params flatten to duplicate keys: {sorted(clash)}")
+        flat.update(nested)
+    if not prefix:
+        bad = [k for k in flat if not _valid_key(k)]
+        if bad:
+            raise ValueError(
+                f"invalid MLflow param keys {bad[:10]}: at most {MAX_KEY_LENGTH} characters of "
+                "letters, digits, '_', '-', '.', ' ', ':', '/' and no '..' or leading '/'"
+            )
+    return flat
+
+
+def chunked(items: Sequence[T], size: int) -> list[list[T]]:
+    if size <= 0:
+        raise ValueError("size must be positive")
+    return [list(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+def params_to_log(existing: Mapping[str, str], new: Mapping[str, str]) -> dict[str, str]:
+    """The params still to log; raise ``ParamConflictError`` if any value differs from the run's."""
+    conflicts = {k: (existing[k], v) for k, v in new.items() if k in existing and existing[k] != v}
+    if conflicts:
+        lines = "; ".join(f"{k}: logged {old!r}, now {new_v!r}" for k, (old, new_v) in sorted(conflicts.items())[:10])
+        raise ParamConflictError(
+            f"{len(conflicts)} param(s) differ from the values already logged to this run, and MLflow "
+            f"params are immutable ({lines}). A retry must log the same config; a changed config "
+            "needs a new run (pass run_id=None)."
+        )
+    return {k: v for k, v in new.items() if k not in existing}
+
+
+def metric_points(
+    epoch_metrics: Sequence[Mapping[str, float]],
+    final_metrics: Mapping[str, float],
+) -> tuple[list[tuple[str, float, int]], int]:
+    """``(key, value, step)`` triples and the final step.
+
+    An epoch dict may carry its own ``"epoch"`` (used as the step, not logged as a metric);
+    otherwise its position in the list is the step. Final metrics are logged at the last epoch's
+    step, the step the model is logged at, so MLflow links them to the LoggedModel.
+    """
+    points: list[tuple[str, float, int]] = []
+    steps = []
+    for position, row in enumerate(epoch_metrics):
+        step = int(row["epoch"]) if "epoch" in row else position
+        steps.append(step)
+        points.extend((k, float(v), step) for k, v in row.items() if k != "epoch")
+    final_step = max(steps) if steps else 0
+    points.extend((k, float(v), final_step) for k, v in final_metrics.items())
+    bad = sorted({k for k, _, _ in points if not _valid_key(k)})
+    if bad:
+        raise ValueError(f"invalid MLflow metric names: {bad[:10]}")
+    return points, final_step
+
+
+def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def pinned_requirements() -> list[str]:
+    """Exact versions of what the pyfunc model needs, taken from this environment."""
+    return [f"{pkg}=={metadata.version(pkg)}" for pkg in ("mlflow", "mxnet", "numpy", "pandas")]
+
+
+def files_digest(paths: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def bounded_mlflow_env(overrides: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Apply ``MLFLOW_ENV_DEFAULTS`` for the duration; explicit env settings win, ``overrides`` win over both."""
+    wanted = {**MLFLOW_ENV_DEFAULTS, **(overrides or {})}
+    saved = {k: os.environ.get(k) for k in wanted}
+    for key, value in wanted.items():
+        if overrides and key in overrides or saved[key] is None:
+            os.environ[key] = str(value)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def label_indices(y: Sequence[Any], classes: Sequence[Any], labels: str = "auto") -> list[int]:
+    """Class indices of ``y``, given as original class values or as indices into ``classes``.
+
+    ``labels="auto"`` accepts either when only one reading fits, or when both agree
+    (``classes == [0, 1, …]``); otherwise it refuses to guess.
+    """
+    if labels not in ("auto", "value", "index"):
+        raise ValueError(f"labels must be 'auto', 'value' or 'index', got {labels!r}")
+    k = len(classes)
+    by_value = {c: i for i, c in enumerate(classes)}
+    values = list(y)
+    as_value = [by_value.get(v) for v in values] if labels != "index" else None
+    value_ok = as_value is not None and None not in as_value
+    as_index = None
+    if labels != "value":
+        ints = [int(v) if isinstance(v, (int, float)) and float(v).is_integer() else -1 for v in values]
+        as_index = ints if all(0 <= i < k for i in ints) else None
+    if labels == "value" or (labels == "auto" and value_ok and (as_index is None or as_index == as_value)):
+        if not value_ok:
+            unknown = sorted({v for v, i in zip(values, as_value or []) if i is None}, key=str)
+            raise ValueError(f"labels {unknown[:10]} are not among the model's classes {list(classes)[:20]}")
+        return as_value  # type: ignore[return-value]
+    if as_index is not None and (labels == "index" or not value_ok):
+        return as_index
+    if labels == "index":
+        raise ValueError(f"labels must be class indices in [0, {k}), got values outside that range")
+    if value_ok:
+        raise ValueError(
+            "labels fit both as class values and as class indices and the two readings differ; "
+            "pass labels='value' or labels='index'"
+        )
+    raise ValueError(f"labels are neither values of the model's classes {list(classes)[:20]} nor indices in [0, {k})")
+
+
+def evaluate_classifier(model_dir: str, X: Any, y: Any, *, labels: str = "auto") -> dict[str, Any]:
+    """Accuracy, per-class counts and confusion matrix of an export on ``X``.
+
+    Uses the exported symbol directly (no MLflow round trip). ``y`` holds original class values
+    or class indices (the record labels); see ``label_indices``. ``confusion_matrix[i][j]``
+    counts examples of ``classes[i]`` predicted as ``classes[j]``.
+    """
+    import numpy as np
+
+    from training.pyfunc_model import find_export_files, load_exported
+
+    files = find_export_files(model_dir)
+    loaded = load_exported(files["symbol"], files["params"], files["meta"])
+    classes = loaded.classes
+    truth = np.asarray(label_indices(np.asarray(y).tolist(), classes, labels), dtype=np.int64)
+    n = int(len(truth))
+    X_arr = np.asarray(X, dtype=np.float32).reshape(n, -1)
+    predicted = loaded.predict_proba(X_arr).argmax(axis=1) if n else np.zeros(0, dtype=np.int64)
+    k = len(classes)
+    confusion = np.zeros((k, k), dtype=np.int64)
+    np.add.at(confusion, (truth, predicted), 1)
+    return {
+        "accuracy": float(np.trace(confusion) / n) if n else math.nan,
+        "num_examples": n,
+        "classes": classes,
+        "class_counts": {str(c): int(confusion[i].sum()) for i, c in enumerate(classes)},
+        "predicted_counts": {str(c): int(confusion[:, i].sum()) for i, c in enumerate(classes)},
+        "confusion_matrix": confusion.tolist(),
+    }
+
+
+# ---------------------------------------------------------------- MLflow logging
+
+
+def _get_or_create_experiment(client: Any, name: str) -> str:
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return client.create_experiment(name)
+        except MlflowException as e:  # created concurrently by another task
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            exp = client.get_experiment_by_name(name)
+    if exp.lifecycle_stage != "active":
+        raise ValueError(f"MLflow experiment {name!r} is deleted; restore it or use another name")
+    return exp.experiment_id
+
+
+def _resolve_run(client: Any, *, experiment: str, run_id: str | None, run_name: str, tags: Mapping[str, str]) -> Any:
+    if run_id is None:
+        experiment_id = _get_or_create_experiment(client, experiment)
+        return client.create_run(experiment_id, run_name=run_name, tags=dict(tags))
+    run = client.get_run(run_id)
+    if run.info.lifecycle_stage != "active":
+        raise ValueError(f"MLflow run {run_id} is deleted; cannot reuse it")
+    exp_name = client.get_experiment(run.info.experiment_id).name
+    if exp_name != experiment:
+        raise ValueError(f"MLflow run {run_id} belongs to experiment {exp_name!r}, not {experiment!r}")
+    log.info("reusing MLflow run %s (retry)", run_id)
+    return run
+
+
+def _log_params(client: Any, run: Any, flat: Mapping[str, str]) -> int:
+    from mlflow.entities import Param
+
+    todo = params_to_log(run.data.params, flat)
+    for batch in chunked(sorted(todo.items()), MAX_PARAMS_PER_BATCH):
+        client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in batch], synchronous=True)
+    return len(todo)
+
+
+def _log_tags(client: Any, run_id: str, tags: Mapping[str, str]) -> None:
+    from mlflow.entities import RunTag
+
+    for batch in chunked(sorted(tags.items()), MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in batch], synchronous=True)
+
+
+def _log_metrics(client: Any, run: Any, points: Sequence[tuple[str, float, int]]) -> int:
+    from mlflow.entities import Metric
+
+    run_id = run.info.run_id
+    # On a retry, skip (key, step) points an earlier attempt already logged.
+    done: set[tuple[str, int]] = set()
+    for key in {k for k, _, _ in points} & set(run.data.metrics):
+        done.update((key, m.step) for m in client.get_metric_history(run_id, key))
+    now = int(time.time() * 1000)
+    todo = [Metric(k, v, now, s) for k, v, s in points if (k, s) not in done]
+    for batch in chunked(todo, MAX_METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=batch, synchronous=True)
+    return len(todo)
+
+
+def _log_extra_artifact(client: Any, run_id: str, dest: str, path: str) -> None:
+    """Log ``path`` at run-relative ``dest`` (a folder goes under ``dest``, a file becomes ``dest``)."""
+    import posixpath
+    import shutil
+    import tempfile
+
+    if os.path.isdir(path):
+        client.log_artifacts(run_id, path, artifact_path=dest)
+        return
+    folder, name = posixpath.split(dest.strip("/"))
+    if name == os.path.basename(path):
+        client.log_artifact(run_id, path, artifact_path=folder or None)
+        return
+    with tempfile.TemporaryDirectory(prefix="mlflow-artifact-") as tmp:
+        renamed = os.path.join(tmp, name)
+        shutil.copyfile(path, renamed)
+        client.log_artifact(run_id, renamed, artifact_path=folder or None)
+
+
+def _existing_version(client: Any, name: str, run_id: str, digest: str) -> Any | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    same = [v for v in versions if v.tags.get("model_sha256") == digest and v.status == "READY"]
+    return max(same, key=lambda v: int(v.version)) if same else None
+
+
+def _example_frame(input_example: Any, feature_columns: Sequence[str]) -> Any:
+    missing = [c for c in feature_columns if c not in input_example.columns]
+    if missing:
+        raise ValueError(f"input_example lacks feature columns {missing[:20]}")
+    # float64 ('double' in the signature): CSV and JSON inputs decode to float64/int64, which
+    # MLflow's schema enforcement will not narrow to float32.
+    return input_example[list(feature_columns)].head(MAX_EXAMPLE_ROWS).astype("float64").reset_index(drop=True)
+
+
+def _log_pyfunc(*, files: Mapping[str, str], input_example: Any, step: int, tags: Mapping[str, str]) -> Any:
+    import mlflow
+    from mlflow.models import infer_signature
+
+    from training import pyfunc_model
+
+    loaded = pyfunc_model.load_exported(files["symbol"], files["params"], files["meta"])
+    example = _example_frame(input_example, loaded.feature_columns)
+    prediction = pyfunc_model.predictions_frame(loaded, loaded.predict_proba(example.to_numpy()))
+    with warnings.catch_warnings():
+        # An integer `label` output cannot be missing; MLflow's hint about NaN in ints is noise.
+        warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
+        signature = infer_signature(example, prediction)
+    return mlflow.pyfunc.log_model(
+        name=LOGGED_MODEL_NAME,
+        # Models from code: the file itself is the model, so loading needs no pickle and no
+        # importable `training` package.
+        python_model=pyfunc_model.__file__,
+        artifacts=dict(files),
+        signature=signature,
+        input_example=example,
+        pip_requirements=pinned_requirements(),
+        step=step,
+        tags=dict(tags),
+    )
+
+
+@contextlib.contextmanager
+def _tracking_uri(uri: str) -> Iterator[None]:
+    import mlflow
+
+    try:
+        from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+    except ImportError:  # private helper moved: fall back to setting it for the process
+        mlflow.set_tracking_uri(uri)
+        yield
+        return
+    with _use_tracking_uri(uri):
+        yield
+
+
+def log_model_run(
+    *,
+    tracking_uri: str,
+    experiment: str,
+    run_name: str,
+    tags: dict[str, str],
+    params: dict,
+    epoch_metrics: list[dict[str, float]],
+    final_metrics: dict[str, float],
+    model_dir: str,
+    registered_model_name: str,
+    input_example: Any,
+    artifacts: dict[str, str] | None = None,
+    run_id: str | None = None,
+) -> dict:
+    """Log params, metrics, extra artifacts and the pyfunc model; register it as ``challenger``.
+
+    ``artifacts`` maps a run-relative artifact path to a local file (logged under that name, e.g.
+    ``{"manifest.json": "/tmp/x/manifest.json"}`` or ``{"reports/val.json": ...}``) or to a local
+    folder (its files logged under that path). Returns
+    ``run_id, experiment_id, model_uri, registered_model_name, version, run_url``.
+    """
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from training.pyfunc_model import find_export_files
+
+    # Deterministic checks first: they must fail before anything is created.
+    files = find_export_files(model_dir)
+    flat = flatten_params(params)
+    points, final_step = metric_points(epoch_metrics, final_metrics)
+    extra = dict(artifacts or {})
+    for dest, path in extra.items():
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"artifact {dest!r}: {path} does not exist")
+    str_tags = {str(k): str(v) for k, v in tags.items()}
+    digest = files_digest([files[k] for k in ("symbol", "params", "meta")])
+    started = time.monotonic()
+
+    with bounded_mlflow_env(), _tracking_uri(tracking_uri):
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        run = _resolve_run(client, experiment=experiment, run_id=run_id, run_name=run_name, tags=str_tags)
+        rid, experiment_id = run.info.run_id, run.info.experiment_id
+        url = run_url(tracking_uri, experiment_id, rid)
+        # Before start_run: a conflicting retry must not flip the original run to FAILED.
+        n_params = _log_params(client, run, flat)
+
+        with mlflow.start_run(run_id=rid):  # FINISHED on success, FAILED on an exception
+            if run_id is not None:  # tags are mutable: refresh them on a retry
+                _log_tags(client, rid, str_tags)
+            n_metrics = _log_metrics(client, run, points)
+            for dest, path in extra.items():
+                _log_extra_artifact(client, rid, dest, path)
+
+            version_tags = {
+                **str_tags,
+                "source_run_id": rid,
+                "run_name": run_name,
+                "experiment": experiment,
+                "model_sha256": digest,
+            }
+            version = _existing_version(client, registered_model_name, rid, digest) if run_id else None
+            if version is not None:
+                model_uri = f"models:/{version.model_id}" if getattr(version, "model_id", None) else version.source
+                log.info("model version %s of %s already registered from run %s; reusing it",
+                         version.version, registered_model_name, rid)
+            else:
+                info = _log_pyfunc(files=files, input_example=input_example, step=final_step, tags=version_tags)
+                model_uri = info.model_uri
+                try:
+                    client.create_registered_model(registered_model_name)
+                except MlflowException as e:
+                    if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                        raise
+                version = client.create_model_version(
+                    name=registered_model_name,
+                    source=model_uri,
+                    run_id=rid,
+                    tags={**version_tags, "model_id": info.model_id},
+                    run_link=url,
+                    description=f"{run_name}: trained by run {rid}",
+                    await_creation_for=REGISTRATION_WAIT_S,
+                    model_id=info.model_id,
+                )
+            client.set_registered_model_alias(registered_model_name, CHALLENGER_ALIAS, version.version)
+
+    log.info(
+        "logged run %s (%d params, %d metric points) and registered %s version %s as %r in %.1f s",
+        rid, n_params, n_metrics, registered_model_name, version.version, CHALLENGER_ALIAS,
+        time.monotonic() - started,
+    )
+    return {
+        "run_id": rid,
+        "experiment_id": experiment_id,
+        "model_uri": model_uri,
+        "registered_model_name": registered_model_name,
+        "version": str(version.version),
+        "run_url": url,
+    }
