@@ -162,7 +162,7 @@ def register(params: dict[str, Any], shards: dict[str, Any], trained: dict[str, 
             storage.download_file(uri, os.path.join(model_dir, uri.rsplit("/", 1)[1]))
         test = [s for s in manifest["shards"] if s["split"] == "test"]
         X, y = data.fetch_split(manifest, shards["shards_prefix"], test, os.path.join(tmp, "test"))
-        evaluation = evaluate_classifier(model_dir, X, y)
+        evaluation = evaluate_classifier(model_dir, X, y, labels="index")
         import pandas as pd
 
         example = pd.DataFrame(X[:5], columns=manifest["feature_columns"])

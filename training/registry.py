@@ -149,16 +149,20 @@ def metric_points(
 
     An epoch dict may carry its own ``"epoch"`` (used as the step, not logged as a metric);
     otherwise its position in the list is the step. Final metrics are logged at the last epoch's
-    step, the step the model is logged at, so MLflow links them to the LoggedModel.
+    step, the step the model is logged at, so MLflow links them to the LoggedModel. A metric
+    given twice for one step (e.g. ``global_step`` in the last epoch and in the finals) is
+    logged once, with the later value.
     """
-    points: list[tuple[str, float, int]] = []
+    # Keyed by (key, step): a later value for the same point replaces an earlier one.
+    by_point: dict[tuple[str, int], float] = {}
     steps = []
     for position, row in enumerate(epoch_metrics):
         step = int(row["epoch"]) if "epoch" in row else position
         steps.append(step)
-        points.extend((k, float(v), step) for k, v in row.items() if k != "epoch")
+        by_point.update({(k, step): float(v) for k, v in row.items() if k != "epoch"})
     final_step = max(steps) if steps else 0
-    points.extend((k, float(v), final_step) for k, v in final_metrics.items())
+    by_point.update({(k, final_step): float(v) for k, v in final_metrics.items()})
+    points = [(k, v, step) for (k, step), v in by_point.items()]
     bad = sorted({k for k, _, _ in points if not _valid_key(k)})
     if bad:
         raise ValueError(f"invalid MLflow metric names: {bad[:10]}")
@@ -365,6 +369,29 @@ def _existing_version(client: Any, name: str, run_id: str, digest: str) -> Any |
     return max(same, key=lambda v: int(v.version)) if same else None
 
 
+def _version_model_uri(version: Any) -> str:
+    model_id = getattr(version, "model_id", None)
+    return f"models:/{model_id}" if model_id else version.source
+
+
+def _register(client: Any, name: str, model_uri: str, model_id: str, run_id: str,
+              tags: Mapping[str, str], link: str, run_name: str) -> Any:
+    """A new version of ``name`` (created if missing) from a LoggedModel, linked to its run."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    # Not mlflow.register_model: for a models:/<model_id> URI it records no run_id on the version.
+    return client.create_model_version(
+        name=name, source=model_uri, run_id=run_id, tags=dict(tags), run_link=link,
+        description=f"{run_name}: trained by run {run_id}",
+        await_creation_for=REGISTRATION_WAIT_S, model_id=model_id,
+    )
+
+
 def _example_frame(input_example: Any, feature_columns: Sequence[str]) -> Any:
     missing = [c for c in feature_columns if c not in input_example.columns]
     if missing:
@@ -403,16 +430,43 @@ def _log_pyfunc(*, files: Mapping[str, str], input_example: Any, step: int, tags
 
 @contextlib.contextmanager
 def _tracking_uri(uri: str) -> Iterator[None]:
+    """Point MLflow's fluent API (used by ``log_model``) at ``uri`` for the duration.
+
+    MLflow's own restore (``_use_tracking_uri``) *unsets* ``MLFLOW_TRACKING_URI`` when no URI had
+    been set in code, wiping a value the process got from its environment: put it back.
+    """
     import mlflow
 
+    saved_env = os.environ.get("MLFLOW_TRACKING_URI")
     try:
         from mlflow.tracking._tracking_service.utils import _use_tracking_uri
     except ImportError:  # private helper moved: fall back to setting it for the process
-        mlflow.set_tracking_uri(uri)
-        yield
-        return
-    with _use_tracking_uri(uri):
-        yield
+        _use_tracking_uri = None
+    try:
+        if _use_tracking_uri is None:
+            mlflow.set_tracking_uri(uri)
+            yield
+        else:
+            with _use_tracking_uri(uri):
+                yield
+    finally:
+        if saved_env is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = saved_env
+
+
+def _fluent_run(run_id: str) -> contextlib.AbstractContextManager[Any]:
+    """``start_run(run_id)`` (FINISHED on success, FAILED on an exception) unless already active."""
+    import mlflow
+
+    active = mlflow.active_run()
+    if active is None:
+        return mlflow.start_run(run_id=run_id)
+    if active.info.run_id == run_id:
+        return contextlib.nullcontext(active)
+    raise RuntimeError(
+        f"another MLflow run ({active.info.run_id}) is active in this thread; end it before "
+        f"logging run {run_id}"
+    )
 
 
 def log_model_run(
@@ -437,9 +491,7 @@ def log_model_run(
     folder (its files logged under that path). Returns
     ``run_id, experiment_id, model_uri, registered_model_name, version, run_url``.
     """
-    import mlflow
     from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
 
     from training.pyfunc_model import find_export_files
 
@@ -463,43 +515,24 @@ def log_model_run(
         # Before start_run: a conflicting retry must not flip the original run to FAILED.
         n_params = _log_params(client, run, flat)
 
-        with mlflow.start_run(run_id=rid):  # FINISHED on success, FAILED on an exception
+        with _fluent_run(rid):
             if run_id is not None:  # tags are mutable: refresh them on a retry
                 _log_tags(client, rid, str_tags)
             n_metrics = _log_metrics(client, run, points)
             for dest, path in extra.items():
                 _log_extra_artifact(client, rid, dest, path)
-
-            version_tags = {
-                **str_tags,
-                "source_run_id": rid,
-                "run_name": run_name,
-                "experiment": experiment,
-                "model_sha256": digest,
-            }
-            version = _existing_version(client, registered_model_name, rid, digest) if run_id else None
-            if version is not None:
-                model_uri = f"models:/{version.model_id}" if getattr(version, "model_id", None) else version.source
-                log.info("model version %s of %s already registered from run %s; reusing it",
-                         version.version, registered_model_name, rid)
+            version_tags = {**str_tags, "source_run_id": rid, "run_name": run_name,
+                            "experiment": experiment, "model_sha256": digest}
+            reusable = _existing_version(client, registered_model_name, rid, digest) if run_id else None
+            if reusable is not None:
+                log.info("version %s of %s was already registered from run %s with these bytes; reusing it",
+                         reusable.version, registered_model_name, rid)
+                version, model_uri = reusable, _version_model_uri(reusable)
             else:
                 info = _log_pyfunc(files=files, input_example=input_example, step=final_step, tags=version_tags)
                 model_uri = info.model_uri
-                try:
-                    client.create_registered_model(registered_model_name)
-                except MlflowException as e:
-                    if e.error_code != "RESOURCE_ALREADY_EXISTS":
-                        raise
-                version = client.create_model_version(
-                    name=registered_model_name,
-                    source=model_uri,
-                    run_id=rid,
-                    tags={**version_tags, "model_id": info.model_id},
-                    run_link=url,
-                    description=f"{run_name}: trained by run {rid}",
-                    await_creation_for=REGISTRATION_WAIT_S,
-                    model_id=info.model_id,
-                )
+                version = _register(client, registered_model_name, model_uri, info.model_id, rid,
+                                    {**version_tags, "model_id": info.model_id}, url, run_name)
             client.set_registered_model_alias(registered_model_name, CHALLENGER_ALIAS, version.version)
 
     log.info(
