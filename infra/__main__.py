@@ -1,0 +1,6 @@
+"""``python -m infra`` is ``python -m infra.services``."""
+import sys
+
+from infra.services import main
+
+sys.exit(main())

@@ -1,0 +1,225 @@
+"""A small client for the Airflow 3 REST API v2 (``/api/v2``), every call bounded by a timeout.
+
+Auth (simple auth manager): ``GET /auth/token`` returns ``{"access_token": JWT}`` without
+credentials when ``[core] simple_auth_manager_all_admins`` is on (the local stack);
+otherwise ``POST /auth/token`` with ``{"username", "password"}``. The JWT goes in an
+``Authorization: Bearer`` header; on a 401 the token is fetched again once.
+
+Never imports Airflow: it talks HTTP only, so it works from a shell, a test or a benchmark.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+import requests
+
+log = logging.getLogger(__name__)
+
+TERMINAL_RUN_STATES = frozenset({"success", "failed"})
+_PAGE = 100  # [api] maximum_page_limit
+
+
+class AirflowAPIError(RuntimeError):
+    """The API answered with an error status."""
+
+
+class DagNotFound(TimeoutError):
+    """The DAG did not show up in time (the message carries the import errors, if any)."""
+
+
+class AirflowClient:
+    def __init__(self, base_url: str, *, username: str | None = None, password: str | None = None,
+                 timeout_s: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._username, self._password = username, password
+        self.timeout_s = timeout_s
+        self._session = _session_for(self.base_url)
+        self._token: str | None = None
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def token(self, *, refresh: bool = False) -> str:
+        if self._token is None or refresh:
+            self._token = get_token(self.base_url, self._username, self._password, self.timeout_s,
+                                    session=self._session)
+        return self._token
+
+    def request(self, method: str, path: str, *, ok: tuple[int, ...] = (200,),
+                **kwargs: Any) -> requests.Response:
+        url = f"{self.base_url}/api/v2{path}"
+        for attempt in (0, 1):
+            headers = {"Authorization": f"Bearer {self.token(refresh=attempt > 0)}"}
+            resp = self._session.request(method, url, headers=headers,
+                                         timeout=(5.0, self.timeout_s), **kwargs)
+            if resp.status_code != 401:
+                break
+        if resp.status_code not in ok:
+            raise AirflowAPIError(f"{method} {path}: HTTP {resp.status_code}: {resp.text[:500]}")
+        return resp
+
+    def close(self) -> None:
+        self._session.close()
+
+    def __enter__(self) -> "AirflowClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- API --------------------------------------------------------------------------------
+
+    def get_dag(self, dag_id: str) -> dict[str, Any] | None:
+        resp = self.request("GET", f"/dags/{dag_id}", ok=(200, 404))
+        return resp.json() if resp.status_code == 200 else None
+
+    def import_errors(self) -> list[dict[str, Any]]:
+        return self._paged("/importErrors", "import_errors")
+
+    def set_paused(self, dag_id: str, paused: bool) -> None:
+        self.request("PATCH", f"/dags/{dag_id}", params={"update_mask": "is_paused"},
+                     json={"is_paused": paused})
+
+    def trigger(self, dag_id: str, conf: Mapping[str, Any] | None = None, *,
+                logical_date: datetime | str | None = None, run_id: str | None = None) -> str:
+        if isinstance(logical_date, datetime):
+            if logical_date.tzinfo is None:
+                raise ValueError("logical_date must be timezone-aware")
+            logical_date = logical_date.isoformat()
+        body: dict[str, Any] = {"logical_date": logical_date, "conf": dict(conf or {})}
+        if run_id:
+            body["dag_run_id"] = run_id
+        resp = self.request("POST", f"/dags/{dag_id}/dagRuns", ok=(200, 201), json=body)
+        return resp.json()["dag_run_id"]
+
+    def dag_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
+        return self.request("GET", f"/dags/{dag_id}/dagRuns/{run_id}").json()
+
+    def task_instances(self, dag_id: str, run_id: str) -> list[dict[str, Any]]:
+        return self._paged(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances", "task_instances")
+
+    def task_states(self, dag_id: str, run_id: str) -> dict[str, str | None]:
+        """``{task_id (or task_id[map_index]): state}`` of one run."""
+        states = {}
+        for ti in self.task_instances(dag_id, run_id):
+            key = ti["task_id"] if ti.get("map_index", -1) < 0 else f"{ti['task_id']}[{ti['map_index']}]"
+            states[key] = ti.get("state")
+        return dict(sorted(states.items()))
+
+    def _paged(self, path: str, key: str) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        while True:
+            page = self.request("GET", path, params={"limit": _PAGE, "offset": len(items)}).json()
+            items.extend(page[key])
+            if not page[key] or len(items) >= page.get("total_entries", 0):
+                return items
+
+
+# ---------------------------------------------------------------------------------------------
+# module-level helpers (one short-lived client per call)
+
+
+def _session_for(base_url: str) -> requests.Session:
+    session = requests.Session()
+    if urlsplit(base_url).hostname in ("127.0.0.1", "localhost", "::1"):
+        session.trust_env = False  # a local API never goes through HTTP(S)_PROXY
+    return session
+
+
+def get_token(base_url: str, username: str | None = None, password: str | None = None,
+              timeout_s: float = 30.0, *, session: requests.Session | None = None) -> str:
+    """A JWT from the simple auth manager (no credentials needed when all users are admin)."""
+    url = f"{base_url.rstrip('/')}/auth/token"
+    http = session or _session_for(base_url)
+    try:
+        if username is None:
+            resp = http.get(url, timeout=(5.0, timeout_s))
+        else:
+            resp = http.post(url, json={"username": username, "password": password},
+                             timeout=(5.0, timeout_s))
+    finally:
+        if session is None:
+            http.close()
+    if resp.status_code not in (200, 201):
+        hint = "" if username else " (is [core] simple_auth_manager_all_admins on?)"
+        raise AirflowAPIError(f"token: HTTP {resp.status_code}{hint}: {resp.text[:300]}")
+    return resp.json()["access_token"]
+
+
+def wait_for_dag(base_url: str, dag_id: str, timeout_s: float = 120.0, poll_s: float = 2.0,
+                 *, dag_file: str | None = None) -> dict[str, Any]:
+    """Wait until ``dag_id`` is parsed and visible; raise :class:`DagNotFound` with import errors.
+
+    With ``dag_file`` (a file name or path suffix) an import error for that file fails at once.
+    """
+    deadline = time.monotonic() + timeout_s
+    with AirflowClient(base_url) as client:
+        while True:
+            try:
+                dag = client.get_dag(dag_id)
+                if dag is not None:
+                    return dag
+                if dag_file:
+                    errors = [e for e in client.import_errors() if e["filename"].endswith(dag_file)]
+                    if errors:
+                        raise DagNotFound(f"{dag_id}: import error in {dag_file}:\n"
+                                          + _format_errors(errors))
+            except (requests.RequestException, AirflowAPIError) as exc:  # starting up
+                log.debug("Airflow API not answering yet: %s", exc)
+            if time.monotonic() >= deadline:
+                try:
+                    errors = client.import_errors()
+                except (requests.RequestException, AirflowAPIError) as exc:
+                    errors = [{"filename": "?", "stack_trace": f"(cannot list import errors: {exc})"}]
+                detail = _format_errors(errors) if errors else "no import errors reported"
+                raise DagNotFound(f"DAG {dag_id} not visible after {timeout_s:.0f}s; {detail}")
+            time.sleep(poll_s)
+
+
+def trigger_dag_run(base_url: str, dag_id: str, conf: Mapping[str, Any] | None = None,
+                    logical_date: datetime | str | None = None, *, run_id: str | None = None) -> str:
+    """Unpause ``dag_id`` and trigger a run; returns the run id."""
+    with AirflowClient(base_url) as client:
+        client.set_paused(dag_id, False)
+        run = client.trigger(dag_id, conf, logical_date=logical_date, run_id=run_id)
+    log.info("triggered %s run %s", dag_id, run)
+    return run
+
+
+def task_states(base_url: str, dag_id: str, run_id: str) -> dict[str, str | None]:
+    with AirflowClient(base_url) as client:
+        return client.task_states(dag_id, run_id)
+
+
+def wait_for_dag_run(base_url: str, dag_id: str, run_id: str, timeout_s: float = 600.0,
+                     poll_s: float = 2.0,
+                     on_progress: Callable[[dict[str, str | None]], None] | None = None) -> str:
+    """Poll a run until it ends; ``on_progress(states)`` is called whenever task states change.
+
+    Returns the final run state (``success`` or ``failed``); raises ``TimeoutError`` otherwise.
+    """
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, str | None] = {}
+    with AirflowClient(base_url) as client:
+        while True:
+            state = client.dag_run(dag_id, run_id)["state"]
+            states = client.task_states(dag_id, run_id)
+            if states != last:
+                last = states
+                log.info("%s %s: %s %s", dag_id, run_id, state, states)
+                if on_progress is not None:
+                    on_progress(states)
+            if state in TERMINAL_RUN_STATES:
+                return state
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{dag_id} run {run_id} still {state} after {timeout_s:.0f}s; "
+                                   f"tasks: {last}")
+            time.sleep(poll_s)
+
+
+def _format_errors(errors: list[dict[str, Any]]) -> str:
+    return "\n".join(f"{e.get('filename')}:\n{e.get('stack_trace', '')}" for e in errors)

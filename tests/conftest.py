@@ -1,0 +1,116 @@
+"""Shared test setup: tier markers, and the real servers integration tests run against.
+
+Every test carries one tier marker (unit, dag, integration, benchmark); an unmarked test fails
+collection. ``benchmark`` tests are skipped unless selected with ``-m benchmark``.
+
+Servers (SeaweedFS, MLflow) are started by session fixtures on free 127.0.0.1 ports in a temp
+folder with fresh random credentials, and stopped (whole process group) at the end.
+"""
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TIERS = ("unit", "dag", "integration", "benchmark")
+
+
+# ---------------------------------------------------------------------------------------------
+# markers
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [item.nodeid for item in items
+                if not any(item.get_closest_marker(tier) for tier in TIERS)]
+    if unmarked:
+        raise pytest.UsageError(
+            f"every test needs one of the markers {TIERS}; unmarked:\n  " + "\n  ".join(unmarked))
+    if "benchmark" not in (config.option.markexpr or ""):
+        skip = pytest.mark.skip(reason="benchmark: run with -m benchmark")
+        for item in items:
+            if item.get_closest_marker("benchmark"):
+                item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------------------------------
+# servers
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    bucket: str
+    access_key: str
+    secret_key: str
+    env: dict[str, str]
+    config: object  # infra.services.StackConfig of the test stack (ports, home)
+    handle: object = field(repr=False)  # infra.services.ServiceHandle
+
+
+@dataclass
+class MLflowServer:
+    tracking_uri: str
+    handle: object = field(repr=False)
+
+
+@pytest.fixture(scope="session")
+def _test_stack(tmp_path_factory: pytest.TempPathFactory):
+    from infra.services import StackConfig
+
+    cfg = StackConfig.with_free_ports(tmp_path_factory.mktemp("stack"))
+    cfg.save()
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def s3_server(_test_stack) -> Iterator[S3Server]:
+    """A real SeaweedFS S3 gateway with enforced random credentials; sets the AWS_* env."""
+    from infra.services import load_credentials, stack_env, start_s3, stop_s3
+
+    cfg = _test_stack
+    handle = start_s3(cfg)
+    creds = load_credentials(cfg.home)
+    env = {k: v for k, v in stack_env(cfg.home).items()
+           if k.startswith("AWS_") or k == "MXPIPE_ARTIFACT_ROOT"}
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            if key.startswith("AWS_"):
+                mp.setenv(key, value)
+        mp.delenv("AWS_ENDPOINT_URL", raising=False)
+        mp.delenv("AWS_SESSION_TOKEN", raising=False)
+        mp.delenv("AWS_PROFILE", raising=False)
+        yield S3Server(endpoint=cfg.s3_endpoint, bucket=cfg.bucket, access_key=creds["access_key"],
+                       secret_key=creds["secret_key"], env=env, config=cfg, handle=handle)
+    if not stop_s3(handle):
+        raise RuntimeError(f"SeaweedFS left processes behind: {handle.processes()}")
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(s3_server: S3Server) -> Iterator[MLflowServer]:
+    """A real ``mlflow server`` (SQLite backend, artifacts proxied to the S3 fixture)."""
+    from infra.services import start_mlflow
+
+    handle = start_mlflow(s3_server.config)  # type: ignore[arg-type]
+    uri = s3_server.config.mlflow_uri  # type: ignore[attr-defined]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        # The client's default retry policy waits minutes on a dead server; fail sooner in tests.
+        mp.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+        mp.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
+        yield MLflowServer(tracking_uri=uri, handle=handle)
+    if not handle.stop():  # type: ignore[attr-defined]
+        raise RuntimeError(f"mlflow server left processes behind: {handle.processes()}")  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def s3_prefix(s3_server: S3Server) -> str:
+    """A fresh, unique ``s3://<bucket>/test-<uuid>`` prefix."""
+    return f"s3://{s3_server.bucket}/test-{uuid.uuid4().hex}"
