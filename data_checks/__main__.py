@@ -1,0 +1,53 @@
+"""Command line of the data stage; runs with no Airflow at all.
+
+    python -m data_checks shard --config cfg.json --out PREFIX
+        Shards ``data.source_uri`` of the config into RecordIO shards + manifest under PREFIX.
+    python -m data_checks validate --config cfg.json --shards PREFIX [--report PREFIX]
+        Runs the Great Expectations suite over the shards; exit code 1 on failure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from common.errors import DataError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data_checks")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("shard", help="shard the config's source dataset")
+    s.add_argument("--config", required=True, help="TrainConfig JSON file")
+    s.add_argument("--out", required=True, help="prefix for shards and manifest.json")
+    v = sub.add_parser("validate", help="validate shards with Great Expectations")
+    v.add_argument("--config", required=True)
+    v.add_argument("--shards", required=True, help="prefix holding manifest.json")
+    v.add_argument("--report", help="prefix to write validation.json to")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+
+    from training.config import ConfigError, TrainConfig
+
+    try:
+        with open(args.config) as fh:
+            cfg = TrainConfig.from_json(fh.read())
+        if args.cmd == "shard":
+            from data_checks.shard import shard_dataset
+
+            manifest = shard_dataset(cfg, args.out)
+            print(json.dumps({"shards": args.out, "splits": manifest["splits"],
+                              "num_classes": manifest["num_classes"]}, indent=2))
+        else:
+            from data_checks.validate import validate_shards
+
+            print(json.dumps(validate_shards(args.shards, cfg, report_prefix=args.report), indent=2))
+    except (ConfigError, DataError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
