@@ -1,0 +1,61 @@
+"""The project's DAG on the real Airflow stack (api-server, scheduler, dag-processor, triggerer,
+LocalExecutor, SQLite), exactly as ``make demo`` runs it: triggered over the REST API, run by
+the scheduler, against real SeaweedFS and MLflow servers from the fixtures."""
+import pytest
+from sklearn.datasets import load_digits
+
+from common import storage
+from infra import services
+from infra.airflow_client import AirflowAPIError, AirflowClient, trigger_dag_run, wait_for_dag, wait_for_dag_run
+
+pytestmark = pytest.mark.integration
+
+DAG_ID = "mxnet_training"
+
+
+@pytest.fixture(scope="module")
+def stack(s3_server, mlflow_server, tmp_path_factory):
+    home = tmp_path_factory.mktemp("stack-home")
+    cfg = services.StackConfig.with_free_ports(home)
+    client_env = {**s3_server.env, "MLFLOW_TRACKING_URI": mlflow_server.tracking_uri,
+                  "MXPIPE_HOME": str(home), "MXPIPE_SCHEDULE": "none", "MXPIPE_RETRY_DELAY_S": "1"}
+    handles = services.start_airflow(cfg, client_env=client_env)
+    try:
+        wait_for_dag(cfg.airflow_url, DAG_ID, timeout_s=180, dag_file="mxnet_training.py")
+        yield cfg
+    finally:
+        assert services.stop_airflow(handles)
+        for handle in handles:
+            assert services.group_processes(handle.pgid) == [], handle.name
+
+
+def _dataset(bucket):
+    import pandas as pd
+
+    d = load_digits()
+    frame = pd.DataFrame(d.data, columns=[f"pixel_{i}" for i in range(64)])
+    frame["label"] = d.target
+    uri = f"s3://{bucket}/stack-test/digits.csv"
+    storage.put_bytes(uri, frame.to_csv(index=False).encode())
+    return uri
+
+
+def test_out_of_range_param_is_rejected_at_trigger(stack):
+    with pytest.raises(AirflowAPIError, match="num_workers") as err:
+        trigger_dag_run(stack.airflow_url, DAG_ID, {"num_workers": 0})
+    assert "HTTP 400" in str(err.value)
+
+
+def test_scheduler_runs_the_dag_to_a_registered_model(stack, s3_server):
+    conf = {"dataset_uri": _dataset(s3_server.bucket), "recipe": "debug", "epochs": 3,
+            "learning_rate": 0.005, "registered_model_name": "digits-stack-test"}
+    run_id = trigger_dag_run(stack.airflow_url, DAG_ID, conf)
+    state = wait_for_dag_run(stack.airflow_url, DAG_ID, run_id, timeout_s=600, poll_s=3)
+    with AirflowClient(stack.airflow_url) as client:
+        states = client.task_states(DAG_ID, run_id)
+        assert state == "success", states
+        path = f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/register/xcomEntries/return_value"
+        registered = client.request("GET", path, params={"deserialize": "true"}).json()["value"]
+    assert set(states.values()) == {"success"}
+    assert registered["registered_model_name"] == "digits-stack-test"
+    assert registered["test_accuracy"] > 0.85
