@@ -114,3 +114,15 @@ def mlflow_server(s3_server: S3Server) -> Iterator[MLflowServer]:
 def s3_prefix(s3_server: S3Server) -> str:
     """A fresh, unique ``s3://<bucket>/test-<uuid>`` prefix."""
     return f"s3://{s3_server.bucket}/test-{uuid.uuid4().hex}"
+
+
+@pytest.fixture(scope="session")
+def digits_csv() -> bytes:
+    """The demo dataset as the pipeline's source format: a CSV table with a ``label`` column."""
+    import pandas as pd
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    frame = pd.DataFrame(digits.data, columns=[f"pixel_{i}" for i in range(digits.data.shape[1])])
+    frame["label"] = digits.target
+    return frame.to_csv(index=False).encode()

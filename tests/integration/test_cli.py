@@ -5,8 +5,6 @@ import subprocess
 import sys
 
 import pytest
-from sklearn.datasets import load_digits
-
 pytestmark = pytest.mark.integration
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -18,13 +16,8 @@ def _cli(*args, timeout=600):
                           timeout=timeout)
 
 
-def test_shard_validate_train_from_the_command_line(tmp_path):
-    import pandas as pd
-
-    d = load_digits()
-    frame = pd.DataFrame(d.data, columns=[f"pixel_{i}" for i in range(64)])
-    frame["label"] = d.target
-    frame.to_csv(tmp_path / "digits.csv", index=False)
+def test_shard_validate_train_from_the_command_line(tmp_path, digits_csv):
+    (tmp_path / "digits.csv").write_bytes(digits_csv)
     cfg = {"data": {"source_uri": str(tmp_path / "digits.csv"), "label_column": "label"},
            "optim": {"epochs": 3, "batch_size": 32, "learning_rate": 0.005},
            "cluster": {"num_workers": 2, "num_servers": 1}, "checkpoint": {"every_n_steps": 10}}

@@ -10,8 +10,6 @@ import subprocess
 import sys
 
 import pytest
-from sklearn.datasets import load_digits
-
 from common import storage
 from common.procs import group_members
 
@@ -52,14 +50,9 @@ def airflow_env(s3_server, mlflow_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def digits_uri(s3_server):
-    import pandas as pd
-
-    d = load_digits()
-    frame = pd.DataFrame(d.data, columns=[f"pixel_{i}" for i in range(64)])
-    frame["label"] = d.target
+def digits_uri(s3_server, digits_csv):
     uri = f"s3://{s3_server.bucket}/datasets/digits.csv"
-    storage.put_bytes(uri, frame.to_csv(index=False).encode())
+    storage.put_bytes(uri, digits_csv)
     return uri
 
 

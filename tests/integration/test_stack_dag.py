@@ -2,8 +2,6 @@
 LocalExecutor, SQLite), exactly as ``make demo`` runs it: triggered over the REST API, run by
 the scheduler, against real SeaweedFS and MLflow servers from the fixtures."""
 import pytest
-from sklearn.datasets import load_digits
-
 from common import storage
 from infra import services
 from infra.airflow_client import AirflowAPIError, AirflowClient, trigger_dag_run, wait_for_dag, wait_for_dag_run
@@ -29,14 +27,9 @@ def stack(s3_server, mlflow_server, tmp_path_factory):
             assert services.group_processes(handle.pgid) == [], handle.name
 
 
-def _dataset(bucket):
-    import pandas as pd
-
-    d = load_digits()
-    frame = pd.DataFrame(d.data, columns=[f"pixel_{i}" for i in range(64)])
-    frame["label"] = d.target
+def _dataset(bucket, csv):
     uri = f"s3://{bucket}/stack-test/digits.csv"
-    storage.put_bytes(uri, frame.to_csv(index=False).encode())
+    storage.put_bytes(uri, csv)
     return uri
 
 
@@ -46,8 +39,8 @@ def test_out_of_range_param_is_rejected_at_trigger(stack):
     assert "HTTP 400" in str(err.value)
 
 
-def test_scheduler_runs_the_dag_to_a_registered_model(stack, s3_server):
-    conf = {"dataset_uri": _dataset(s3_server.bucket), "recipe": "debug", "epochs": 3,
+def test_scheduler_runs_the_dag_to_a_registered_model(stack, s3_server, digits_csv):
+    conf = {"dataset_uri": _dataset(s3_server.bucket, digits_csv), "recipe": "debug", "epochs": 3,
             "learning_rate": 0.005, "registered_model_name": "digits-stack-test"}
     run_id = trigger_dag_run(stack.airflow_url, DAG_ID, conf)
     state = wait_for_dag_run(stack.airflow_url, DAG_ID, run_id, timeout_s=600, poll_s=3)

@@ -6,8 +6,6 @@ import os
 import re
 
 import pytest
-from sklearn.datasets import load_digits
-
 from common import storage
 from common.procs import GroupSpawner, group_members
 from data_checks.shard import shard_dataset
@@ -21,15 +19,10 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def digits_shards(s3_server, tmp_path_factory):
-    import pandas as pd
-
-    d = load_digits()
-    frame = pd.DataFrame(d.data, columns=[f"pixel_{i}" for i in range(64)])
-    frame["label"] = d.target
+def digits_shards(s3_server, digits_csv):
     bucket = f"s3://{s3_server.bucket}/test-jobs"
     source = storage.join(bucket, "digits.csv")
-    storage.put_bytes(source, frame.to_csv(index=False).encode())
+    storage.put_bytes(source, digits_csv)
     cfg = recipe("debug", source)
     shard_dataset(cfg, storage.join(bucket, "shards"))
     return cfg, storage.join(bucket, "shards")
