@@ -14,8 +14,15 @@ from typing import Any
 
 MODELS = ("mlp", "lenet")
 OPTIMIZERS = ("sgd", "nag", "adam")
+# Every mode here has a reference test (tests/integration/test_kvstore_reference.py). The
+# device variants (device, dist_device_sync) pass it too, but a worker trains on one CPU
+# context, where they are the same as local / dist_sync, so they are not offered.
 KVSTORES = ("local", "dist_sync", "dist_async")
+# Where the optimizer runs: on the parameter servers (gluon update_on_kvstore=True) or on every
+# worker after the gradients are summed through the servers (update_on_kvstore=False).
+OPTIMIZER_PLACEMENTS = ("servers", "workers")
 BACKENDS = ("local",)
+DRIFT_ACTIONS = ("off", "warn", "fail")
 
 
 class ConfigError(ValueError):
@@ -31,16 +38,39 @@ def _check(cond: bool, msg: str) -> None:
 class DataConfig:
     """Where the source table is and how it is split and sharded."""
 
+    # A file (CSV, CSV.gz, Parquet), a glob of them (``s3://b/data/part-*.parquet``), or a folder
+    # ending in "/": its table files, or an image folder when it holds ``labels.csv``.
     source_uri: str = ""
     label_column: str = "label"
-    # Train shards; 0 means one per worker.
+    # Train shards; 0 means num_workers * shards_per_worker. Worker r of W reads shards i with
+    # i % W == r, so any shard count gives every record to exactly one worker per epoch (also
+    # after a resume with another W); a multiple of W keeps the workers' shares equal.
     num_shards: int = 0
+    shards_per_worker: int = 1
     val_fraction: float = 0.1
     test_fraction: float = 0.2
     # Shape of one example for convolutional models, e.g. (1, 8, 8); empty = flat features.
+    # Image sources record their (C, H, W) here when it is left empty.
     input_shape: tuple[int, ...] = ()
     # A shard may hold at most this many times the mean number of train records.
     max_shard_imbalance: float = 1.5
+    # Largest total variation distance between a train shard's label distribution and the
+    # whole train split's (checked on shards with at least 10 rows per class).
+    max_label_skew: float = 0.25
+    # Optional id column: not a feature; its values must be unique (checked by validation).
+    id_column: str = ""
+    # Optional declared label set, in class-index order; a label outside it fails validation.
+    classes: tuple[Any, ...] = ()
+    # Optional declared feature columns (in this order); empty = every other column.
+    feature_columns: tuple[str, ...] = ()
+    # Optional (min, max) every feature must lie in; image pixels are always checked in [0, 1].
+    feature_range: tuple[float, ...] = ()
+    # Rows per chunk while sharding: memory follows this, not the dataset (output is the same).
+    chunk_rows: int = 50_000
+    # Label distribution drift against the last validated manifest of the same dataset:
+    # total variation distance above drift_threshold is reported ("warn") or fails ("fail").
+    drift_action: str = "warn"
+    drift_threshold: float = 0.1
 
     def __post_init__(self) -> None:
         _check(bool(self.label_column), "data.label_column must not be empty")
@@ -50,6 +80,23 @@ class DataConfig:
         _check(self.val_fraction + self.test_fraction < 0.8, "data.val_fraction + data.test_fraction must be < 0.8")
         _check(all(d > 0 for d in self.input_shape), f"data.input_shape must be positive, got {self.input_shape}")
         _check(self.max_shard_imbalance >= 1.0, "data.max_shard_imbalance must be >= 1.0")
+        _check(self.shards_per_worker >= 1, f"data.shards_per_worker must be >= 1, got {self.shards_per_worker}")
+        _check(0 < self.max_label_skew <= 1, f"data.max_label_skew must be in (0, 1], got {self.max_label_skew}")
+        _check(self.id_column != self.label_column, "data.id_column must differ from data.label_column")
+        _check(len(set(map(str, self.classes))) == len(self.classes), f"data.classes has duplicates: {self.classes}")
+        _check(not self.classes or len(self.classes) >= 2, "data.classes must declare at least 2 classes")
+        _check(all(isinstance(c, (int, str)) and not isinstance(c, bool) for c in self.classes),
+               "data.classes must hold ints or strings")
+        overlap = {self.label_column, self.id_column} & set(self.feature_columns)
+        _check(not overlap, f"data.feature_columns must not include the label or id column: {sorted(overlap)}")
+        _check(len(set(self.feature_columns)) == len(self.feature_columns), "data.feature_columns has duplicates")
+        _check(len(self.feature_range) in (0, 2) and (not self.feature_range or
+                                                      self.feature_range[0] < self.feature_range[1]),
+               f"data.feature_range must be empty or (min, max) with min < max, got {self.feature_range}")
+        _check(1 <= self.chunk_rows <= 10_000_000, f"data.chunk_rows must be in [1, 10000000], got {self.chunk_rows}")
+        _check(self.drift_action in DRIFT_ACTIONS,
+               f"data.drift_action must be one of {DRIFT_ACTIONS}, got {self.drift_action!r}")
+        _check(0 < self.drift_threshold <= 1, f"data.drift_threshold must be in (0, 1], got {self.drift_threshold}")
 
 
 @dataclass(frozen=True)
@@ -83,6 +130,19 @@ class OptimConfig:
         _check(1 <= self.epochs <= 10000, f"optim.epochs must be in [1, 10000], got {self.epochs}")
 
 
+def unsafe_combination(kvstore: str, optimizer_on: str) -> str | None:
+    """Why a kvstore / optimizer placement pair is refused, or None if it is offered.
+
+    Offered pairs are exactly those the reference tests show equal to single-process training
+    (or, for dist_async, converging with every push applied).
+    """
+    if kvstore == "dist_async" and optimizer_on != "servers":
+        return ("dist_async applies each worker's gradient on the servers as it arrives; there is "
+                "no summed gradient for a worker-side optimizer (MXNet refuses it too). "
+                "Use cluster.optimizer_on='servers', or dist_sync for worker-side optimizer state")
+    return None
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     backend: str = "local"
@@ -96,6 +156,12 @@ class ClusterConfig:
     job_timeout_s: float = 3600.0
     # Threads per role process; on a small machine several roles share the cores.
     threads_per_role: int = 1
+    # "workers" keeps the optimizer state on every worker (Trainer.save_states works: exact
+    # resume); "servers" keeps it on the servers. Both match single-process training in the
+    # reference tests (docs/kvstore-correctness.md). "auto" (kept as written, so that changing
+    # only the kvstore of a config stays valid) means "servers" for dist_async, the only
+    # placement it has, and "workers" otherwise; ``optimizer_placement`` resolves it.
+    optimizer_on: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.backend in BACKENDS, f"cluster.backend must be one of {BACKENDS}, got {self.backend!r}")
@@ -107,10 +173,23 @@ class ClusterConfig:
         for name in ("start_timeout_s", "stall_timeout_s", "job_timeout_s"):
             _check(getattr(self, name) > 0, f"cluster.{name} must be > 0")
         _check(self.threads_per_role >= 1, "cluster.threads_per_role must be >= 1")
+        _check(self.optimizer_on == "auto" or self.optimizer_on in OPTIMIZER_PLACEMENTS,
+               f"cluster.optimizer_on must be 'auto' or one of {OPTIMIZER_PLACEMENTS}, "
+               f"got {self.optimizer_on!r}")
+        reason = unsafe_combination(self.kvstore, self.optimizer_placement)
+        _check(reason is None, f"cluster.kvstore={self.kvstore!r} with cluster.optimizer_on="
+                               f"{self.optimizer_on!r} is refused: {reason}")
 
     @property
     def distributed(self) -> bool:
         return self.kvstore.startswith("dist_")
+
+    @property
+    def optimizer_placement(self) -> str:
+        """``optimizer_on`` with "auto" resolved: "servers" or "workers"."""
+        if self.optimizer_on != "auto":
+            return self.optimizer_on
+        return "servers" if self.kvstore == "dist_async" else "workers"
 
 
 @dataclass(frozen=True)
@@ -139,7 +218,7 @@ class TrainConfig:
 
     @property
     def num_train_shards(self) -> int:
-        return self.data.num_shards or self.cluster.num_workers
+        return self.data.num_shards or self.cluster.num_workers * self.data.shards_per_worker
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

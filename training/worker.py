@@ -3,12 +3,14 @@
 Run as a role process by the launcher (``python -m training worker JOB_URI``) with the ps-lite
 ``DMLC_*`` variables set. Rank 0 is the only writer of checkpoints, metrics and the model.
 
-Optimizer placement: with a ``dist_*`` kvstore the optimizer runs on the servers
-(``update_on_kvstore=True``). A worker-side optimizer (``update_on_kvstore=False``) gave
-run-to-run different, sometimes wrong models under ``dist_sync`` on MXNet 1.9.1 (see
-DESIGN.md, "Correctness trap"), so it is not offered. The price: servers hold the optimizer
-state and a worker cannot save it, so a resumed job restores parameters, data position and
-metric history exactly, and restarts the optimizer state (momentum / Adam moments) from zero.
+Optimizer placement (``cluster.optimizer_on``): on the workers by default (gradients summed
+through the servers, every worker applies the same step; the state a later change needs for
+``Trainer.save_states``), or on the servers (required by ``dist_async``). The trainer comes
+from ``training.kvstore_sync.make_trainer``, which syncs the kvstore before the first forward:
+gluon's lazy sync inside the first ``step()`` is what made the worker-side optimizer give
+wrong models under ``dist_sync`` (DESIGN.md, "Correctness trap"; docs/kvstore-correctness.md).
+A resumed job restores parameters, data position and metric history exactly, and restarts the
+optimizer state (momentum / Adam moments) from zero.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from common.mx import import_mxnet
 from training import data, faults
 from training.checkpoint import CheckpointStore
 from training.job import JobSpec
+from training.kvstore_sync import make_trainer
 from training.model import build_model
 
 log = logging.getLogger(__name__)
@@ -39,10 +42,11 @@ class NaNLossError(RuntimeError):
     """The loss became NaN or infinite: a deterministic failure, retrying will not help."""
 
 
-def _optimizer_params(cfg: Any, global_batch: int) -> dict[str, Any]:
+def _optimizer_params(cfg: Any) -> dict[str, Any]:
+    # No rescale_grad: trainer.step(global_batch) sets it, and gluon multiplies the two (a
+    # rescale_grad of 1/global_batch here made the gradient scale 1/global_batch**2).
     o = cfg.optim
-    params: dict[str, Any] = {"learning_rate": o.learning_rate, "wd": o.weight_decay,
-                              "rescale_grad": 1.0 / global_batch}
+    params: dict[str, Any] = {"learning_rate": o.learning_rate, "wd": o.weight_decay}
     if o.optimizer in ("sgd", "nag"):
         params["momentum"] = o.momentum
     return params
@@ -83,7 +87,8 @@ def run(job: JobSpec) -> dict[str, Any]:
     kv = mx.kv.create(cfg.cluster.kvstore)
     rank, num_workers = kv.rank, kv.num_workers
     ctx = mx.cpu()
-    log.info("worker %d/%d started (kvstore=%s)", rank, num_workers, cfg.cluster.kvstore)
+    log.info("worker %d/%d started (kvstore=%s) optimizer on the %s", rank, num_workers, cfg.cluster.kvstore,
+             cfg.cluster.optimizer_placement)
 
     manifest = data.load_manifest(job.shards_prefix)
     steps = data.steps_per_epoch(manifest, num_workers, cfg.optim.batch_size)
@@ -107,13 +112,13 @@ def run(job: JobSpec) -> dict[str, Any]:
         _load_params_bytes(net, ckpt.files["model.params"], ctx)
         epoch, start_step = ckpt.state["epoch"], ckpt.state["step_in_epoch"]
         global_step, history = ckpt.state["global_step"], ckpt.state["history"]
-        log.info("resumed from step %d (epoch %d, step %d in epoch); optimizer state restarts on the servers",
+        log.info("resumed from step %d (epoch %d, step %d in epoch); optimizer state restarts from zero",
                  global_step, epoch, start_step)
 
     global_batch = cfg.optim.batch_size * num_workers
-    trainer = mx.gluon.Trainer(net.collect_params(), cfg.optim.optimizer,
-                               _optimizer_params(cfg, global_batch), kvstore=kv,
-                               update_on_kvstore=True if cfg.cluster.distributed else None)
+    # Built after the parameters are final (fresh or restored) and before the first forward.
+    trainer = make_trainer(net.collect_params(), cfg.optim.optimizer, _optimizer_params(cfg), kv,
+                           cfg.cluster.optimizer_placement, batch_size=global_batch)
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
     order = data.EpochOrder(len(y), steps, cfg.optim.batch_size, cfg.seed, rank)
 
