@@ -13,7 +13,7 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -87,13 +87,40 @@ def _is_not_found(exc: Exception) -> bool:
     return code in ("404", "NoSuchKey", "NotFound")
 
 
-def put_bytes(uri: str, data: bytes, *, if_none_match: bool = False) -> None:
-    """Write ``data`` to ``uri``. With ``if_none_match`` the write fails if the object exists."""
+SSE_MODES = ("", "AES256", "aws:kms")
+
+
+def sse_args(mode: str, kms_key_id: str = "") -> dict[str, str]:
+    """S3 server-side encryption arguments of a put: ``""`` (none), ``AES256`` (SSE-S3) or
+    ``aws:kms`` (SSE-KMS, with ``kms_key_id`` or the bucket's default key)."""
+    if mode not in SSE_MODES:
+        raise ValueError(f"server-side encryption must be one of {SSE_MODES}, got {mode!r}")
+    if not mode:
+        return {}
+    args = {"ServerSideEncryption": mode}
+    if mode == "aws:kms" and kms_key_id:
+        args["SSEKMSKeyId"] = kms_key_id
+    return args
+
+
+def put_bytes(uri: str, data: bytes, *, if_none_match: bool = False, extra_args: Mapping[str, str] | None = None,
+              multipart_threshold: int = 0, multipart_chunk: int = 16 << 20, max_concurrency: int = 4) -> None:
+    """Write ``data`` to ``uri``. With ``if_none_match`` the write fails if the object exists.
+
+    ``extra_args`` are added to the S3 request (e.g. ``sse_args(...)``; ignored for local
+    paths). With ``multipart_threshold`` > 0, an S3 object at least that large is uploaded in
+    parts of ``multipart_chunk`` bytes, ``max_concurrency`` at a time (not with
+    ``if_none_match``: a conditional write is one request).
+    """
     if is_s3(uri):
         from botocore.exceptions import ClientError
 
         bucket, key = split_s3(uri)
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Body": data}
+        extra = dict(extra_args or {})
+        if multipart_threshold and not if_none_match and len(data) >= multipart_threshold:
+            _put_multipart(uri, data, extra, multipart_threshold, multipart_chunk, max_concurrency)
+            return
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key, "Body": data, **extra}
         if if_none_match:
             kwargs["IfNoneMatch"] = "*"
         try:
@@ -117,6 +144,22 @@ def put_bytes(uri: str, data: bytes, *, if_none_match: bool = False) -> None:
     with open(tmp, "wb") as fh:
         fh.write(data)
     os.replace(tmp, path)
+
+
+def _put_multipart(uri: str, data: bytes, extra: dict[str, str], threshold: int, chunk: int,
+                   concurrency: int) -> None:
+    import io
+
+    from boto3.exceptions import S3UploadFailedError
+    from boto3.s3.transfer import TransferConfig
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, key = split_s3(uri)
+    cfg = TransferConfig(multipart_threshold=threshold, multipart_chunksize=chunk, max_concurrency=concurrency)
+    try:
+        s3_client().upload_fileobj(io.BytesIO(data), bucket, key, ExtraArgs=extra or None, Config=cfg)
+    except (S3UploadFailedError, ClientError, BotoCoreError) as exc:
+        raise StorageError(f"cannot write {uri}: {exc}") from exc
 
 
 def get_bytes(uri: str) -> bytes:

@@ -4,7 +4,13 @@ Layout: ``{prefix}/step-{NNNNNNNN}/`` with the data files (model params, train s
 first and ``MANIFEST.json`` (names, sizes, sha256) written last with a conditional write, so a
 duplicate writer cannot overwrite a committed checkpoint. A folder without a manifest, or whose
 bytes do not match it, does not exist as far as restore is concerned. Retention keeps the newest
-``keep`` committed checkpoints and deletes older ones only after a newer one is committed.
+``keep`` committed checkpoints (plus, with ``keep_every_n_steps`` = M, the oldest committed one
+of every window of M steps, forever) and deletes older ones only after a newer one is committed.
+
+Options (``CheckpointConfig``): server-side encryption headers on every object (``sse``), and
+client-side envelope encryption (``training.checkpoint_crypto``); large files go up in parts.
+Asynchronous writing is ``training.checkpoint_async``; what a worker puts in a checkpoint is
+``training.checkpoint_state``.
 """
 from __future__ import annotations
 
@@ -16,10 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import storage
+from training.checkpoint_crypto import CheckpointKeyError, Envelope
+
+__all__ = ["Checkpoint", "CheckpointKeyError", "CheckpointStore", "CorruptCheckpoint", "MANIFEST", "store_for"]
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
+MULTIPART_THRESHOLD = 32 << 20
 _STEP_DIR = re.compile(r"/step-(\d{8})/")
 
 
@@ -36,11 +46,17 @@ class Checkpoint:
 
 
 class CheckpointStore:
-    def __init__(self, prefix: str, keep: int = 3) -> None:
+    def __init__(self, prefix: str, keep: int = 3, *, keep_every_n_steps: int = 0,
+                 sse: dict[str, str] | None = None, envelope: Envelope | None = None) -> None:
         if keep < 2:
             raise ValueError("keep must be >= 2 so a torn newest checkpoint has a fallback")
         self.prefix = prefix.rstrip("/")
         self.keep = keep
+        self.keep_every_n_steps = keep_every_n_steps
+        self.sse = dict(sse or {})
+        self.envelope = envelope
+        # Test hook (training.faults): called after the data files, before the manifest.
+        self.before_commit: Any = None
 
     def step_uri(self, step: int) -> str:
         return storage.join(self.prefix, f"step-{step:08d}")
@@ -50,19 +66,22 @@ class CheckpointStore:
         base = self.step_uri(step)
         payload = dict(files)
         payload["state.json"] = json.dumps(state, sort_keys=True).encode()
+        manifest: dict[str, Any] = {"step": step, "created_at": time.time()}
+        if self.envelope is not None:
+            payload, manifest["encryption"] = self.envelope.seal(payload, _context(step))
         for name, data in payload.items():
-            storage.put_bytes(storage.join(base, name), data)
-        manifest = {
-            "step": step,
-            "created_at": time.time(),
-            "files": {n: {"bytes": len(d), "sha256": storage.sha256_bytes(d)} for n, d in payload.items()},
-        }
+            storage.put_bytes(storage.join(base, name), data, extra_args=self.sse,
+                              multipart_threshold=MULTIPART_THRESHOLD)
+        if self.before_commit is not None:
+            self.before_commit(step)
+        manifest["files"] = {n: {"bytes": len(d), "sha256": storage.sha256_bytes(d)} for n, d in payload.items()}
         try:
             storage.put_bytes(storage.join(base, MANIFEST), json.dumps(manifest, indent=1).encode(),
-                              if_none_match=True)
+                              if_none_match=True, extra_args=self.sse)
         except storage.AlreadyExists:
-            # An earlier attempt committed this step before it died. Keep it if it verifies
-            # (a resumed job recomputes the same step); a corrupt one is replaced.
+            # An earlier attempt committed this step before it died (or a retried request
+            # whose answer was lost). Keep it if it verifies (a resumed job recomputes the same
+            # step); a corrupt one is replaced.
             try:
                 self.load(step)
                 log.info("checkpoint step %d was already committed by an earlier attempt", step)
@@ -101,6 +120,11 @@ class CheckpointStore:
             if len(data) != meta["bytes"] or storage.sha256_bytes(data) != meta["sha256"]:
                 raise CorruptCheckpoint(f"{base}/{name}: size or sha256 does not match the manifest")
             files[name] = data
+        if "encryption" in manifest:
+            if self.envelope is None:
+                raise CheckpointKeyError(f"{base} is encrypted but no key is configured "
+                                         "(checkpoint.encryption_key_env)")
+            files = self.envelope.open(files, manifest["encryption"], _context(step), base)
         state = json.loads(files.pop("state.json"))
         return Checkpoint(step=step, uri=base, files=files, state=state)
 
@@ -109,7 +133,7 @@ class CheckpointStore:
         for step in self.steps():
             try:
                 ckpt = self.load(step)
-            except CorruptCheckpoint as exc:
+            except CorruptCheckpoint as exc:  # a wrong key (CheckpointKeyError) is not skipped
                 log.warning("skipping checkpoint: %s", exc)
                 continue
             log.info("restoring checkpoint step %d from %s", step, ckpt.uri)
@@ -117,13 +141,40 @@ class CheckpointStore:
         log.info("no valid checkpoint under %s: starting fresh", self.prefix)
         return None
 
+    def permanent_steps(self, committed: list[int]) -> set[int]:
+        """With ``keep_every_n_steps`` = M: the oldest committed step of every window of M steps."""
+        m = self.keep_every_n_steps
+        if not m:
+            return set()
+        oldest: dict[int, int] = {}
+        for step in committed:
+            oldest[step // m] = min(step, oldest.get(step // m, step))
+        return set(oldest.values())
+
     def prune(self) -> list[int]:
-        """Delete committed checkpoints beyond the newest ``keep``, and torn ones older than them."""
+        """Delete committed checkpoints beyond the newest ``keep`` (sparing the permanent ones),
+        and torn ones older than them. Runs only after a commit, so a newer one always exists."""
         committed = self.committed_steps()
         if len(committed) <= self.keep:
             return []
         oldest_kept = committed[self.keep - 1]
-        doomed = [s for s in self.steps() if s < oldest_kept]
+        permanent = self.permanent_steps(committed)
+        doomed = [s for s in self.steps() if s < oldest_kept and s not in permanent]
         for step in doomed:
             storage.delete_prefix(self.step_uri(step))
         return doomed
+
+
+def _context(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def store_for(prefix: str, ckpt_cfg: Any) -> CheckpointStore:
+    """The store a job's ``CheckpointConfig`` describes (SSE headers, encryption key, retention)."""
+    from training.checkpoint_crypto import key_from_env
+
+    envelope = None
+    if ckpt_cfg.encryption_key_env:
+        envelope = Envelope(key_from_env(ckpt_cfg.encryption_key_env), ckpt_cfg.encryption_key_env)
+    return CheckpointStore(prefix, keep=ckpt_cfg.keep, keep_every_n_steps=ckpt_cfg.keep_every_n_steps,
+                           sse=storage.sse_args(ckpt_cfg.sse, ckpt_cfg.sse_kms_key_id), envelope=envelope)

@@ -194,12 +194,50 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """When rank 0 checkpoints, what is kept, how it is protected (training/checkpoint*.py).
+
+    None of these fields changes what is trained: a resume may change them (they are left out
+    of the digest a checkpoint is matched against).
+    """
+
+    # Cadence: every N global steps and/or every T seconds (0 = off), and always at epoch end.
     every_n_steps: int = 50
+    every_n_seconds: float = 0.0
+    # Retention: the newest ``keep`` committed, plus (if > 0) the oldest committed checkpoint of
+    # every window of ``keep_every_n_steps`` steps, forever.
     keep: int = 3
+    keep_every_n_steps: int = 0
+    # Serialise and upload in a background thread (the loop blocks only for the host copy).
+    # A periodic checkpoint due while the previous is still uploading is skipped (counted);
+    # epoch-end, final and emergency checkpoints wait for it.
+    async_upload: bool = True
+    # One checkpoint's upload is retried with exponential backoff for at most this long.
+    upload_timeout_s: float = 300.0
+    # SIGTERM: rank 0 writes an emergency checkpoint within this many seconds, then exits 75.
+    preempt_grace_s: float = 30.0
+    # S3 server-side encryption of every checkpoint object: "", "AES256" or "aws:kms".
+    sse: str = ""
+    sse_kms_key_id: str = ""
+    # Client-side AES-256-GCM envelope encryption: the NAME of the environment variable that
+    # holds the 32-byte key (hex or base64); "" = off. The key itself is never in the config.
+    encryption_key_env: str = ""
+    # Allow resuming with another number of workers (data assignment recomputed; see worker).
+    elastic: bool = False
 
     def __post_init__(self) -> None:
         _check(self.every_n_steps >= 1, f"checkpoint.every_n_steps must be >= 1, got {self.every_n_steps}")
+        _check(self.every_n_seconds >= 0, f"checkpoint.every_n_seconds must be >= 0, got {self.every_n_seconds}")
         _check(self.keep >= 2, f"checkpoint.keep must be >= 2 (a torn newest one needs a fallback), got {self.keep}")
+        _check(self.keep_every_n_steps >= 0, "checkpoint.keep_every_n_steps must be >= 0")
+        _check(self.upload_timeout_s > 0, "checkpoint.upload_timeout_s must be > 0")
+        _check(self.preempt_grace_s > 0, "checkpoint.preempt_grace_s must be > 0")
+        _check(self.sse in ("", "AES256", "aws:kms"),
+               f"checkpoint.sse must be '', 'AES256' or 'aws:kms', got {self.sse!r}")
+        _check(not self.sse_kms_key_id or self.sse == "aws:kms", "checkpoint.sse_kms_key_id needs sse='aws:kms'")
+        env = self.encryption_key_env
+        looks_like_key = len(env) >= 32 and all(c in "0123456789abcdefABCDEF" for c in env)
+        _check(env == "" or (env.replace("_", "").isalnum() and not env[0].isdigit() and not looks_like_key),
+               "checkpoint.encryption_key_env must be the NAME of an environment variable, not a key")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
-"""Fault injection for recovery tests: a worker that kills itself (``kill -9``) or hangs at a step.
+"""Fault injection for recovery tests: a worker that kills itself (``kill -9``), hangs, gets
+SIGTERM at a step, or dies between a checkpoint's data files and its manifest.
 
-Off unless ``MXPIPE_FAULT_KILL_STEP`` is set. ``MXPIPE_FAULT_KILL_RANK`` picks the worker
+Off unless ``MXPIPE_FAULT_KILL_STEP`` / ``_HANG_STEP`` / ``_TERM_STEP`` / ``_KILL_IN_UPLOAD_STEP``
+is set. ``MXPIPE_FAULT_KILL_RANK`` picks the worker
 (default 1). With ``MXPIPE_FAULT_ONCE_FILE`` the fault fires only if that file does not exist,
 and creates it, so the retry of the same job runs clean.
 """
@@ -32,3 +34,37 @@ def maybe_hang(global_step: int, rank: int) -> None:
 
         while True:
             time.sleep(60)
+
+
+def _once() -> bool:
+    """True if the fault may fire (no once-file configured, or it did not exist and is now made)."""
+    once = os.environ.get("MXPIPE_FAULT_ONCE_FILE")
+    if not once:
+        return True
+    try:
+        with open(once, "x"):
+            return True
+    except FileExistsError:
+        return False
+
+
+def maybe_terminate(global_step: int, rank: int) -> None:
+    """With ``MXPIPE_FAULT_TERM_STEP`` set, the chosen worker gets SIGTERM (a preemption notice)."""
+    target = os.environ.get("MXPIPE_FAULT_TERM_STEP")
+    if (target and global_step == int(target) and rank == int(os.environ.get("MXPIPE_FAULT_KILL_RANK", "1"))
+            and _once()):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def kill_in_upload_hook() -> "object | None":
+    """With ``MXPIPE_FAULT_KILL_IN_UPLOAD_STEP`` set: a ``CheckpointStore.before_commit`` hook that
+    SIGKILLs the writer after that step's data files are uploaded, before its manifest (torn)."""
+    target = os.environ.get("MXPIPE_FAULT_KILL_IN_UPLOAD_STEP")
+    if not target:
+        return None
+
+    def hook(step: int) -> None:
+        if step == int(target) and _once():
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook

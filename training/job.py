@@ -15,6 +15,8 @@ from training.config import TrainConfig
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 EXIT_NAN_LOSS = 3
+# SIGTERM (preemption): rank 0 wrote an emergency checkpoint if it could; retrying resumes.
+EXIT_PREEMPTED = 75
 DETERMINISTIC_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_NAN_LOSS})
 
 

@@ -9,16 +9,24 @@ through the servers, every worker applies the same step; the state a later chang
 from ``training.kvstore_sync.make_trainer``, which syncs the kvstore before the first forward:
 gluon's lazy sync inside the first ``step()`` is what made the worker-side optimizer give
 wrong models under ``dist_sync`` (DESIGN.md, "Correctness trap"; docs/kvstore-correctness.md).
-A resumed job restores parameters, data position and metric history exactly, and restarts the
-optimizer state (momentum / Adam moments) from zero.
+Resume is exact with the optimizer on the workers: rank 0's checkpoints hold parameters,
+optimizer state (``Trainer.save_states`` bytes; every worker holds the same in ``dist_sync``),
+data position, metric history, and every step re-seeds the RNGs from (seed, step, rank), so a
+resumed job computes the same parameters as an uninterrupted one
+(``training.checkpoint_state``). With the optimizer on the servers the optimizer state
+restarts from zero (logged). Checkpoints are written in the background
+(``training.checkpoint_async``); SIGTERM makes rank 0 write an emergency checkpoint and every
+worker exit with ``EXIT_PREEMPTED`` (retryable).
 """
 from __future__ import annotations
 
-import io
+import hashlib
 import json
 import logging
 import math
 import os
+import signal
+import sys
 import tempfile
 import time
 from typing import Any
@@ -27,9 +35,11 @@ import numpy as np
 
 from common import storage
 from common.mx import import_mxnet
+from training import checkpoint_state as ckpt_state
 from training import data, faults
-from training.checkpoint import CheckpointStore
-from training.job import JobSpec
+from training.checkpoint import store_for
+from training.checkpoint_async import Checkpointer
+from training.job import EXIT_PREEMPTED, JobSpec
 from training.kvstore_sync import make_trainer
 from training.model import build_model
 
@@ -50,22 +60,6 @@ def _optimizer_params(cfg: Any) -> dict[str, Any]:
     if o.optimizer in ("sgd", "nag"):
         params["momentum"] = o.momentum
     return params
-
-
-def _params_bytes(net: Any) -> bytes:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "model.params")
-        net.save_parameters(path)
-        with open(path, "rb") as fh:
-            return fh.read()
-
-
-def _load_params_bytes(net: Any, blob: bytes, ctx: Any) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "model.params")
-        with open(path, "wb") as fh:
-            fh.write(blob)
-        net.load_parameters(path, ctx=ctx)
 
 
 def evaluate(net: Any, X: np.ndarray, y: np.ndarray, batch: int = 512) -> dict[str, float]:
@@ -89,6 +83,7 @@ def run(job: JobSpec) -> dict[str, Any]:
     ctx = mx.cpu()
     log.info("worker %d/%d started (kvstore=%s) optimizer on the %s", rank, num_workers, cfg.cluster.kvstore,
              cfg.cluster.optimizer_placement)
+    preemption = Preemption.install()
 
     manifest = data.load_manifest(job.shards_prefix)
     steps = data.steps_per_epoch(manifest, num_workers, cfg.optim.batch_size)
@@ -104,37 +99,61 @@ def run(job: JobSpec) -> dict[str, Any]:
     net(mx.nd.zeros((1, manifest["num_features"])))  # materialise deferred shapes before any load
     net.hybridize()
 
-    store = CheckpointStore(job.checkpoint_prefix, keep=cfg.checkpoint.keep)
+    store = store_for(job.checkpoint_prefix, cfg.checkpoint)
     ckpt = store.latest()
     epoch, start_step, global_step, history = 0, 0, 0, []
     if ckpt is not None:
-        _check_compatible(ckpt.state, job, num_workers)
-        _load_params_bytes(net, ckpt.files["model.params"], ctx)
+        _check_compatible(ckpt.state, job, num_workers, manifest)
+        ckpt_state.load_params(net, ckpt.files[ckpt_state.PARAMS], ctx)
         epoch, start_step = ckpt.state["epoch"], ckpt.state["step_in_epoch"]
         global_step, history = ckpt.state["global_step"], ckpt.state["history"]
-        log.info("resumed from step %d (epoch %d, step %d in epoch); optimizer state restarts from zero",
-                 global_step, epoch, start_step)
+        if ckpt.state["num_workers"] != num_workers:
+            start_step = _elastic_position(ckpt.state, num_workers, steps)
 
     global_batch = cfg.optim.batch_size * num_workers
     # Built after the parameters are final (fresh or restored) and before the first forward.
     trainer = make_trainer(net.collect_params(), cfg.optim.optimizer, _optimizer_params(cfg), kv,
                            cfg.cluster.optimizer_placement, batch_size=global_batch)
+    if ckpt is not None:
+        restored = ckpt_state.load_states(trainer, ckpt.files.get(ckpt_state.STATES), ckpt.uri)
+        log.info("resumed from step %d (epoch %d, step %d in epoch); optimizer state %s", global_step, epoch,
+                 start_step, "restored" if restored else "restarts from zero")
+    elif not ckpt_state.saves_optimizer_state(trainer) and rank == 0:
+        log.warning("optimizer on the servers: checkpoints hold no optimizer state, a resume restarts it from zero")
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
     order = data.EpochOrder(len(y), steps, cfg.optim.batch_size, cfg.seed, rank)
 
-    def save_checkpoint(ep: int, step_in_epoch: int) -> None:
-        if rank != 0:
+    writer = None
+    if rank == 0:
+        store.before_commit = faults.kill_in_upload_hook()
+        writer = Checkpointer(store, asynchronous=cfg.checkpoint.async_upload,
+                              upload_timeout_s=cfg.checkpoint.upload_timeout_s)
+    last_ckpt_t = time.monotonic()
+
+    def checkpoint(ep: int, step_in_epoch: int, *, must: bool, deadline: float | None = None) -> None:
+        nonlocal last_ckpt_t
+        if writer is None:
+            return
+        started = time.monotonic()
+        if not must and writer.busy:
+            writer.stats.skipped += 1
+            log.info("checkpoint at step %d skipped: the previous one is still uploading", global_step)
             return
         state = {"epoch": ep, "step_in_epoch": step_in_epoch, "global_step": global_step,
-                 "history": history, "config_digest": cfg.digest(), "num_workers": num_workers,
-                 "manifest_digest": data.manifest_digest(manifest)}
-        store.save(global_step, {"model.params": _params_bytes(net)}, state)
+                 "history": history, "config_digest": cfg.digest(), "resume_digest": resume_digest(cfg),
+                 "num_workers": num_workers, "global_batch": global_batch,
+                 "manifest_digest": data.manifest_digest(manifest), "rng": RNG_SCHEME}
+        snap = ckpt_state.snapshot(net, trainer, global_step, state)
+        writer.stats.blocked_s += time.monotonic() - started
+        writer.submit(snap, must=must, deadline=deadline)
+        last_ckpt_t = time.monotonic()
 
     started = last_log = time.monotonic()
     samples_seen = 0
     while epoch < cfg.optim.epochs:
         epoch_loss, epoch_n = 0.0, 0
         for step, idx in order.batches(epoch, start_step):
+            ckpt_state.reseed(cfg.seed, global_step, rank)  # same draws whether resumed here or not
             xb, yb = mx.nd.array(X[idx], ctx=ctx), mx.nd.array(y[idx], ctx=ctx)
             with mx.autograd.record():
                 loss = loss_fn(net(xb), yb)
@@ -149,9 +168,15 @@ def run(job: JobSpec) -> dict[str, Any]:
             samples_seen += len(idx)
             faults.maybe_kill(global_step, rank)
             faults.maybe_hang(global_step, rank)
-            if global_step % cfg.checkpoint.every_n_steps == 0 and step + 1 < steps:
-                save_checkpoint(epoch, step + 1)
+            faults.maybe_terminate(global_step, rank)
+            if preemption.requested and step + 1 < steps:  # at an epoch end: after its checkpoint
+                _preempted(preemption, cfg, rank, global_step, writer,
+                           lambda d, ep=epoch, st=step: checkpoint(ep, st + 1, must=True, deadline=d))
             now = time.monotonic()
+            due = (global_step % cfg.checkpoint.every_n_steps == 0
+                   or (cfg.checkpoint.every_n_seconds > 0 and now - last_ckpt_t >= cfg.checkpoint.every_n_seconds))
+            if due and step + 1 < steps:
+                checkpoint(epoch, step + 1, must=False)
             if now - last_log >= PROGRESS_EVERY_S:
                 rate = samples_seen / (now - started)
                 remaining = (cfg.optim.epochs - epoch) * steps - (step + 1)
@@ -165,11 +190,20 @@ def run(job: JobSpec) -> dict[str, Any]:
         history.append(record)
         log.info("epoch %d done: %s", epoch, json.dumps(record))
         epoch, start_step = epoch + 1, 0
-        save_checkpoint(epoch, 0)
+        checkpoint(epoch, 0, must=True)
+        if preemption.requested:
+            _preempted(preemption, cfg, rank, global_step, writer, None)
 
     elapsed = time.monotonic() - started
     result = {"global_step": global_step, "epochs": cfg.optim.epochs, "history": history,
               "samples_per_s_worker": samples_seen / elapsed if elapsed else 0.0, "num_workers": num_workers}
+    if writer is not None:
+        waited = time.monotonic()
+        writer.close()
+        writer.stats.blocked_s += time.monotonic() - waited
+        result["checkpoint"] = writer.stats.as_dict()
+        if writer.stats.steps[-1:] != [global_step]:
+            raise RuntimeError(f"the final checkpoint (step {global_step}) was not committed; see the log above")
     if rank == 0:
         _export(net, manifest, job.model_prefix)
         storage.put_bytes(job.metrics_uri, json.dumps(result, indent=2).encode())
@@ -177,13 +211,101 @@ def run(job: JobSpec) -> dict[str, Any]:
     return result
 
 
-def _check_compatible(state: dict[str, Any], job: JobSpec, num_workers: int) -> None:
-    if state["config_digest"] != job.config.digest():
+RNG_SCHEME = "per-step reseed of python/numpy/mxnet from sha256(seed:global_step:rank)"
+
+
+class Preemption:
+    """SIGTERM sets a flag; the loop acts on it between steps, where the state is consistent."""
+
+    def __init__(self) -> None:
+        self.requested_at: float | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.requested_at is not None
+
+    @classmethod
+    def install(cls) -> "Preemption":
+        flag = cls()
+
+        def on_term(signum: int, frame: Any) -> None:
+            if flag.requested_at is None:
+                flag.requested_at = time.monotonic()
+
+        signal.signal(signal.SIGTERM, on_term)
+        return flag
+
+
+def _preempted(preemption: Preemption, cfg: Any, rank: int, global_step: int, writer: Checkpointer | None,
+               save: Any) -> None:
+    """Rank 0 writes an emergency checkpoint within the grace period; every rank exits 75.
+
+    A non-zero rank can only exit: ps-lite cannot lose a worker, so rank 0 and the others block
+    in their next step until the supervisor sees the exit code and stops the job; the retry
+    resumes from the newest committed checkpoint (at most one cadence interval old).
+    """
+    assert preemption.requested_at is not None
+    deadline = preemption.requested_at + cfg.checkpoint.preempt_grace_s
+    if writer is not None:
+        log.warning("SIGTERM: writing an emergency checkpoint at step %d (grace %.0fs)", global_step,
+                    cfg.checkpoint.preempt_grace_s)
+        if save is not None:
+            save(deadline)
+        writer.close(deadline)
+        ok = global_step in writer.stats.steps
+        log.warning("emergency checkpoint at step %d %s", global_step,
+                    "committed" if ok else "NOT committed within the grace period")
+    else:
+        log.warning("SIGTERM on worker %d at step %d: exiting (only rank 0 writes checkpoints)", rank, global_step)
+    # os._exit, not SystemExit: the kvstore's destructor would wait in a ps-lite barrier for
+    # workers that never reach it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_PREEMPTED)
+
+
+def resume_digest(cfg: Any) -> str:
+    """The part of the config a checkpoint must match: what is trained and how, not the cadence,
+    retention, encryption, timeouts or (elastic) the cluster size."""
+    raw = cfg.to_dict()
+    raw.pop("checkpoint")
+    cluster = raw.pop("cluster")
+    raw["cluster"] = {"kvstore": cluster["kvstore"], "optimizer_on": cfg.cluster.optimizer_placement}
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _elastic_position(state: dict[str, Any], num_workers: int, steps: int) -> int:
+    """Where to continue the epoch with another worker count: after as many samples as the old
+    job consumed (rounded down, so none is skipped; the new assignment means the rest of this
+    epoch is drawn from the new per-rank orders)."""
+    consumed = state["step_in_epoch"] * state["global_batch"]
+    new_global = state["global_batch"] // state["num_workers"] * num_workers
+    start = min(consumed // new_global, steps - 1)
+    log.warning("elastic resume: %d workers → %d; epoch %d continues at step %d of %d (global batch %d → %d, "
+                "learning rate unchanged)", state["num_workers"], num_workers, state["epoch"], start, steps,
+                state["global_batch"], new_global)
+    return start
+
+
+def _check_compatible(state: dict[str, Any], job: JobSpec, num_workers: int, manifest: dict[str, Any]) -> None:
+    cfg = job.config
+    if "resume_digest" in state:
+        ok = state["resume_digest"] == resume_digest(cfg)
+    else:  # written before resume digests existed
+        ok = state["config_digest"] == cfg.digest()
+    if not ok:
         raise ValueError(f"checkpoint was written with config {state['config_digest']}, "
-                         f"this job's config is {job.config.digest()}: refusing to mix them")
+                         f"this job's config is {cfg.digest()}: refusing to mix them")
     if state["num_workers"] != num_workers:
-        log.warning("checkpoint was written by %d workers, resuming with %d: the data order changes",
-                    state["num_workers"], num_workers)
+        if not cfg.checkpoint.elastic:
+            raise ValueError(f"checkpoint was written by {state['num_workers']} workers, this job has "
+                             f"{num_workers}: set checkpoint.elastic=true to resume with another worker count")
+        if "global_batch" not in state:
+            raise ValueError("checkpoint predates elastic resume (no global_batch recorded)")
+    if state.get("manifest_digest") not in (None, data.manifest_digest(manifest)):
+        log.warning("checkpoint was written over other shards (manifest %s, now %s)", state["manifest_digest"],
+                    data.manifest_digest(manifest))
 
 
 def _export(net: Any, manifest: dict[str, Any], model_prefix: str) -> None:

@@ -69,3 +69,185 @@ def test_recommit_of_same_step_keeps_the_first(tmp_path):
 def test_keep_below_two_is_refused(tmp_path):
     with pytest.raises(ValueError, match="keep"):
         CheckpointStore(str(tmp_path), keep=1)
+
+
+# -- retention with permanent checkpoints -------------------------------------------------------
+
+
+def test_keep_every_n_steps_keeps_the_oldest_of_each_window(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep=2, keep_every_n_steps=100)
+    for step in (30, 60, 90, 120, 150, 180, 210, 240):
+        _save(store, step)
+    # newest 2 (240, 210) + the oldest committed of windows [0,100), [100,200), [200,300)
+    assert store.committed_steps() == [240, 210, 120, 30]
+    assert store.steps() == [240, 210, 120, 30]
+
+
+# -- client-side envelope encryption ------------------------------------------------------------
+
+KEY = "11" * 32
+
+
+def _enc_store(path, key=KEY, env="MXPIPE_TEST_CKPT_KEY"):
+    from training.checkpoint_crypto import Envelope, parse_key
+
+    return CheckpointStore(str(path), keep=2, envelope=Envelope(parse_key(key, env), env))
+
+
+def test_encrypted_checkpoint_roundtrips_and_is_unreadable_at_rest(tmp_path):
+    store = _enc_store(tmp_path)
+    store.save(10, {"model.params": b"secret-params" * 10}, {"global_step": 10})
+    raw = storage.get_bytes(storage.join(store.step_uri(10), "model.params"))
+    assert b"secret-params" not in raw
+    manifest = json.loads(storage.get_bytes(storage.join(store.step_uri(10), "MANIFEST.json")))
+    assert manifest["encryption"]["algorithm"].startswith("AES-256-GCM")
+    assert KEY not in json.dumps(manifest)
+    ckpt = store.latest()
+    assert ckpt.files["model.params"] == b"secret-params" * 10 and ckpt.state == {"global_step": 10}
+
+
+def test_wrong_or_missing_key_fails_with_the_checkpoint_named(tmp_path):
+    from training.checkpoint import CheckpointKeyError
+
+    _enc_store(tmp_path).save(10, {"model.params": b"x"}, {"global_step": 10})
+    with pytest.raises(CheckpointKeyError, match=r"step-00000010.*another key.*MXPIPE_TEST_CKPT_KEY"):
+        _enc_store(tmp_path, key="22" * 32).latest()  # not skipped, not a fresh start
+    with pytest.raises(CheckpointKeyError, match="encrypted but no key"):
+        CheckpointStore(str(tmp_path), keep=2).latest()
+    assert issubclass(CheckpointKeyError, ValueError)  # the worker maps it to EXIT_BAD_INPUT
+
+
+def test_swapped_ciphertext_files_fail_to_decrypt(tmp_path):
+    from training.checkpoint import CheckpointKeyError
+
+    store = _enc_store(tmp_path)
+    store.save(10, {"a": b"aaaa", "b": b"bbbb"}, {"global_step": 10})
+    base = store.step_uri(10)
+    a, b = (storage.get_bytes(storage.join(base, n)) for n in "ab")
+    storage.put_bytes(storage.join(base, "a"), b)
+    storage.put_bytes(storage.join(base, "b"), a)
+    manifest = json.loads(storage.get_bytes(storage.join(base, "MANIFEST.json")))
+    manifest["files"]["a"], manifest["files"]["b"] = manifest["files"]["b"], manifest["files"]["a"]
+    os.remove(storage.join(base, "MANIFEST.json"))
+    storage.put_bytes(storage.join(base, "MANIFEST.json"), json.dumps(manifest).encode())
+    with pytest.raises(CheckpointKeyError, match="decryption failed"):
+        store.load(10)
+
+
+def test_key_from_env_rejects_bad_values(monkeypatch):
+    from training.checkpoint_crypto import CheckpointKeyError, key_from_env
+
+    monkeypatch.delenv("MXPIPE_NOKEY", raising=False)
+    with pytest.raises(CheckpointKeyError, match="not set"):
+        key_from_env("MXPIPE_NOKEY")
+    monkeypatch.setenv("MXPIPE_SHORTKEY", "abcd")
+    with pytest.raises(CheckpointKeyError, match="32-byte") as err:
+        key_from_env("MXPIPE_SHORTKEY")
+    assert "abcd" not in str(err.value)
+    import base64
+
+    monkeypatch.setenv("MXPIPE_B64KEY", base64.b64encode(b"k" * 32).decode())
+    assert key_from_env("MXPIPE_B64KEY") == b"k" * 32
+
+
+# -- the background writer ----------------------------------------------------------------------
+
+
+def _snap(step, nbytes=16):
+    import numpy as np
+
+    from training.checkpoint_state import Snapshot
+
+    return Snapshot(step=step, params={"w": np.full(nbytes // 4, step, np.float32)}, states=b"st",
+                    state={"global_step": step})
+
+
+def test_async_writer_skips_periodic_and_waits_for_required(tmp_path, monkeypatch):
+    import threading
+
+    from training.checkpoint_async import Checkpointer
+
+    store = CheckpointStore(str(tmp_path), keep=5)
+    gate = threading.Event()
+    real_save = store.save
+
+    def slow_save(step, files, state):
+        gate.wait(10)
+        return real_save(step, files, state)
+
+    monkeypatch.setattr(store, "save", slow_save)
+    writer = Checkpointer(store, asynchronous=True)
+    assert writer.submit(_snap(10), must=False)
+    assert writer.busy
+    assert not writer.submit(_snap(20), must=False)  # skipped: one in flight
+    threading.Timer(0.3, gate.set).start()
+    assert writer.submit(_snap(30), must=True)  # waits for step 10, then goes
+    writer.close(deadline=None)
+    assert writer.stats.skipped == 1 and writer.stats.waited == 1 and writer.stats.steps == [10, 30]
+    assert store.committed_steps() == [30, 10]
+    ckpt = store.latest()
+    assert set(ckpt.files) == {"params.npz", "trainer.states"}
+
+
+def test_async_writer_retries_storage_errors_with_backoff(tmp_path, monkeypatch):
+    from training import checkpoint_async
+    from training.checkpoint_async import Checkpointer
+
+    monkeypatch.setattr(checkpoint_async, "BACKOFF_FIRST_S", 0.01)
+    store = CheckpointStore(str(tmp_path), keep=3)
+    failures = iter([storage.StorageError("s3 down"), ConnectionError("refused")])
+    real_put = storage.put_bytes
+
+    def flaky_put(uri, data, **kw):
+        exc = next(failures, None)
+        if exc is not None:
+            raise exc
+        return real_put(uri, data, **kw)
+
+    monkeypatch.setattr(storage, "put_bytes", flaky_put)
+    writer = Checkpointer(store, asynchronous=True, upload_timeout_s=10)
+    writer.submit(_snap(5), must=True)
+    writer.close()
+    assert writer.stats.retries == 2 and writer.stats.committed == 1 and store.committed_steps() == [5]
+
+
+def test_async_writer_gives_up_after_its_timeout(tmp_path, monkeypatch):
+    from training import checkpoint_async
+    from training.checkpoint_async import Checkpointer
+
+    monkeypatch.setattr(checkpoint_async, "BACKOFF_FIRST_S", 0.05)
+
+    def dead_put(uri, data, **kw):
+        raise storage.StorageError("s3 down")
+
+    monkeypatch.setattr(storage, "put_bytes", dead_put)
+    writer = Checkpointer(CheckpointStore(str(tmp_path), keep=3), asynchronous=True, upload_timeout_s=0.3)
+    writer.submit(_snap(5), must=True)
+    writer.close(deadline=None)
+    assert writer.stats.failed == 1 and writer.stats.committed == 0 and writer.stats.retries >= 1
+
+
+def test_step_seed_depends_on_seed_step_and_rank():
+    from training.checkpoint_state import step_seed
+
+    seeds = {step_seed(s, g, r) for s in (1, 2) for g in (0, 1, 2) for r in (0, 1)}
+    assert len(seeds) == 12 and all(0 <= x < 2**31 for x in seeds)
+    assert step_seed(42, 7, 0) == step_seed(42, 7, 0)
+
+
+def test_checkpoint_config_validates_new_fields():
+    from training.config import CheckpointConfig, ConfigError
+
+    CheckpointConfig(sse="aws:kms", sse_kms_key_id="alias/x", encryption_key_env="MXPIPE_KEY", every_n_seconds=30)
+    for bad in ({"sse": "DES"}, {"sse_kms_key_id": "k"}, {"every_n_seconds": -1}, {"keep_every_n_steps": -1},
+                {"encryption_key_env": "00" * 32 + "=="}, {"encryption_key_env": "11" * 32}, {"preempt_grace_s": 0}):
+        with pytest.raises(ConfigError):
+            CheckpointConfig(**bad)
+
+
+def test_sse_args():
+    assert storage.sse_args("") == {}
+    assert storage.sse_args("AES256") == {"ServerSideEncryption": "AES256"}
+    assert storage.sse_args("aws:kms", "k1") == {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "k1"}
+    with pytest.raises(ValueError):
+        storage.sse_args("nope")
