@@ -5,16 +5,26 @@ outlive a plain ``kill pid``).
 A ``GroupSpawner`` can record each group it starts in a folder, so a different process (an
 Airflow teardown task, a reaper) can find and stop them later. A record holds the pid, the pgid
 and the process start time from ``/proc``, so a recycled pid is never mistaken for ours.
+
+The same records work on another host: ``python -m common.procs exec-role --record F -- ARGV``
+makes the role lead its own group, writes its record and ``exec``s the role (same pid), and
+``python -m common.procs kill-records DIR`` stops them, both run through a cluster's transport
+(ssh, ``ip netns exec``, SSM). ``tagged_processes`` scans every process on the machine for an
+environment tag, which finds a role even after its parent died and it was re-parented to init:
+the tests' proof that nothing was left behind.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 log = logging.getLogger(__name__)
@@ -72,6 +82,26 @@ def kill_group(pgid: int, *, grace_s: float = 5.0) -> bool:
     return True
 
 
+def kill_groups(pgids: Iterable[int], *, grace_s: float = 5.0) -> int:
+    """``kill_group`` for many groups at once: one grace period in all, not one per group.
+
+    Returns how many of the groups had live members.
+    """
+    alive = [g for g in dict.fromkeys(pgids) if group_members(g)]
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for g in alive:
+            try:
+                os.killpg(g, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(group_members(g) for g in alive):
+            time.sleep(0.05)
+        if not any(group_members(g) for g in alive):
+            break
+    return len(alive)
+
+
 @dataclass(frozen=True)
 class GroupRecord:
     name: str
@@ -108,7 +138,7 @@ class GroupSpawner:
         return proc
 
     def kill_all(self, *, grace_s: float = 5.0) -> int:
-        return sum(kill_group(r.pgid, grace_s=grace_s) for r in self.records)
+        return kill_groups((r.pgid for r in self.records), grace_s=grace_s)
 
 
 def load_records(record_dir: str) -> list[GroupRecord]:
@@ -117,8 +147,11 @@ def load_records(record_dir: str) -> list[GroupRecord]:
     out = []
     for fname in sorted(os.listdir(record_dir)):
         if fname.endswith(".json"):
-            with open(os.path.join(record_dir, fname)) as fh:
-                out.append(GroupRecord(**json.load(fh)))
+            try:
+                with open(os.path.join(record_dir, fname)) as fh:
+                    out.append(GroupRecord(**json.load(fh)))
+            except (OSError, ValueError, TypeError) as exc:
+                log.warning("skipping unreadable process record %s: %s", fname, exc)
     return out
 
 
@@ -128,9 +161,129 @@ def kill_recorded(record_dir: str, *, grace_s: float = 5.0) -> list[str]:
     A group whose leader has exited may still hold children, so groups are scanned by pgid; a
     leader pid that now belongs to another process (recycled) is skipped unless members remain.
     """
-    stopped = []
-    for rec in load_records(record_dir):
-        if group_members(rec.pgid) and (rec.is_ours() or proc_start_time(rec.pid) is None):
-            if kill_group(rec.pgid, grace_s=grace_s):
-                stopped.append(rec.name)
-    return stopped
+    live = [rec for rec in load_records(record_dir)
+            if group_members(rec.pgid) and (rec.is_ours() or proc_start_time(rec.pid) is None)]
+    kill_groups((rec.pgid for rec in live), grace_s=grace_s)
+    return [rec.name for rec in live]
+
+
+def tagged_processes(key: str, value: str | None = None) -> list[int]:
+    """Live pids (not zombies) whose environment has ``key`` (equal to ``value`` if given).
+
+    Reads ``/proc/PID/environ`` of every process (needs the same user or root); a role that
+    lost its parent is found all the same, which a parent/child walk would miss.
+    """
+    needle = f"{key}=".encode() + (value.encode() if value is not None else b"")
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                items = fh.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read().decode(errors="replace")
+        except OSError:
+            continue
+        if stat[stat.rfind(")") + 2:].split()[0] == "Z":
+            continue
+        if any(item == needle if value is not None else item.startswith(needle) for item in items):
+            found.append(int(entry))
+    return sorted(found)
+
+
+class ProcessRole:
+    """A running role as the supervisor sees it: a local process whose output is the role's.
+
+    For a local role the process *is* the role; for a remote one it is the transport's client
+    (``ssh``, ``ip netns exec``), whose output and exit status are the remote role's. Stopping
+    is the cluster's business (``Cluster.stop_roles``): killing an ssh client alone would leave
+    the remote role running.
+    """
+
+    def __init__(self, name: str, kind: str, host: str, proc: subprocess.Popen) -> None:
+        self.name = name
+        self.kind = kind
+        self.host = host
+        self.proc = proc
+
+    @property
+    def stdout(self) -> Iterable[str]:
+        return self.proc.stdout if self.proc.stdout is not None else iter(())
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+
+def exec_role(record: str, argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    """Lead a process group of our own, record it, and become ``argv`` (same pid).
+
+    ``env`` replaces the environment (a remote role gets exactly what its cluster computed,
+    passed in a 0600 file rather than on a command line where ``ps`` shows secrets).
+    """
+    try:
+        os.setsid()
+    except PermissionError:
+        pass  # already a group leader (started with start_new_session): nothing to do
+    os.makedirs(os.path.dirname(record) or ".", exist_ok=True)
+    rec = GroupRecord(name=os.path.basename(record).removesuffix(".json"), pid=os.getpid(),
+                      pgid=os.getpgrp(), start_time=proc_start_time(os.getpid()) or -1)
+    tmp = f"{record}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(asdict(rec), fh)
+    os.replace(tmp, record)
+    sys.stdout.flush()
+    if env is None:
+        os.execvp(argv[0], list(argv))
+    os.execvpe(argv[0], list(argv), dict(env))
+
+
+def free_port(host: str) -> int:
+    """A TCP port that was free on ``host`` a moment ago (the scheduler binds it right after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Host-side helpers a cluster runs through its transport (nothing here imports mxnet)."""
+    parser = argparse.ArgumentParser(prog="python -m common.procs")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("exec-role", help="lead a new process group, record it, exec ARGV")
+    e.add_argument("--record", required=True)
+    e.add_argument("--env-file", help="JSON {name: {VAR: value}}: the environment to exec with")
+    e.add_argument("--env-key", help="which entry of --env-file (default: the record's name)")
+    e.add_argument("argv", nargs=argparse.REMAINDER)
+    k = sub.add_parser("kill-records", help="stop every recorded group under DIR (recursively)")
+    k.add_argument("dir")
+    k.add_argument("--grace-s", type=float, default=5.0)
+    f = sub.add_parser("free-port", help="print a TCP port free on ADDRESS")
+    f.add_argument("address")
+    args = parser.parse_args(argv)
+    if args.cmd == "exec-role":
+        cmd = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        if not cmd:
+            parser.error("exec-role needs a command after --")
+        env = None
+        if args.env_file:
+            with open(args.env_file) as fh:
+                key = args.env_key or os.path.basename(args.record).removesuffix(".json")
+                env = json.load(fh)[key]
+        exec_role(args.record, cmd, env)
+    if args.cmd == "kill-records":
+        stopped: list[str] = []
+        for root, _dirs, files in os.walk(args.dir):
+            if any(f.endswith(".json") for f in files):
+                stopped += kill_recorded(root, grace_s=args.grace_s)
+        print(json.dumps({"stopped": stopped}))
+        return 0
+    print(free_port(args.address))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

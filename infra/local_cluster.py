@@ -1,32 +1,31 @@
-"""The embedded default cluster backend: every role is a process on this machine.
+"""The embedded default backend: every role is a process on this machine, bound to 127.0.0.1.
 
-``provision`` records the cluster (its spec, the run it belongs to, an expiry time) under
-``$MXPIPE_HOME/clusters/<id>/`` and checks that this host can run the roles (mxnet with the
-distributed kvstore). Roles are started per training attempt through ``spawner()``: a
-parameter-server job cannot survive a lost role, so each attempt gets a fresh scheduler,
-servers and workers, each in its own process group, recorded in the cluster's folder.
-``teardown`` stops every recorded group that is still alive (from any process, e.g. an Airflow
-teardown task after the training task was killed) and removes the record. ``find_leaked`` lists
-clusters past their expiry, for a reaper.
+``provision`` checks that this host can run the roles (mxnet with the distributed kvstore) and
+writes the cluster's record. Each attempt's roles are started in process groups of their own
+and recorded under ``<record>/procs/<attempt>/``, so ``teardown`` (from any process, e.g. an
+Airflow teardown task after the training task was killed) stops every group still alive.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from typing import Any
 
-from common.home import mxpipe_home
-from common.paths import safe_component
-from common.procs import GroupSpawner, kill_recorded
+from common.procs import GroupSpawner, ProcessRole, free_port, kill_groups, kill_recorded
+from common.roles import JobLaunch, role_argv, role_env
+from infra.cluster import Cluster, ClusterSpec, Leak, ProvisionError, cluster_id_for
+from infra.cluster import find_leaked as _find_leaked
+
+__all__ = ["LOOPBACK", "ClusterSpec", "LocalCluster", "ProvisionError", "find_leaked"]
 
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CHECK_TIMEOUT_S = 180
 _CHECK_SNIPPET = (
     "from common.mx import import_mxnet; mx = import_mxnet(); "
@@ -34,44 +33,23 @@ _CHECK_SNIPPET = (
 )
 
 
-class ProvisionError(RuntimeError):
-    """The cluster could not be provisioned."""
+class LocalCluster(Cluster):
+    backend = "local"
 
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    workers: int
-    servers: int
-    run_tag: str
-    ttl_s: float = 6 * 3600.0
-    backend: str = "local"
-
-
-class LocalCluster:
     def __init__(self, cluster_id: str, spec: ClusterSpec, home: str | None = None) -> None:
-        self.cluster_id = cluster_id
-        self.spec = spec
-        self.home = home or mxpipe_home()
+        super().__init__(cluster_id, spec, home)
         self.host = LOOPBACK
-
-    @property
-    def state_dir(self) -> str:
-        return os.path.join(self.home, "clusters", self.cluster_id)
+        self.python = spec.image or sys.executable
 
     @classmethod
     def provision(cls, spec: ClusterSpec, home: str | None = None) -> "LocalCluster":
         """Create (or, on a retry, find) the cluster of ``spec.run_tag``. Idempotent."""
-        cluster = cls(safe_component(spec.run_tag), spec, home)
-        record = os.path.join(cluster.state_dir, "cluster.json")
-        if os.path.exists(record):
+        cluster = cls(cluster_id_for(spec.run_tag), spec, home)
+        if cluster.exists():
             log.info("cluster %s already provisioned; reusing it", cluster.cluster_id)
             return cluster
         cluster._check_host()
-        os.makedirs(cluster.state_dir, exist_ok=True)
-        now = time.time()
-        with open(record, "w") as fh:
-            json.dump({"spec": asdict(spec), "created_at": now, "expires_at": now + spec.ttl_s,
-                       "host": cluster.host}, fh, indent=2)
+        cluster.write_record()
         log.info("provisioned local cluster %s: %d workers, %d servers on %s",
                  cluster.cluster_id, spec.workers, spec.servers, cluster.host)
         return cluster
@@ -79,51 +57,56 @@ class LocalCluster:
     def _check_host(self) -> None:
         started = time.monotonic()
         try:
-            proc = subprocess.run([sys.executable, "-c", _CHECK_SNIPPET], capture_output=True, text=True,
-                                  timeout=_CHECK_TIMEOUT_S, cwd=os.path.dirname(os.path.dirname(__file__)))
+            proc = subprocess.run([self.python, "-c", _CHECK_SNIPPET], capture_output=True, text=True,
+                                  timeout=_CHECK_TIMEOUT_S, cwd=REPO_ROOT)
         except subprocess.TimeoutExpired as exc:
             raise ProvisionError(f"host check did not finish within {_CHECK_TIMEOUT_S}s") from exc
         if proc.returncode != 0:
             raise ProvisionError(f"this host cannot run MXNet roles: {proc.stderr.strip()[-500:]}")
         log.info("host check passed in %.1fs", time.monotonic() - started)
 
-    def describe(self) -> dict:
-        """A small JSON-able handle (what Airflow passes between tasks)."""
-        return {"backend": "local", "cluster_id": self.cluster_id, "host": self.host, "home": self.home,
-                "spec": asdict(self.spec)}
+    def extra_description(self) -> dict[str, Any]:
+        return {"host": self.host}
 
-    @classmethod
-    def from_description(cls, desc: dict) -> "LocalCluster":
-        return cls(desc["cluster_id"], ClusterSpec(**desc["spec"]), desc["home"])
+    def scheduler_address(self) -> tuple[str, int]:
+        return self.host, free_port(self.host)
 
     def spawner(self) -> GroupSpawner:
         """A spawner for one attempt's roles, recorded so teardown can find them."""
-        attempt = f"attempt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-        return GroupSpawner(os.path.join(self.state_dir, "procs", attempt))
+        return GroupSpawner(os.path.join(self.state_dir, "procs", self.new_attempt()))
 
-    def teardown(self) -> list[str]:
+    def start_roles(self, launch: JobLaunch) -> list[ProcessRole]:
+        host, port = self.scheduler_address()
+        spawner = self.spawner()
+        base = {**os.environ, "MXPIPE_CLUSTER": self.cluster_id}
+        handles = []
+        try:
+            for role in launch.roles():
+                env = role_env(launch, role.kind, node_host=self.host, root_uri=host, root_port=port,
+                               base=base, repo_root=REPO_ROOT)
+                proc = spawner.spawn(role.name, role_argv(role.kind, launch.job_uri, self.python), env, cwd=REPO_ROOT)
+                handles.append(ProcessRole(role.name, role.kind, self.host, proc))
+        except BaseException:
+            spawner.kill_all(grace_s=1.0)
+            raise
+        return handles
+
+    def stop_roles(self, handles: Sequence[Any], *, grace_s: float = 5.0) -> int:
+        return kill_groups((h.proc.pid for h in handles), grace_s=grace_s)
+
+    def teardown(self) -> dict[str, Any]:
         """Stop every role process still alive and remove the cluster record. Idempotent."""
         stopped: list[str] = []
         procs = os.path.join(self.state_dir, "procs")
         if os.path.isdir(procs):
             for attempt in sorted(os.listdir(procs)):
                 stopped += kill_recorded(os.path.join(procs, attempt))
-        shutil.rmtree(self.state_dir, ignore_errors=True)
+        self.remove_record()
         log.info("tore down cluster %s (%d leftover role group(s) stopped)", self.cluster_id, len(stopped))
-        return stopped
+        return {"stopped": stopped}
 
 
 def find_leaked(home: str | None = None, *, now: float | None = None) -> list[str]:
-    """Ids of clusters whose expiry time has passed (their run should have torn them down)."""
-    root = os.path.join(home or mxpipe_home(), "clusters")
-    now = time.time() if now is None else now
-    leaked = []
-    if os.path.isdir(root):
-        for cid in sorted(os.listdir(root)):
-            try:
-                with open(os.path.join(root, cid, "cluster.json")) as fh:
-                    if json.load(fh)["expires_at"] < now:
-                        leaked.append(cid)
-            except (OSError, ValueError, KeyError):
-                leaked.append(cid)
-    return leaked
+    """Ids of clusters (any backend) recorded under ``home`` whose TTL has passed."""
+    leaks: list[Leak] = _find_leaked(home=home, now=now)
+    return [leak.cluster_id for leak in leaks]

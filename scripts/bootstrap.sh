@@ -7,6 +7,22 @@ UV_VERSION=0.13.8
 if ! command -v uv >/dev/null 2>&1 || [ "$(uv --version | awk '{print $2}')" != "$UV_VERSION" ]; then
   python3 -m pip install --quiet --disable-pip-version-check "uv==$UV_VERSION"
 fi
+# System tools some tests use, installed only where missing and only as root (CI runs as root
+# on a fresh machine): iproute2 for the network-namespace hosts of the hosts-backend tests, and a
+# Compose client to validate docker/compose.yaml without a Docker engine. Without them those
+# tests skip and say why.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  missing=()
+  command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+  if ! command -v docker-compose >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1; then
+    missing+=(docker-compose)
+  fi
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "==> installing ${missing[*]} (apt)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+      || echo "warning: could not install ${missing[*]}; the tests that need them will skip"
+  fi
+fi
 stamp=.venv/.synced
 if [ -f "$stamp" ] && [ "$stamp" -nt uv.lock ] && [ "$stamp" -nt pyproject.toml ]; then
   exit 0

@@ -2,42 +2,48 @@
 
 ps-lite cannot lose a node: when one role dies, the others block forever (seen here even with
 heartbeats set). So the supervisor owns the scheduler, the servers and the workers, and ends the
-whole job when any role exits non-zero, when no worker has logged anything for
-``stall_timeout_s``, or when the job runs past ``job_timeout_s``. It streams each role's output
-into this process's log with a ``[role-rank]`` prefix and raises one ``JobFailed`` naming the
-role, its exit code or signal and its last lines. The next attempt starts a fresh job, which
-resumes from the latest committed checkpoint.
+whole job when any role exits non-zero (seen within one poll, ``POLL_S``), when a worker has
+logged nothing for ``cluster.stall_timeout_s`` (``start_timeout_s`` before its first line), or
+when the job runs past ``cluster.job_timeout_s``. It streams each role's output into this
+process's log with a ``[role-rank@host]`` prefix and raises one ``JobFailed`` naming the role,
+its host, its exit code or signal and its last lines. Every role is stopped (its whole process
+group, on whatever host) before ``run`` returns or raises: after a role failure at once (1 s
+SIGTERM grace, the others are blocked in ps-lite), otherwise workers first with the
+checkpoint's preemption grace (rank 0's emergency checkpoint), then scheduler and servers. The next attempt starts a fresh job,
+which resumes from the latest committed checkpoint.
 
-Where roles run is not this module's business: it takes a ``Spawner`` (anything with
-``spawn(name, argv, env) -> Popen`` whose children each lead their own process group), and a
-scheduler address from the cluster.
+Where roles run is not this module's business. It takes either a cluster (anything with
+``start_roles(JobLaunch) -> handles`` and ``stop_roles(handles)``: ``infra.cluster``'s local,
+hosts and EC2 backends), or, for tests and the CLI, a ``Spawner`` plus the scheduler's host and
+port, with which it starts local processes itself. What each role runs and its ps-lite
+variables come from ``common.roles`` (its docstring says why each ps-lite knob is set as it is:
+``PS_RESEND`` and heartbeats off, ``DMLC_NODE_HOST`` per host, ``DMLC_INTERFACE`` only when a
+backend names one).
 
-ps-lite settings, chosen on purpose:
-- ``DMLC_NODE_HOST`` / ``DMLC_PS_ROOT_URI`` name the host's address, so roles bind to it (on
-  the local backend 127.0.0.1: nothing listens beyond loopback).
-- ``PS_HEARTBEAT_INTERVAL`` stays 0 (off): heartbeats never unblocked a dist_sync job after a
-  lost peer here; the supervisor's exit and stall checks are what detect failures.
-- ``PS_RESEND`` is off: a resend loop cannot bring back a dead role, and on a healthy loopback
-  or LAN it only adds traffic.
-- ``OMP_NUM_THREADS`` / ``MXNET_CPU_WORKER_NTHREADS`` bound each role's threads, so roles that
-  share a small machine do not oversubscribe its cores.
+With ``MXPIPE_EVENTS_FILE`` set, the supervisor appends one JSON line per event (job start,
+roles started, each role line with the time it arrived, the failure it detected, roles
+stopped) to that file: what ``benchmarks/recovery.py`` measures recovery from.
 """
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
+from common.procs import ProcessRole, kill_groups
+from common.roles import JobLaunch, forwarded_env, role_argv, role_env
 from training.config import TrainConfig
 from training.job import DETERMINISTIC_EXIT_CODES
+
+__all__ = ["JobFailed", "Supervisor", "role_argv", "launch_for"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,11 @@ TAIL_LINES = 30
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # How long the scheduler and servers get to exit on their own once every worker succeeded.
 DRAIN_TIMEOUT_S = 30.0
+STOP_GRACE_S = 5.0
+# After a role died or stalled the others are blocked inside ps-lite, where a SIGTERM handler
+# (the worker's emergency checkpoint) never gets to run: a long grace would only add to the
+# recovery time, so they get this much before SIGKILL.
+FAILED_STOP_GRACE_S = 1.0
 
 
 class Spawner(Protocol):
@@ -54,52 +65,68 @@ class Spawner(Protocol):
     def kill_all(self, *, grace_s: float = 5.0) -> int: ...
 
 
+class RoleHandle(Protocol):
+    """A started role: ``common.procs.ProcessRole`` or a backend's own (e.g. an SSM command)."""
+
+    name: str
+    kind: str
+    host: str
+
+    @property
+    def stdout(self) -> Iterable[str]: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+
+class RoleCluster(Protocol):
+    """The part of a cluster the supervisor uses (``infra.cluster.Cluster`` satisfies it)."""
+
+    def start_roles(self, launch: JobLaunch) -> Sequence[RoleHandle]: ...
+
+    def stop_roles(self, handles: Sequence[RoleHandle], *, grace_s: float = 5.0) -> int: ...
+
+
 class JobFailed(RuntimeError):
     """The distributed job failed; ``deterministic`` says whether a retry can help."""
 
-    def __init__(self, message: str, *, role: str, exit_code: int | None, deterministic: bool) -> None:
+    def __init__(self, message: str, *, role: str, exit_code: int | None, deterministic: bool,
+                 host: str = "") -> None:
         super().__init__(message)
         self.role = role
+        self.host = host
         self.exit_code = exit_code
         self.deterministic = deterministic
 
 
 @dataclass
 class _Role:
-    name: str
-    kind: str
-    proc: subprocess.Popen
+    handle: Any
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     last_output: float = field(default_factory=time.monotonic)
     seen_output: bool = False
     reader: threading.Thread | None = None
 
+    @property
+    def name(self) -> str:
+        return self.handle.name
 
-def role_env(base: Mapping[str, str], cfg: TrainConfig, kind: str, host: str, scheduler_host: str,
-             port: int) -> dict[str, str]:
-    threads = str(cfg.cluster.threads_per_role)
-    env = dict(base)
-    env.update({
-        "DMLC_ROLE": kind,
-        "DMLC_PS_ROOT_URI": scheduler_host,
-        "DMLC_PS_ROOT_PORT": str(port),
-        "DMLC_NUM_SERVER": str(cfg.cluster.num_servers),
-        "DMLC_NUM_WORKER": str(cfg.cluster.num_workers),
-        "DMLC_NODE_HOST": host,
-        "PS_VERBOSE": env.get("PS_VERBOSE", "0"),
-        "OMP_NUM_THREADS": threads,
-        "MXNET_CPU_WORKER_NTHREADS": threads,
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p),
-    })
-    return env
+    @property
+    def kind(self) -> str:
+        return self.handle.kind
+
+    @property
+    def host(self) -> str:
+        return self.handle.host
 
 
-def role_argv(kind: str, job_uri: str, python: str = sys.executable) -> list[str]:
-    if kind == "worker":
-        return [python, "-m", "training", "worker", job_uri]
-    # A scheduler or server is mxnet itself: importing it with DMLC_ROLE set runs the role.
-    return [python, "-c", "from common.mx import import_mxnet; import_mxnet()"]
+def launch_for(cfg: TrainConfig, job_uri: str, env: Mapping[str, str] | None = None) -> JobLaunch:
+    """The ``JobLaunch`` of a config: its cluster shape and per-role thread bound."""
+    c = cfg.cluster
+    return JobLaunch(job_uri=job_uri, num_workers=c.num_workers, num_servers=c.num_servers,
+                     threads_per_role=c.threads_per_role, env=dict(env or {}))
 
 
 def _describe_exit(code: int) -> str:
@@ -111,53 +138,119 @@ def _describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _pump(role: _Role) -> None:
-    assert role.proc.stdout is not None
-    for line in role.proc.stdout:
-        line = line.rstrip("\n")
-        role.tail.append(line)
-        role.last_output = time.monotonic()
-        role.seen_output = True
-        log.info("[%s] %s", role.name, line)
+class _Events:
+    """Optional JSON-lines event log (``MXPIPE_EVENTS_FILE``) for recovery measurements."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        if not self.path:
+            return
+        line = json.dumps({"t": time.time(), "event": event, **fields})
+        with self.lock, open(self.path, "a") as fh:
+            fh.write(line + "\n")
 
 
 class Supervisor:
     """Starts the roles of one job and watches them until success or the first failure."""
 
-    def __init__(self, cfg: TrainConfig, spawner: Spawner, *, host: str, port: int,
-                 base_env: Mapping[str, str]) -> None:
+    def __init__(self, cfg: TrainConfig, spawner: Spawner | None = None, *, host: str = "127.0.0.1",
+                 port: int = 0, base_env: Mapping[str, str] | None = None,
+                 cluster: RoleCluster | None = None) -> None:
+        if (spawner is None) == (cluster is None):
+            raise ValueError("give the supervisor either a cluster or a spawner (with host and port)")
         self.cfg = cfg
         self.spawner = spawner
+        self.cluster = cluster
         self.host = host
         self.port = port
-        self.base_env = base_env
+        self.base_env = dict(os.environ if base_env is None else base_env)
         self.roles: list[_Role] = []
+        self.events = _Events(self.base_env.get("MXPIPE_EVENTS_FILE"))
+
+    # -- starting ---------------------------------------------------------------------------
 
     def _start(self, name: str, kind: str, argv: list[str]) -> None:
-        env = role_env(self.base_env, self.cfg, kind, self.host, self.host, self.port)
-        role = _Role(name=name, kind=kind, proc=self.spawner.spawn(name, argv, env))
-        role.reader = threading.Thread(target=_pump, args=(role,), name=f"pump-{name}", daemon=True)
+        """Start one local role on the spawner (the path without a cluster)."""
+        assert self.spawner is not None
+        launch = launch_for(self.cfg, "")
+        env = role_env(launch, kind, node_host=self.host, root_uri=self.host, root_port=self.port,
+                       base=self.base_env, repo_root=REPO_ROOT)
+        self._adopt(ProcessRole(name, kind, self.host, self.spawner.spawn(name, argv, env)))
+
+    def _adopt(self, handle: Any) -> None:
+        role = _Role(handle=handle)
+        role.reader = threading.Thread(target=self._pump, args=(role,), name=f"pump-{role.name}", daemon=True)
         role.reader.start()
         self.roles.append(role)
 
+    def _pump(self, role: _Role) -> None:
+        prefix = f"{role.name}@{role.host}"
+        for line in role.handle.stdout:
+            line = line.rstrip("\n")
+            role.tail.append(line)
+            role.last_output = time.monotonic()
+            role.seen_output = True
+            log.info("[%s] %s", prefix, line)
+            self.events("line", role=role.name, text=line)
+
     def run(self, job_uri: str) -> None:
         c = self.cfg.cluster
-        log.info("starting job: 1 scheduler, %d servers, %d workers at %s:%d",
-                 c.num_servers, c.num_workers, self.host, self.port)
+        self.events("job_start", job_uri=job_uri)
+        where = type(self.cluster).__name__ if self.cluster is not None else f"{self.host}:{self.port}"
+        log.info("starting job: 1 scheduler, %d servers, %d workers on %s", c.num_servers, c.num_workers, where)
+        orderly = True
         try:
-            self._start("scheduler", "scheduler", role_argv("scheduler", job_uri))
-            for i in range(c.num_servers):
-                self._start(f"server-{i}", "server", role_argv("server", job_uri))
-            for i in range(c.num_workers):
-                self._start(f"worker-{i}", "worker", role_argv("worker", job_uri))
+            if self.cluster is not None:
+                # The cluster supplies each host's base environment; the job adds what a role
+                # must inherit from here (storage credentials, fault injection, ps-lite tuning).
+                env = forwarded_env(self.base_env)
+                for handle in self.cluster.start_roles(launch_for(self.cfg, job_uri, env)):
+                    self._adopt(handle)
+            else:
+                for role in launch_for(self.cfg, job_uri).roles():
+                    self._start(role.name, role.kind, role_argv(role.kind, job_uri))
+            self.events("roles_started", roles=[r.name for r in self.roles])
             self._watch()
+        except JobFailed as exc:
+            orderly = exc.role == "job"  # a job timeout: every role is still alive
+            raise
         finally:
-            stopped = self.spawner.kill_all(grace_s=5.0)
-            for role in self.roles:
-                if role.reader:
-                    role.reader.join(timeout=5.0)
-            if stopped:
-                log.info("stopped %d role process group(s)", stopped)
+            self._stop_all(orderly=orderly)
+
+    def _stop(self, handles: Sequence[Any], grace_s: float) -> int:
+        if self.cluster is not None:
+            return self.cluster.stop_roles(handles, grace_s=grace_s)
+        return kill_groups((h.proc.pid for h in handles), grace_s=grace_s)
+
+    def _stop_all(self, *, orderly: bool) -> None:
+        """Stop every role. ``orderly`` (success, job timeout, this process interrupted): the
+        workers first, with the config's preemption grace for rank 0's emergency checkpoint
+        (they need the servers alive to finish a step), then the rest. After a role failure:
+        everything at once with a short grace (see ``FAILED_STOP_GRACE_S``)."""
+        started = time.monotonic()
+        grace = STOP_GRACE_S if orderly else FAILED_STOP_GRACE_S
+        stopped = 0
+        if orderly:
+            live = [r.handle for r in self.roles if r.kind == "worker" and r.handle.poll() is None]
+            if live:
+                preempt = float(getattr(self.cfg.checkpoint, "preempt_grace_s", STOP_GRACE_S))
+                stopped += self._stop(live, preempt + 1.0)
+        if self.cluster is not None:
+            stopped += self.cluster.stop_roles([r.handle for r in self.roles], grace_s=grace)
+        else:
+            assert self.spawner is not None
+            stopped += self.spawner.kill_all(grace_s=grace)
+        for role in self.roles:
+            if role.reader:
+                role.reader.join(timeout=5.0)
+        self.events("roles_stopped", stopped=stopped, seconds=time.monotonic() - started)
+        if stopped:
+            log.info("stopped %d role process group(s) in %.1fs", stopped, time.monotonic() - started)
+
+    # -- watching ---------------------------------------------------------------------------
 
     def _watch(self) -> None:
         c = self.cfg.cluster
@@ -167,10 +260,10 @@ class Supervisor:
             time.sleep(POLL_S)
             now = time.monotonic()
             for role in self.roles:
-                code = role.proc.poll()
+                code = role.handle.poll()
                 if code not in (None, 0):
-                    self._fail(role, f"{role.name} on {self.host} failed: {_describe_exit(code)}", code)
-            if all(w.proc.poll() == 0 for w in workers):
+                    self._fail(role, f"{role.name} on {role.host} failed: {_describe_exit(code)}", code)
+            if all(w.handle.poll() == 0 for w in workers):
                 self._drain()
                 log.info("job finished in %.1fs", now - started)
                 return
@@ -179,27 +272,31 @@ class Supervisor:
             for w in workers:
                 # Before its first line a worker is still importing mxnet and joining the job.
                 limit = c.stall_timeout_s if w.seen_output else c.start_timeout_s
-                if w.proc.poll() is None and now - w.last_output > limit:
+                if w.handle.poll() is None and now - w.last_output > limit:
                     what = "stalled: no output" if w.seen_output else "did not start: no output"
-                    self._fail(w, f"{w.name} on {self.host} {what} for {limit:.0f}s", None)
+                    self._fail(w, f"{w.name} on {w.host} {what} for {limit:.0f}s", None)
 
     def _drain(self) -> None:
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while time.monotonic() < deadline:
-            if all(r.proc.poll() is not None for r in self.roles):
-                bad = [r for r in self.roles if r.proc.returncode != 0]
+            if all(r.handle.poll() is not None for r in self.roles):
+                bad = [r for r in self.roles if r.handle.returncode != 0]
                 if bad:
-                    self._fail(bad[0], f"{bad[0].name} failed after the workers finished: "
-                                       f"{_describe_exit(bad[0].proc.returncode)}", bad[0].proc.returncode)
+                    code = bad[0].handle.returncode
+                    self._fail(bad[0], f"{bad[0].name} on {bad[0].host} failed after the workers finished: "
+                                       f"{_describe_exit(code)}", code)
                 return
             time.sleep(POLL_S)
         log.warning("scheduler/servers did not exit within %.0fs after the workers finished; stopping them",
                     DRAIN_TIMEOUT_S)
 
     def _fail(self, role: _Role | None, what: str, code: int | None) -> None:
+        self.events("role_failed", role=role.name if role else "job", host=role.host if role else "",
+                    exit_code=code, what=what)
         if role is not None and role.reader:
             role.reader.join(timeout=2.0)
         tail = "\n".join(role.tail) if role is not None else ""
         message = what + (f"\nlast lines of {role.name}:\n{tail}" if tail else "")
-        raise JobFailed(message, role=role.name if role else "job", exit_code=code,
-                        deterministic=code in DETERMINISTIC_EXIT_CODES)
+        log.error("%s; stopping every role", what)
+        raise JobFailed(message, role=role.name if role else "job", host=role.host if role else "",
+                        exit_code=code, deterministic=code in DETERMINISTIC_EXIT_CODES)

@@ -1,0 +1,38 @@
+"""Reap clusters that outlived their TTL: the safety net behind every run's teardown task.
+
+Every cluster carries its run id and an expiry time (a local record for every backend, and
+tags on EC2 instances). A teardown task that never ran (a scheduler crash, a deleted DAG run)
+leaves such a cluster behind; this DAG terminates it once its TTL has passed.
+``MXPIPE_REAPER_SCHEDULE`` sets the cron schedule (default every 15 minutes, UTC; ``none``
+turns it off).
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+from airflow.sdk import CronTriggerTimetable, dag, task
+
+from plugins import pipeline_tasks as tasks
+
+SCHEDULE = os.environ.get("MXPIPE_REAPER_SCHEDULE", "*/15 * * * *")
+
+
+@dag(
+    dag_id="cluster_reaper",
+    schedule=None if SCHEDULE.lower() == "none" else CronTriggerTimetable(SCHEDULE, timezone="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    tags=["mxnet", "cost"],
+    default_args={"retries": 1, "retry_delay": timedelta(minutes=1)},
+    doc_md=__doc__,
+)
+def cluster_reaper() -> None:
+    @task(execution_timeout=timedelta(minutes=10))
+    def reap() -> dict:
+        return tasks.reap()
+
+    reap()
+
+
+cluster_reaper()

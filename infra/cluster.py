@@ -1,0 +1,257 @@
+"""One interface over every place a job's roles can run: local processes, hosts, EC2.
+
+    cluster = provision(spec)                # idempotent: a retry finds the run's cluster
+    handles = cluster.start_roles(launch)    # one attempt's scheduler, servers and workers
+    cluster.stop_roles(handles)              # the supervisor, when the attempt ends
+    cluster.teardown()                       # the Airflow teardown task: always
+    find_leaked(older_than_s=...)            # the reaper: whatever outlived its TTL
+
+A ``ClusterSpec`` says what is wanted (workers, servers, devices per worker, instance type,
+image or environment, TTL) and, in ``options``, where (a host list, an EC2 launch template).
+``describe()`` turns a cluster into a small JSON dict, which is what Airflow passes from the
+provision task to train and teardown; ``attach`` turns it back into a cluster in any process.
+
+Every backend writes a record under ``$MXPIPE_HOME/clusters/<id>/cluster.json`` with its
+expiry time, so a reaper finds an escaped cluster of any backend; EC2 instances carry the run
+id and expiry as tags as well, so the reaper finds them even if this record is lost. The
+scheduler's address comes from the cluster (``scheduler_address``), chosen for each attempt.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from common.home import mxpipe_home
+from common.paths import safe_component
+from common.roles import JobLaunch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TTL_S = 6 * 3600.0
+UNREADABLE_GRACE_S = 600.0
+
+
+class ProvisionError(RuntimeError):
+    """The cluster could not be provisioned (or found) within its bounds."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What a run asks for. ``run_tag`` identifies the run (``dag_id--run_id``)."""
+
+    run_tag: str
+    workers: int
+    servers: int
+    backend: str = "local"
+    devices_per_worker: int = 0
+    instance_type: str = ""
+    # A container image (EC2 user data pulls it) or the Python interpreter of an environment
+    # that holds this project on every host; empty means "this interpreter" on the local backend.
+    image: str = ""
+    ttl_s: float = DEFAULT_TTL_S
+    # Backend settings: {"hosts": [...]} for hosts, {"region", "launch_template", ...} for EC2.
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.servers < 1:
+            raise ValueError(f"a cluster needs >= 1 worker and server, got {self.workers}/{self.servers}")
+        if self.ttl_s <= 0 or self.devices_per_worker < 0:
+            raise ValueError("ttl_s must be > 0 and devices_per_worker >= 0")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ClusterSpec":
+        return cls(**raw)
+
+
+class Cluster(ABC):
+    """Base of every backend: the local record, attempts, describe/attach."""
+
+    backend: ClassVar[str] = ""
+
+    def __init__(self, cluster_id: str, spec: ClusterSpec, home: str | None = None) -> None:
+        self.cluster_id = cluster_id
+        self.spec = spec
+        self.home = home or mxpipe_home()
+
+    # -- record -----------------------------------------------------------------------------
+
+    @property
+    def state_dir(self) -> str:
+        return os.path.join(self.home, "clusters", self.cluster_id)
+
+    @property
+    def record_path(self) -> str:
+        return os.path.join(self.state_dir, "cluster.json")
+
+    def exists(self) -> bool:
+        return os.path.exists(self.record_path)
+
+    def write_record(self, **extra: Any) -> None:
+        os.makedirs(self.state_dir, exist_ok=True)
+        now = time.time()
+        record = {"description": self.describe(), "created_at": now, "expires_at": now + self.spec.ttl_s, **extra}
+        tmp = self.record_path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(record, fh, indent=2)
+        os.replace(tmp, self.record_path)
+
+    def remove_record(self) -> None:
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def new_attempt(self) -> str:
+        """A fresh name for one attempt's roles (ps-lite needs a fresh job after any failure)."""
+        return f"attempt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+
+    def describe(self) -> dict[str, Any]:
+        """The JSON-able handle Airflow passes between tasks."""
+        return {"backend": self.backend, "cluster_id": self.cluster_id, "home": self.home,
+                "spec": asdict(self.spec), **self.extra_description()}
+
+    def extra_description(self) -> dict[str, Any]:
+        return {}
+
+    # -- the interface ----------------------------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def provision(cls, spec: ClusterSpec, home: str | None = None) -> "Cluster":
+        """Create, or on a retry find and reuse, the cluster of ``spec.run_tag``."""
+
+    @classmethod
+    def from_description(cls, desc: dict[str, Any]) -> "Cluster":
+        return cls(desc["cluster_id"], ClusterSpec.from_dict(desc["spec"]), desc.get("home"))
+
+    @abstractmethod
+    def scheduler_address(self) -> tuple[str, int]:
+        """Host and a free port for this attempt's scheduler."""
+
+    @abstractmethod
+    def start_roles(self, launch: JobLaunch) -> list[Any]:
+        """Start one attempt's roles; returns handles the supervisor watches."""
+
+    @abstractmethod
+    def stop_roles(self, handles: Sequence[Any], *, grace_s: float = 5.0) -> int:
+        """Stop an attempt's roles (whole process groups, on every host); returns how many lived."""
+
+    @abstractmethod
+    def teardown(self) -> dict[str, Any]:
+        """Release everything (roles of every attempt, machines, the record). Idempotent."""
+
+
+def cluster_id_for(run_tag: str) -> str:
+    return safe_component(run_tag)
+
+
+def _backends() -> dict[str, type[Cluster]]:
+    # Imported here: the EC2 backend imports boto3, which a local run never needs.
+    from infra.hosts_cluster import HostsCluster
+    from infra.local_cluster import LocalCluster
+
+    out: dict[str, type[Cluster]] = {"local": LocalCluster, "hosts": HostsCluster}
+    try:
+        from infra.ec2_cluster import Ec2Cluster
+
+        out["ec2"] = Ec2Cluster
+    except ImportError as exc:  # pragma: no cover - boto3 is a dependency of the project
+        log.debug("ec2 backend unavailable: %s", exc)
+    return out
+
+
+BACKEND_NAMES = ("local", "hosts", "ec2")
+
+
+def provision(spec: ClusterSpec, home: str | None = None) -> Cluster:
+    backends = _backends()
+    if spec.backend not in backends:
+        raise ProvisionError(f"unknown cluster backend {spec.backend!r}; expected one of {sorted(backends)}")
+    return backends[spec.backend].provision(spec, home)
+
+
+def attach(desc: dict[str, Any]) -> Cluster:
+    """The cluster a ``describe()`` dict names (in another process, e.g. the train task)."""
+    return _backends()[desc["backend"]].from_description(desc)
+
+
+@dataclass(frozen=True)
+class Leak:
+    cluster_id: str
+    backend: str
+    expires_at: float
+    description: dict[str, Any] | None
+
+
+def find_leaked(older_than_s: float = 0.0, *, home: str | None = None, now: float | None = None) -> list[Leak]:
+    """Clusters recorded under ``home`` whose TTL ran out more than ``older_than_s`` ago.
+
+    A record that cannot be read counts as leaked once its folder is ``UNREADABLE_GRACE_S`` old.
+    EC2 instances are also found by their tags, without any record: ``ec2_cluster.find_expired``.
+    """
+    root = os.path.join(home or mxpipe_home(), "clusters")
+    now = time.time() if now is None else now
+    leaked: list[Leak] = []
+    if not os.path.isdir(root):
+        return leaked
+    for cid in sorted(os.listdir(root)):
+        try:
+            with open(os.path.join(root, cid, "cluster.json")) as fh:
+                record = json.load(fh)
+            expires_at = float(record["expires_at"])
+            desc = record["description"]
+        except (OSError, ValueError, KeyError, TypeError):
+            # Unreadable: a provision or teardown cut short (or one writing right now, hence
+            # the grace period on the folder's age).
+            try:
+                age = now - os.path.getmtime(os.path.join(root, cid))
+            except OSError:
+                continue
+            if age > UNREADABLE_GRACE_S + older_than_s:
+                leaked.append(Leak(cid, "unknown", 0.0, None))
+            continue
+        if expires_at + older_than_s < now:
+            leaked.append(Leak(cid, desc.get("backend", "unknown"), expires_at, desc))
+    return leaked
+
+
+def reap(older_than_s: float = 0.0, *, home: str | None = None, now: float | None = None) -> list[str]:
+    """Tear down every leaked cluster recorded here; returns their ids."""
+    reaped = []
+    for leak in find_leaked(older_than_s, home=home, now=now):
+        if leak.description is not None:
+            try:
+                attach(leak.description).teardown()
+            except Exception as exc:  # noqa: BLE001 - one broken cluster must not stop the reaper
+                log.error("could not tear down leaked cluster %s: %s", leak.cluster_id, exc)
+                continue
+        else:
+            shutil.rmtree(os.path.join(home or mxpipe_home(), "clusters", leak.cluster_id), ignore_errors=True)
+        log.warning("reaped leaked %s cluster %s (expired at %.0f)", leak.backend, leak.cluster_id, leak.expires_at)
+        reaped.append(leak.cluster_id)
+    return reaped
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m infra.cluster leaked|reap [--older-than-s N]``: the reaper without Airflow."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m infra.cluster")
+    parser.add_argument("cmd", choices=("leaked", "reap"))
+    parser.add_argument("--older-than-s", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cmd == "leaked":
+        for leak in find_leaked(args.older_than_s):
+            print(json.dumps({"cluster_id": leak.cluster_id, "backend": leak.backend, "expires_at": leak.expires_at}))
+        return 0
+    print(json.dumps({"reaped": reap(args.older_than_s)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,386 @@
+"""The ``ec2`` backend: GPU (or CPU) instances launched through boto3, roles through SSM.
+
+Provisioning (idempotent: a retry of the task finds and reuses the run's healthy instances):
+
+1. find the run's instances by tag (``mxpipe:cluster``); terminate any that are impaired;
+2. launch what is missing from the launch template (AMI, instance profile, security group,
+   user data that installs the trainer image live there: ``infra/cloudformation``), on-demand
+   or spot, into the stack's ``cluster`` placement group (one rack: the low-latency network
+   ps-lite wants), every instance and volume tagged with the run id and ``mxpipe:expires-at`` (TTL);
+   ``ClientToken`` makes the launch call itself idempotent;
+3. wait, bounded, for ``running`` and then for both status checks ``ok``.
+
+Roles are started through SSM Run Command (``AWS-RunShellScript``), one command per role,
+with the same ``python -m common.procs exec-role`` line as the hosts backend, so a role leads a
+process group of its own on its instance and ``kill-records`` stops it. No AWS keys are
+forwarded: instances get S3 access from their instance profile (scoped to the run's prefix).
+A role's status and exit code come from ``get_command_invocation`` (polled, cached for
+``status_poll_s``); its output arrives through the same call (in the real cloud also in
+CloudWatch Logs, configured on the command), so stall detection on EC2 has the granularity of
+that poll. The scheduler's port comes from the options (``scheduler_port``): the instances are
+the cluster's own and the security group admits ps-lite traffic only from its members.
+
+Teardown terminates every instance tagged with the cluster and waits, bounded, until they are
+gone; ``reap_expired`` terminates any instance whose ``mxpipe:expires-at`` has passed.
+Tested against a moto server (``tests/integration/test_ec2_cluster.py``); the real cloud path
+is the same calls with ``endpoint_url`` empty and credentials from the usual AWS chain.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import posixpath
+import shlex
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from common.roles import JobLaunch, Role, role_argv, role_env
+from infra.cluster import Cluster, ClusterSpec, ProvisionError, cluster_id_for
+
+log = logging.getLogger(__name__)
+
+TAG_CLUSTER, TAG_RUN, TAG_EXPIRES, TAG_MANAGED = "mxpipe:cluster", "mxpipe:run", "mxpipe:expires-at", "mxpipe:managed"
+LIVE_STATES = ["pending", "running"]
+NOT_TERMINATED = ["pending", "running", "stopping", "stopped", "shutting-down"]
+
+
+@dataclass(frozen=True)
+class Ec2Options:
+    """Where and how to launch (``spec.options`` of an ``ec2`` ClusterSpec)."""
+
+    launch_template: str
+    region: str = "us-east-1"
+    endpoint_url: str = ""  # empty: AWS itself; tests point it at a moto server
+    launch_template_version: str = "$Latest"
+    instance_type: str = ""  # overrides the template's (ClusterSpec.instance_type wins)
+    subnet_id: str = ""
+    spot: bool = False
+    # A ``cluster`` placement group (one rack: the low-latency network ps-lite wants), made
+    # once by the CloudFormation stack and shared by runs; empty: no placement constraint.
+    placement_group: str = ""
+    python: str = "/opt/mxpipe/.venv/bin/python"
+    workdir: str = "/opt/mxpipe"
+    state_dir: str = "/var/run/mxpipe-roles"
+    interface: str = "ens5"
+    scheduler_port: int = 9091
+    running_timeout_s: float = 600.0
+    status_timeout_s: float = 900.0
+    terminate_timeout_s: float = 600.0
+    poll_s: float = 5.0
+    status_poll_s: float = 2.0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Ec2Options":
+        if not raw.get("launch_template"):
+            raise ValueError("the ec2 backend needs options['launch_template'] (see infra/cloudformation)")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def _clients(opts: Ec2Options) -> tuple[Any, Any]:
+    import boto3
+    from botocore.config import Config
+
+    cfg = Config(connect_timeout=10, read_timeout=60, retries={"max_attempts": 5, "mode": "standard"})
+    kw: dict[str, Any] = {"region_name": opts.region, "config": cfg}
+    if opts.endpoint_url:
+        kw["endpoint_url"] = opts.endpoint_url
+    return boto3.client("ec2", **kw), boto3.client("ssm", **kw)
+
+
+def _wait(what: str, check: Callable[[], bool], timeout_s: float, poll_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise ProvisionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def _instances(ec2: Any, filters: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for page in ec2.get_paginator("describe_instances").paginate(Filters=filters):
+        for res in page["Reservations"]:
+            out.extend(res["Instances"])
+    return out
+
+
+def _tags(inst: dict[str, Any]) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
+
+
+class Ec2Cluster(Cluster):
+    backend = "ec2"
+
+    def __init__(self, cluster_id: str, spec: ClusterSpec, home: str | None = None,
+                 instance_ids: Sequence[str] = (), addresses: Sequence[str] = ()) -> None:
+        super().__init__(cluster_id, spec, home)
+        self.opts = Ec2Options.from_dict(spec.options)
+        self.instance_ids = list(instance_ids)
+        self.addresses = list(addresses)
+        self._ec2: Any = None
+        self._ssm: Any = None
+
+    @property
+    def ec2(self) -> Any:
+        if self._ec2 is None:
+            self._ec2, self._ssm = _clients(self.opts)
+        return self._ec2
+
+    @property
+    def ssm(self) -> Any:
+        self.ec2  # noqa: B018 - creates both clients
+        return self._ssm
+
+    def extra_description(self) -> dict[str, Any]:
+        return {"instance_ids": self.instance_ids, "addresses": self.addresses}
+
+    @classmethod
+    def from_description(cls, desc: dict[str, Any]) -> "Ec2Cluster":
+        return cls(desc["cluster_id"], ClusterSpec.from_dict(desc["spec"]), desc.get("home"),
+                   desc.get("instance_ids", ()), desc.get("addresses", ()))
+
+    # -- provision --------------------------------------------------------------------------
+
+    @property
+    def instance_count(self) -> int:
+        """One worker (and at most one server) per instance, as MXNet's launcher places them."""
+        return max(self.spec.workers, self.spec.servers)
+
+    def _own(self, states: list[str]) -> list[dict[str, Any]]:
+        return _instances(self.ec2, [{"Name": f"tag:{TAG_CLUSTER}", "Values": [self.cluster_id]},
+                                     {"Name": "instance-state-name", "Values": states}])
+
+    @classmethod
+    def provision(cls, spec: ClusterSpec, home: str | None = None) -> "Ec2Cluster":
+        cluster = cls(cluster_id_for(spec.run_tag), spec, home)
+        try:
+            cluster._provision()
+        except ProvisionError:
+            raise
+        except Exception as exc:  # botocore ClientError and friends, with the API's message
+            raise ProvisionError(f"ec2 provision of {cluster.cluster_id} failed: {exc}") from exc
+        return cluster
+
+    def _provision(self) -> None:
+        live = self._own(LIVE_STATES)
+        impaired = self._impaired([i["InstanceId"] for i in live])
+        if impaired:
+            log.warning("terminating impaired instances of %s: %s", self.cluster_id, impaired)
+            self.ec2.terminate_instances(InstanceIds=impaired)
+        healthy = [i["InstanceId"] for i in live if i["InstanceId"] not in impaired]
+        need = self.instance_count - len(healthy)
+        if healthy:
+            log.info("reusing %d healthy instance(s) of %s: %s", len(healthy), self.cluster_id, healthy)
+        if need > 0:
+            healthy += self._launch(need, healthy)
+        ids = healthy[: self.instance_count]
+        _wait("instances running", lambda: self._all_in(ids, "running"), self.opts.running_timeout_s, self.opts.poll_s)
+        _wait("status checks ok", lambda: self._status_ok(ids), self.opts.status_timeout_s, self.opts.poll_s)
+        by_id = {i["InstanceId"]: i for i in self._own(["running"])}
+        self.instance_ids = ids
+        self.addresses = [by_id[i]["PrivateIpAddress"] for i in ids]
+        self.write_record()
+        log.info("ec2 cluster %s ready: %s", self.cluster_id, dict(zip(ids, self.addresses)))
+
+    def _launch(self, count: int, keep: list[str]) -> list[str]:
+        expires = int(time.time() + self.spec.ttl_s)
+        tags = [{"Key": TAG_CLUSTER, "Value": self.cluster_id}, {"Key": TAG_RUN, "Value": self.spec.run_tag[:255]},
+                {"Key": TAG_EXPIRES, "Value": str(expires)}, {"Key": TAG_MANAGED, "Value": "true"},
+                {"Key": "Name", "Value": f"mxpipe-{self.cluster_id}"[:255]}]
+        kwargs: dict[str, Any] = {
+            "MinCount": count, "MaxCount": count,
+            "LaunchTemplate": {"LaunchTemplateName": self.opts.launch_template,
+                               "Version": self.opts.launch_template_version},
+            "TagSpecifications": [{"ResourceType": r, "Tags": tags} for r in ("instance", "volume")],
+            # Same run + same survivors → same token: a retried call cannot launch twice.
+            "ClientToken": hashlib.sha256(f"{self.cluster_id}|{count}|{sorted(keep)}".encode()).hexdigest()[:64],
+        }
+        instance_type = self.spec.instance_type or self.opts.instance_type
+        if instance_type:
+            kwargs["InstanceType"] = instance_type
+        if self.opts.subnet_id:
+            kwargs["SubnetId"] = self.opts.subnet_id
+        if self.opts.placement_group:
+            kwargs["Placement"] = {"GroupName": self.opts.placement_group}
+        if self.opts.spot:
+            kwargs["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
+                "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
+        ids = [i["InstanceId"] for i in self.ec2.run_instances(**kwargs)["Instances"]]
+        log.info("launched %d %s instance(s) for %s: %s", count, "spot" if self.opts.spot else "on-demand",
+                 self.cluster_id, ids)
+        return ids
+
+    def _all_in(self, ids: list[str], state: str) -> bool:
+        found = {i["InstanceId"]: i["State"]["Name"] for i in self._own(NOT_TERMINATED + ["terminated"])}
+        bad = [i for i in ids if found.get(i) in ("terminated", "shutting-down", "stopped")]
+        if bad:
+            raise ProvisionError(f"instances {bad} ended before becoming {state} (spot capacity or a bad AMI?)")
+        return all(found.get(i) == state for i in ids)
+
+    def _statuses(self, ids: list[str]) -> list[dict[str, Any]]:
+        if not ids:
+            return []
+        return self.ec2.describe_instance_status(InstanceIds=ids, IncludeAllInstances=True)["InstanceStatuses"]
+
+    def _status_ok(self, ids: list[str]) -> bool:
+        st = self._statuses(ids)
+        return len(st) == len(ids) and all(
+            s["InstanceStatus"]["Status"] == "ok" and s["SystemStatus"]["Status"] == "ok" for s in st)
+
+    def _impaired(self, ids: list[str]) -> list[str]:
+        return [s["InstanceId"] for s in self._statuses(ids)
+                if "impaired" in (s["InstanceStatus"]["Status"], s["SystemStatus"]["Status"])]
+
+    # -- roles ------------------------------------------------------------------------------
+
+    def scheduler_address(self) -> tuple[str, int]:
+        return self.addresses[0], self.opts.scheduler_port
+
+    def placement(self, roles: Sequence[Role]) -> list[tuple[Role, int]]:
+        servers = sum(1 for r in roles if r.kind == "server")
+        n = len(self.instance_ids)
+        return [(r, (0 if r.kind == "scheduler" else r.rank if r.kind == "server" else r.rank + servers) % n)
+                for r in roles]
+
+    def start_roles(self, launch: JobLaunch) -> list["SsmRole"]:
+        root, port = self.scheduler_address()
+        # Instance profile credentials, never the launching process's keys.
+        launch_env = {k: v for k, v in launch.env.items() if not k.startswith("AWS_")}
+        launch = replace(launch, env=launch_env)
+        attempt = self.new_attempt()
+        handles = []
+        for role, index in self.placement(launch.roles()):
+            address = self.addresses[index]
+            env = role_env(launch, role.kind, node_host=address, root_uri=root, root_port=port,
+                           base={"PATH": "/usr/local/bin:/usr/bin:/bin", "MXPIPE_CLUSTER": self.cluster_id},
+                           repo_root=self.opts.workdir)
+            env["DMLC_INTERFACE"] = self.opts.interface
+            resp = self.ssm.send_command(
+                InstanceIds=[self.instance_ids[index]], DocumentName="AWS-RunShellScript",
+                Comment=f"mxpipe {self.cluster_id} {role.name}"[:100],
+                TimeoutSeconds=600,
+                Parameters={"commands": self.role_script(attempt, role, env, launch.job_uri),
+                            "executionTimeout": ["172800"]})
+            handles.append(SsmRole(role.name, role.kind, address, self.instance_ids[index],
+                                   resp["Command"]["CommandId"], self.ssm, self.opts.status_poll_s))
+        return handles
+
+    def role_script(self, attempt: str, role: Role, env: dict[str, str], job_uri: str) -> list[str]:
+        folder = posixpath.join(self.opts.state_dir, self.cluster_id, attempt)
+        env_file = posixpath.join(folder, f"{role.name}.env")
+        argv = [self.opts.python, "-m", "common.procs", "exec-role",
+                "--record", posixpath.join(folder, "procs", f"{role.name}.json"),
+                "--env-file", env_file, "--env-key", role.name, "--",
+                *role_argv(role.kind, job_uri, self.opts.python)]
+        return [f"umask 077 && mkdir -p {shlex.quote(folder)}",
+                f"cat > {shlex.quote(env_file)} <<'MXPIPE_ENV'\n{json.dumps({role.name: env})}\nMXPIPE_ENV",
+                f"cd {shlex.quote(self.opts.workdir)} && exec {shlex.join(argv)}"]
+
+    def stop_roles(self, handles: Sequence[Any], *, grace_s: float = 5.0) -> int:
+        if not self.instance_ids:
+            return 0
+        alive = [h for h in handles if h.poll() is None]
+        folder = posixpath.join(self.opts.state_dir, self.cluster_id)
+        self.ssm.send_command(InstanceIds=self.instance_ids, DocumentName="AWS-RunShellScript",
+                              Comment=f"mxpipe {self.cluster_id} stop roles"[:100], TimeoutSeconds=60,
+                              Parameters={"commands": [
+                                  f"cd {shlex.quote(self.opts.workdir)} && {shlex.quote(self.opts.python)} -m "
+                                  f"common.procs kill-records {shlex.quote(folder)} --grace-s {grace_s}"]})
+        for h in alive:
+            try:
+                self.ssm.cancel_command(CommandId=h.command_id, InstanceIds=[h.instance_id])
+            except Exception as exc:  # noqa: BLE001 - already finished is fine
+                log.debug("cancel %s: %s", h.command_id, exc)
+        for h in handles:
+            h.closed = True
+        return len(alive)
+
+    # -- teardown ---------------------------------------------------------------------------
+
+    def teardown(self) -> dict[str, Any]:
+        ids = [i["InstanceId"] for i in self._own(NOT_TERMINATED)]
+        if ids:
+            self.ec2.terminate_instances(InstanceIds=ids)
+            _wait("instances terminated", lambda: not self._own(NOT_TERMINATED),
+                  self.opts.terminate_timeout_s, self.opts.poll_s)
+        self.remove_record()
+        log.info("tore down ec2 cluster %s: terminated %s", self.cluster_id, ids)
+        return {"stopped": ids}
+
+
+@dataclass
+class SsmRole:
+    """One role started by SSM Run Command, seen through ``get_command_invocation``."""
+
+    name: str
+    kind: str
+    host: str
+    instance_id: str
+    command_id: str
+    ssm: Any = field(repr=False)
+    status_poll_s: float = 2.0
+    returncode: int | None = None
+    closed: bool = False  # set by stop_roles: the output reader stops polling
+    _checked: float = 0.0
+    _output: str = ""
+
+    def _refresh(self) -> None:
+        if self.returncode is not None or time.monotonic() - self._checked < self.status_poll_s:
+            return
+        self._checked = time.monotonic()
+        try:
+            inv = self.ssm.get_command_invocation(CommandId=self.command_id, InstanceId=self.instance_id)
+        except Exception as exc:  # noqa: BLE001 - InvocationDoesNotExist right after send_command
+            log.debug("invocation %s not visible yet: %s", self.command_id, exc)
+            return
+        self._output = inv.get("StandardOutputContent", "") + inv.get("StandardErrorContent", "")
+        status = inv["Status"]
+        if status == "Success":
+            self.returncode = 0
+        elif status in ("Failed", "TimedOut", "Cancelled", "Undeliverable", "Terminated"):
+            code = int(inv.get("ResponseCode", -1))
+            self.returncode = code if code > 0 else 1
+
+    def poll(self) -> int | None:
+        self._refresh()
+        return self.returncode
+
+    @property
+    def stdout(self) -> Iterator[str]:
+        sent = 0
+        while True:
+            self._refresh()
+            lines = self._output.splitlines()
+            yield from lines[sent:]
+            sent = len(lines)
+            if self.returncode is not None or self.closed:
+                return
+            time.sleep(self.status_poll_s)
+
+
+def find_expired(opts: Ec2Options, *, older_than_s: float = 0.0, now: float | None = None) -> list[str]:
+    """Instances (any cluster) whose ``mxpipe:expires-at`` tag passed more than ``older_than_s`` ago."""
+    ec2, _ = _clients(opts)
+    now = time.time() if now is None else now
+    expired = []
+    for inst in _instances(ec2, [{"Name": "tag-key", "Values": [TAG_EXPIRES]},
+                                 {"Name": "instance-state-name", "Values": NOT_TERMINATED}]):
+        try:
+            if float(_tags(inst)[TAG_EXPIRES]) + older_than_s < now:
+                expired.append(inst["InstanceId"])
+        except (KeyError, ValueError):
+            expired.append(inst["InstanceId"])  # a mangled tag: treat as expired
+    return expired
+
+
+def reap_expired(opts: Ec2Options, *, older_than_s: float = 0.0, now: float | None = None) -> list[str]:
+    """Terminate every expired instance; returns their ids."""
+    ids = find_expired(opts, older_than_s=older_than_s, now=now)
+    if ids:
+        ec2, _ = _clients(opts)
+        ec2.terminate_instances(InstanceIds=ids)
+        log.warning("reaper terminated expired instances: %s", ids)
+    return ids

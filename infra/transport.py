@@ -1,0 +1,95 @@
+"""How a command reaches a host of the ``hosts`` backend: over SSH, or through ``ip netns exec``.
+
+Every transport turns one shell command line into the argv of a local process whose stdin,
+stdout and exit status are those of the command on the host, so the hosts backend builds the
+same command for both and only the carrier differs:
+
+- ``ssh``: ``ssh -o BatchMode=yes … user@address 'COMMAND'``. ``ServerAliveInterval`` ×
+  ``ServerAliveCountMax`` bounds how long a dead host or link goes unnoticed (the client exits
+  255, which the supervisor reports as that role's failure); ``ConnectTimeout`` bounds the
+  start. Killing the local client does not stop the remote command, so the backend stops roles
+  on the host itself (``python -m common.procs kill-records``).
+- ``netns``: ``ip netns exec NS sh -c 'COMMAND'``: a host that is a network namespace of this
+  machine (tests: several hosts with their own addresses, linked by veth pairs and a bridge).
+  It shares this machine's filesystem and process table; the network is what is separate.
+- ``local``: ``sh -c 'COMMAND'`` on this machine (development, no isolation).
+"""
+from __future__ import annotations
+
+import shlex
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_STATE_DIR = "/tmp/mxpipe-roles"
+TRANSPORTS = ("ssh", "netns", "local")
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One host: how to reach it, its address for ps-lite, and where the project lives on it."""
+
+    name: str
+    address: str
+    transport: str = "ssh"
+    # The interpreter of an environment that holds this project's dependencies, and the folder
+    # holding the project itself (the image or environment of the ClusterSpec, per host).
+    python: str = "python3"
+    workdir: str = "/opt/mxpipe"
+    state_dir: str = DEFAULT_STATE_DIR
+    netns: str = ""
+    ssh_user: str = ""
+    ssh_port: int = 22
+    ssh_key: str = ""
+    ssh_options: tuple[str, ...] = ("StrictHostKeyChecking=accept-new",)
+    interface: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"host {self.name}: transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport == "netns" and not self.netns:
+            raise ValueError(f"host {self.name}: the netns transport needs a namespace name")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "HostSpec":
+        raw = dict(raw)
+        if "ssh_options" in raw:
+            raw["ssh_options"] = tuple(raw["ssh_options"])
+        return cls(**raw)
+
+
+def host_argv(host: HostSpec, command: str) -> list[str]:
+    """The local argv that runs the shell ``command`` on ``host``."""
+    if host.transport == "netns":
+        return ["ip", "netns", "exec", host.netns, "sh", "-c", command]
+    if host.transport == "local":
+        return ["sh", "-c", command]
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5",
+            "-o", "ServerAliveCountMax=3", "-p", str(host.ssh_port)]
+    for opt in host.ssh_options:
+        argv += ["-o", opt]
+    if host.ssh_key:
+        argv += ["-i", host.ssh_key]
+    target = f"{host.ssh_user}@{host.address}" if host.ssh_user else host.address
+    return argv + [target, command]
+
+
+def in_workdir(host: HostSpec, *argv: str) -> str:
+    """A shell command line running ``argv`` from the project folder on ``host``."""
+    return f"cd {shlex.quote(host.workdir)} && exec {shlex.join(argv)}"
+
+
+def run_on(host: HostSpec, command: str, *, timeout_s: float, input_text: str | None = None,
+           check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``command`` on ``host`` to completion (bounded by ``timeout_s``)."""
+    try:
+        proc = subprocess.run(host_argv(host, command), input=input_text, capture_output=True, text=True,
+                              timeout=timeout_s, stdin=None if input_text is not None else subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        raise TimeoutError(f"{host.name}: {command[:120]!r} did not finish within {timeout_s:.0f}s") from exc
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{host.name}: {command[:120]!r} failed with exit code {proc.returncode}: "
+                           f"{(proc.stderr or proc.stdout).strip()[-500:]}")
+    return proc

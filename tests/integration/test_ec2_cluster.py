@@ -1,0 +1,147 @@
+"""The ``ec2`` backend against a moto server (``moto_server`` on 127.0.0.1, moto's stand-alone
+server mode, spoken to over HTTP by the real boto3 clients): EC2 and SSM cannot run here.
+
+What moto does and does not model, so what these tests prove: launch templates, spot
+requests, tags, instance states, status checks, SSM ``send_command`` /
+``get_command_invocation`` (it runs nothing and reports every command ``Success``), terminate.
+It neither stores the placement group of an instance nor honours ``ClientToken``, so
+idempotency is shown through the run's tags (a retry finds and reuses its instances). After
+every test, the moto server has no instance left that is not terminated.
+"""
+import json
+import os
+import sys
+import time
+
+import boto3
+import pytest
+from infra.cluster import ClusterSpec, ProvisionError, find_leaked, provision, reap
+from infra.ec2_cluster import TAG_CLUSTER, TAG_EXPIRES, TAG_RUN, Ec2Options, find_expired, reap_expired
+from common.roles import JobLaunch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moto_server import moto_server  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+REGION = "us-east-1"
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+        mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        mp.delenv("AWS_SESSION_TOKEN", raising=False)
+        with moto_server(str(tmp_path_factory.mktemp("moto"))) as url:
+            ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=url)
+            ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+            ec2.create_launch_template(LaunchTemplateName="mxpipe-trainer-gpu",
+                                       LaunchTemplateData={"ImageId": ami, "InstanceType": "g5.2xlarge"})
+            yield url
+
+
+@pytest.fixture
+def ec2(moto):
+    client = boto3.client("ec2", region_name=REGION, endpoint_url=moto)
+    yield client
+    assert _live(client) == [], "instances left running in the moto server"
+
+
+def _live(ec2, **filters):
+    flt = [{"Name": "instance-state-name", "Values": ["pending", "running", "stopping", "stopped"]}]
+    flt += [{"Name": f"tag:{k}", "Values": [v]} for k, v in filters.items()]
+    return [i for r in ec2.describe_instances(Filters=flt)["Reservations"] for i in r["Instances"]]
+
+
+def _spec(moto, run, workers=2, servers=1, **opts):
+    options = {"launch_template": "mxpipe-trainer-gpu", "endpoint_url": moto, "region": REGION,
+               "poll_s": 0.1, "status_poll_s": 0.1, "running_timeout_s": 30, "status_timeout_s": 30,
+               "terminate_timeout_s": 30, **opts}
+    return ClusterSpec(run_tag=run, workers=workers, servers=servers, backend="ec2", instance_type="g5.xlarge",
+                       devices_per_worker=1, ttl_s=opts.pop("ttl_s", 3600), options=options)
+
+
+def test_provision_tags_spot_instances_reuses_them_on_retry_and_teardown_terminates(moto, ec2, tmp_path):
+    spec = _spec(moto, "mxnet_training--run-a", spot=True, placement_group="mxpipe-cluster-pg")
+    cluster = provision(spec, home=str(tmp_path))
+    try:
+        live = _live(ec2, **{TAG_CLUSTER: cluster.cluster_id})
+        assert sorted(i["InstanceId"] for i in live) == sorted(cluster.instance_ids) and len(live) == 2
+        for inst in live:
+            tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
+            assert tags[TAG_RUN] == "mxnet_training--run-a"
+            assert time.time() + 3500 < float(tags[TAG_EXPIRES]) < time.time() + 3700
+            assert inst["InstanceLifecycle"] == "spot" and inst["InstanceType"] == "g5.xlarge"
+        # A retried provision finds the run's healthy instances and launches nothing.
+        again = provision(spec, home=str(tmp_path))
+        assert again.instance_ids == cluster.instance_ids
+        # One instance lost (spot reclaim): the retry keeps the survivor and replaces the other.
+        ec2.terminate_instances(InstanceIds=[cluster.instance_ids[1]])
+        healed = provision(spec, home=str(tmp_path))
+        assert healed.instance_ids[0] == cluster.instance_ids[0]
+        assert healed.instance_ids[1] != cluster.instance_ids[1] and len(healed.instance_ids) == 2
+    finally:
+        result = cluster.teardown()
+    assert _live(ec2, **{TAG_CLUSTER: cluster.cluster_id}) == []
+    assert len(result["stopped"]) == 2 and not os.path.exists(cluster.state_dir)
+
+
+def test_roles_start_through_ssm_with_each_instance_address(moto, ec2, tmp_path):
+    cluster = provision(_spec(moto, "mxnet_training--run-b"), home=str(tmp_path))
+    ssm = boto3.client("ssm", region_name=REGION, endpoint_url=moto)
+    try:
+        launch = JobLaunch(job_uri="s3://mxpipe/runs/x/job.json", num_workers=2, num_servers=1,
+                           env={"AWS_SECRET_ACCESS_KEY": "must-not-travel", "MXPIPE_FAULT_KILL_STEP": "3"})
+        handles = cluster.start_roles(launch)
+        by_role = {h.name: h for h in handles}
+        assert set(by_role) == {"scheduler", "server-0", "worker-0", "worker-1"}
+        root = cluster.addresses[0]
+        for h in handles:
+            cmd = next(c for c in ssm.list_commands()["Commands"] if c["CommandId"] == h.command_id)
+            # (moto lists every instance under a command's InstanceIds; the invocation is per instance)
+            assert cmd["DocumentName"] == "AWS-RunShellScript"
+            assert ssm.get_command_invocation(CommandId=h.command_id, InstanceId=h.instance_id)["Status"]
+            script = "\n".join(cmd["Parameters"]["commands"])
+            env = json.loads(script.split("<<'MXPIPE_ENV'\n", 1)[1].split("\nMXPIPE_ENV", 1)[0])[h.name]
+            assert env["DMLC_NODE_HOST"] == h.host == cluster.addresses[cluster.instance_ids.index(h.instance_id)]
+            assert env["DMLC_PS_ROOT_URI"] == root and env["DMLC_PS_ROOT_PORT"] == "9091"
+            assert env["DMLC_ROLE"] == h.kind and env["DMLC_NUM_WORKER"] == "2"
+            assert "AWS_SECRET_ACCESS_KEY" not in env and env["MXPIPE_FAULT_KILL_STEP"] == "3"
+            assert "exec-role" in script and "must-not-travel" not in script
+        # The workers are spread over both instances.
+        assert {by_role["worker-0"].instance_id, by_role["worker-1"].instance_id} == set(cluster.instance_ids)
+        assert [h.poll() for h in handles] == [0, 0, 0, 0]  # moto: every command "Success"
+        before = len(ssm.list_commands()["Commands"])
+        cluster.stop_roles(handles)
+        stop = ssm.list_commands()["Commands"][before:]
+        assert any("kill-records" in " ".join(c["Parameters"]["commands"]) for c in stop)
+    finally:
+        cluster.teardown()
+
+
+def test_missing_launch_template_fails_provision_and_leaves_nothing(moto, ec2, tmp_path):
+    with pytest.raises(ProvisionError, match="ec2 provision"):
+        provision(_spec(moto, "mxnet_training--run-c", launch_template="no-such-template"), home=str(tmp_path))
+    assert _live(ec2, **{TAG_CLUSTER: "mxnet_training--run-c"}) == []
+    assert not os.path.exists(tmp_path / "clusters" / "mxnet_training--run-c")
+
+
+def test_reaper_terminates_only_what_outlived_its_ttl(moto, ec2, tmp_path):
+    opts = Ec2Options(launch_template="mxpipe-trainer-gpu", endpoint_url=moto, region=REGION)
+    short = provision(_spec(moto, "mxnet_training--run-d", workers=1, ttl_s=1), home=str(tmp_path))
+    long = provision(_spec(moto, "mxnet_training--run-e", workers=1), home=str(tmp_path))
+    try:
+        later = time.time() + 5
+        assert set(short.instance_ids) <= set(find_expired(opts, now=later))
+        assert not set(long.instance_ids) & set(find_expired(opts, now=later))
+        # The local record of the expired cluster is found too; reaping it tears it down.
+        assert [leak.cluster_id for leak in find_leaked(home=str(tmp_path), now=later)] == [short.cluster_id]
+        assert reap(home=str(tmp_path), now=later) == [short.cluster_id]
+        assert _live(ec2, **{TAG_CLUSTER: short.cluster_id}) == []
+        # Tags alone are enough: with the record gone, the tag reaper still finds the instance.
+        assert reap_expired(opts, now=time.time() + 7200) == long.instance_ids
+        assert _live(ec2, **{TAG_CLUSTER: long.cluster_id}) == []
+    finally:
+        long.teardown()
+        short.teardown()

@@ -1,0 +1,117 @@
+"""The cluster interface without machines: records, TTL and the reaper, teardown of roles left
+by another process, placement, the ps-lite environment and the transports' command lines."""
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from common.procs import group_members, tagged_processes
+from common.roles import JobLaunch, PsLiteKnobs, role_env
+from infra.cluster import ClusterSpec, attach, find_leaked, reap
+from infra.hosts_cluster import HostsCluster
+from infra.local_cluster import LocalCluster
+from infra.transport import HostSpec, host_argv
+
+pytestmark = pytest.mark.unit
+
+
+# Unique per test session: test suites may run side by side on one machine, and the process
+# scan looks at every process on it.
+SUFFIX = uuid.uuid4().hex[:8]
+
+
+def _local(tmp_path, run="dag--run", ttl_s=3600.0):
+    run = f"{run}-{SUFFIX}"
+    cluster = LocalCluster(run, ClusterSpec(run_tag=run, workers=2, servers=1, ttl_s=ttl_s), str(tmp_path))
+    cluster.write_record()  # what provision does after its host check
+    return cluster
+
+
+def _orphan_role(cluster, name="worker-0"):
+    """A role started in an earlier attempt whose supervisor died (e.g. the task was killed)."""
+    proc = cluster.spawner().spawn(name, ["sleep", "300"], {**os.environ, "MXPIPE_CLUSTER": cluster.cluster_id})
+    return proc
+
+
+def test_teardown_from_another_process_stops_leftover_roles(tmp_path):
+    cluster = _local(tmp_path)
+    proc = _orphan_role(cluster)
+    desc = cluster.describe()
+    code = ("import json, sys; from infra.cluster import attach; "
+            "print(json.dumps(attach(json.loads(sys.argv[1])).teardown()))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(desc)],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr
+    assert '"worker-0"' in out.stdout
+    proc.wait(timeout=10)
+    assert group_members(proc.pid) == [] and not os.path.exists(cluster.state_dir)
+    assert tagged_processes("MXPIPE_CLUSTER", cluster.cluster_id) == []
+    assert attach(desc).teardown() == {"stopped": []}  # idempotent
+
+
+def test_reaper_tears_down_only_expired_clusters(tmp_path):
+    expired = _local(tmp_path, run="dag--old", ttl_s=1)
+    fresh = _local(tmp_path, run="dag--new")
+    proc = _orphan_role(expired)
+    later = time.time() + 5
+    assert [leak.cluster_id for leak in find_leaked(home=str(tmp_path), now=later)] == [expired.cluster_id]
+    assert reap(home=str(tmp_path), now=later) == [expired.cluster_id]
+    proc.wait(timeout=10)
+    assert tagged_processes("MXPIPE_CLUSTER", expired.cluster_id) == []
+    assert os.path.exists(fresh.state_dir) and not os.path.exists(expired.state_dir)
+    # older_than_s: only what expired more than that long ago.
+    assert find_leaked(3600, home=str(tmp_path), now=time.time() + 3700) == []
+    fresh.teardown()
+
+
+def test_unreadable_record_is_reaped_after_a_grace_period(tmp_path):
+    (tmp_path / "clusters" / "broken").mkdir(parents=True)
+    assert find_leaked(home=str(tmp_path)) == []
+    leaks = find_leaked(home=str(tmp_path), now=time.time() + 3600)
+    assert [(leak.cluster_id, leak.backend) for leak in leaks] == [("broken", "unknown")]
+
+
+def test_spec_rejects_nonsense():
+    with pytest.raises(ValueError):
+        ClusterSpec(run_tag="x", workers=0, servers=1)
+    with pytest.raises(ValueError):
+        ClusterSpec(run_tag="x", workers=1, servers=1, ttl_s=0)
+
+
+def test_hosts_placement_spreads_workers_after_the_servers():
+    hosts = [{"name": f"h{i}", "address": f"10.0.0.{i}", "transport": "local"} for i in range(3)]
+    cluster = HostsCluster("c", ClusterSpec(run_tag="c", workers=4, servers=2, backend="hosts",
+                                            options={"hosts": hosts}), "/nonexistent")
+    placed = {r.name: h.name for r, h in cluster.placement(JobLaunch("j", 4, 2).roles())}
+    assert placed == {"scheduler": "h0", "server-0": "h0", "server-1": "h1",
+                      "worker-0": "h2", "worker-1": "h0", "worker-2": "h1", "worker-3": "h2"}
+
+
+def test_role_env_sets_the_ps_lite_variables_on_purpose():
+    launch = JobLaunch("s3://b/job.json", num_workers=3, num_servers=2, threads_per_role=2,
+                       env={"AWS_REGION": "eu-west-1"}, knobs=PsLiteKnobs(interface="eth0"))
+    env = role_env(launch, "worker", node_host="10.0.0.2", root_uri="10.0.0.1", root_port=9091,
+                   base={"PATH": "/bin"}, repo_root="/opt/mxpipe")
+    assert {k: env[k] for k in ("DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NODE_HOST",
+                                "DMLC_NUM_WORKER", "DMLC_NUM_SERVER", "DMLC_INTERFACE")} == {
+        "DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "9091",
+        "DMLC_NODE_HOST": "10.0.0.2", "DMLC_NUM_WORKER": "3", "DMLC_NUM_SERVER": "2", "DMLC_INTERFACE": "eth0"}
+    assert env["PS_RESEND"] == "0" and env["PS_HEARTBEAT_INTERVAL"] == "0" and env["OMP_NUM_THREADS"] == "2"
+    assert env["AWS_REGION"] == "eu-west-1" and env["PYTHONPATH"] == "/opt/mxpipe"
+    resend = PsLiteKnobs(resend=True, heartbeat_interval_s=5).env()
+    assert resend["PS_RESEND"] == "1" and resend["PS_RESEND_TIMEOUT"] == "1000"
+    assert resend["PS_HEARTBEAT_TIMEOUT"] == "30"
+
+
+def test_transport_command_lines():
+    ssh = HostSpec(name="a", address="10.1.2.3", ssh_user="train", ssh_key="/k", ssh_port=2222)
+    argv = host_argv(ssh, "echo hi")
+    assert argv[0] == "ssh" and "BatchMode=yes" in argv and "ServerAliveInterval=5" in argv
+    assert argv[-2:] == ["train@10.1.2.3", "echo hi"] and argv[argv.index("-p") + 1] == "2222"
+    ns = HostSpec(name="b", address="10.213.0.2", transport="netns", netns="mxh1")
+    assert host_argv(ns, "echo hi") == ["ip", "netns", "exec", "mxh1", "sh", "-c", "echo hi"]
+    with pytest.raises(ValueError):
+        HostSpec(name="c", address="x", transport="netns")
