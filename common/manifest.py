@@ -16,7 +16,10 @@ from common.errors import DataError
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: blocked stratified assignment, id hashes in IRHeader.id2, schema/source/stats sections.
+# Version 1 manifests stay readable: the fields readers use did not change.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 
 
@@ -52,9 +55,29 @@ def load_manifest(prefix_or_uri: str) -> dict[str, Any]:
     except ValueError as exc:
         raise DataError(f"shard manifest {uri} is not valid JSON: {exc}") from exc
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    if version != FORMAT_VERSION:
-        raise DataError(f"shard manifest {uri} has format_version {version!r}, expected {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise DataError(f"shard manifest {uri} has format_version {version!r}, expected one of {READABLE_VERSIONS}")
     return manifest
+
+
+def write_pointer(uri: str, manifest_uri_: str, manifest: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """Point ``uri`` at a manifest (e.g. the dataset's last validated one); small, overwritten."""
+    pointer = {"manifest_uri": manifest_uri_, "manifest_digest": manifest_digest(manifest),
+               "source_fingerprint": manifest.get("source_fingerprint"), **extra}
+    storage.put_bytes(uri, json.dumps(pointer, sort_keys=True, indent=2).encode())
+    return pointer
+
+
+def read_pointer(uri: str) -> dict[str, Any] | None:
+    """The pointer at ``uri``, or None when there is none (or it is unreadable: logged)."""
+    try:
+        pointer = json.loads(storage.get_bytes(uri))
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        log.warning("ignoring unreadable manifest pointer %s: %s", uri, exc)
+        return None
+    return pointer if isinstance(pointer, dict) and pointer.get("manifest_uri") else None
 
 
 def shard_entry(manifest: dict[str, Any], shard_name: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Scheduled (and on-demand) distributed MXNet training.
 
-shard → validate → provision (setup) → train (dist_sync, checkpoints, retry = resume) → register,
-with teardown (runs on success and failure) releasing the cluster.
+shard → validate (one mapped task per shard, then cross-shard checks) → provision (setup) →
+train (dist_sync, checkpoints, retry = resume) → register, with teardown (runs on success and
+failure) releasing the cluster.
 
 This file reads like a config: Airflow's SDK and the project's light task module, nothing heavy,
 no I/O at parse time. The schedule comes from ``MXPIPE_SCHEDULE`` (a cron expression; ``none``
@@ -21,8 +22,12 @@ RETRY_DELAY = timedelta(seconds=float(os.environ.get("MXPIPE_RETRY_DELAY_S", "30
 
 PARAMS = {
     "dataset_uri": Param(os.environ.get("MXPIPE_DATASET_URI", "s3://mxpipe/datasets/digits/digits.csv"),
-                         type="string", pattern=r"^(s3://|/).+\.(csv|csv\.gz|parquet|pq)$",
-                         description="Source table (CSV or Parquet), s3:// URI or absolute path."),
+                         type="string", pattern=r"^(s3://|/).+(\.(csv|csv\.gz|parquet|pq)|/)$",
+                         description="Source: a CSV/Parquet file, a glob of them, or a folder ending in '/' "
+                                     "(its table files, or images + labels.csv); s3:// URI or absolute path."),
+    "data_options": Param({}, type="object",
+                          description="Further data.* settings as JSON, e.g. {\"id_column\": \"uid\", "
+                                      "\"classes\": [0, 1], \"drift_action\": \"fail\"}."),
     "label_column": Param("label", type="string", minLength=1, description="Name of the label column."),
     "recipe": Param("digits", enum=["digits", "debug"], description="Named starting configuration."),
     "model": Param("mlp", enum=["mlp", "lenet"], description="Network architecture."),
@@ -37,6 +42,9 @@ PARAMS = {
                                       description="Checkpoint to S3 every N steps (and at each epoch end)."),
     "registered_model_name": Param("digits-classifier", type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",
                                    description="MLflow registered model to add a version to."),
+    "backend": Param("local", enum=["local", "hosts", "ec2"],
+                     description="Where the roles run: local processes, the hosts of MXPIPE_HOSTS_FILE "
+                                 "(SSH), or EC2 instances (MXPIPE_EC2_FILE)."),
 }
 
 
@@ -61,7 +69,21 @@ def mxnet_training() -> None:
         dag_id, run_id, _ = _ids()
         return tasks.shard(params, dag_id, run_id)
 
+    # Airflow maps only over a task's whole return value: this hands the shard list over.
     @task
+    def shard_names(shards: dict) -> list:
+        return shards["shard_names"]
+
+    # One task per shard (named by the shard); a data failure fails it without a retry
+    # (AirflowFailException); the one retry is for infrastructure errors.
+    @task(map_index_template="{{ task.op_kwargs['shard_name'] }}", retries=1, retry_delay=timedelta(seconds=5))
+    def validate_shard(shard_name: str, shards: dict, params: dict | None = None) -> dict:
+        dag_id, run_id, _ = _ids()
+        return tasks.validate_shard(params, shards, shard_name, dag_id, run_id)
+
+    # Runs when the shards exist and every shard task is done, even failed ones: it writes the
+    # whole report and fails with every failure listed; provision runs only if it succeeds.
+    @task(trigger_rule="all_done_min_one_success")
     def validate(shards: dict, params: dict | None = None) -> dict:
         dag_id, run_id, _ = _ids()
         return tasks.validate(params, shards, dag_id, run_id)
@@ -86,7 +108,9 @@ def mxnet_training() -> None:
         return tasks.register(params, shards, trained, validation, dag_id, run_id, try_number)
 
     shards = shard()
+    per_shard = validate_shard.partial(shards=shards).expand(shard_name=shard_names(shards))
     checked = validate(shards)
+    per_shard >> checked
     cluster = provision()
     checked >> cluster
     trained = train(cluster, shards)

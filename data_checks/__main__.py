@@ -2,8 +2,12 @@
 
     python -m data_checks shard --config cfg.json --out PREFIX
         Shards ``data.source_uri`` of the config into RecordIO shards + manifest under PREFIX.
+    python -m data_checks shard --config cfg.json --under ROOT
+        The same under ROOT/{fingerprint[:16]} (reused when source and settings are unchanged).
     python -m data_checks validate --config cfg.json --shards PREFIX [--report PREFIX]
-        Runs the Great Expectations suite over the shards; exit code 1 on failure.
+                                   [--previous MANIFEST] [--docs]
+        Runs the Great Expectations suites over the shards and the cross-shard checks (drift
+        against a previous manifest if given); exit code 1 on failure.
 """
 from __future__ import annotations
 
@@ -20,11 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("shard", help="shard the config's source dataset")
     s.add_argument("--config", required=True, help="TrainConfig JSON file")
-    s.add_argument("--out", required=True, help="prefix for shards and manifest.json")
+    where = s.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="prefix for shards and manifest.json")
+    where.add_argument("--under", help="root for content-addressed shards (ROOT/{fingerprint[:16]})")
     v = sub.add_parser("validate", help="validate shards with Great Expectations")
     v.add_argument("--config", required=True)
     v.add_argument("--shards", required=True, help="prefix holding manifest.json")
-    v.add_argument("--report", help="prefix to write validation.json to")
+    v.add_argument("--report", help="prefix to write validation.json / validation.html to")
+    v.add_argument("--previous", help="a previous manifest (or its prefix) to check label drift against")
+    v.add_argument("--docs", action="store_true", help="also build each shard's GX Data Docs page")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 
@@ -34,15 +42,20 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.config) as fh:
             cfg = TrainConfig.from_json(fh.read())
         if args.cmd == "shard":
-            from data_checks.shard import shard_dataset
+            from data_checks.shard import shard_content_addressed, shard_dataset
 
-            manifest = shard_dataset(cfg, args.out)
-            print(json.dumps({"shards": args.out, "splits": manifest["splits"],
+            if args.out:
+                prefix, manifest, reused = args.out, shard_dataset(cfg, args.out), None
+            else:
+                prefix, manifest, reused = shard_content_addressed(cfg, args.under)
+            print(json.dumps({"shards": prefix, "reused": reused, "fingerprint": manifest["source_fingerprint"],
+                              "splits": manifest["splits"],
                               "num_classes": manifest["num_classes"]}, indent=2))
         else:
             from data_checks.validate import validate_shards
 
-            print(json.dumps(validate_shards(args.shards, cfg, report_prefix=args.report), indent=2))
+            print(json.dumps(validate_shards(args.shards, cfg, report_prefix=args.report,
+                                             previous_manifest_uri=args.previous, docs=args.docs), indent=2))
     except (ConfigError, DataError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

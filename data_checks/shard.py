@@ -1,269 +1,361 @@
-"""Split a source table into train/val/test and write per-worker RecordIO shards + a manifest.
+"""Shard a source dataset into train/val/test RecordIO shards + a manifest, streaming.
 
-The order of work is the commit protocol: every shard file is written locally, uploaded, and
-only then is ``manifest.json`` written (conditionally: it never overwrites another writer's).
-A crash at any point before that leaves no manifest, and a prefix without a manifest holds no
-shards. Re-running on the same source bytes and sharding settings returns the existing manifest.
+Rows flow chunk by chunk (``data.chunk_rows``) from the source (``readers`` / ``images``)
+through the seeded assignment (``assign``: its docstring states the exact guarantees) into
+one local ``.rec``/``.idx`` pair per shard; memory follows the chunk, not the dataset. Then:
+class indices are put in their final order (declared ``data.classes`` first, else sorted), the
+files are uploaded, and only then is ``manifest.json`` written, conditionally: a crash at any
+point leaves no manifest, and a prefix without a manifest holds no shards.
 
-Splitting rules (deterministic for a given ``cfg.seed``):
-
-* per class, rows are shuffled and cut into test / val / train with ``round(n * fraction)``
-  rows, at least one row each for val and test, and at least one for train;
-* a class with fewer than ``MIN_ROWS_TO_SPLIT`` rows cannot be cut that way and goes to train
-  entirely (logged); if val or test ends up empty overall, that is a ``DataError``;
-* the train rows are shuffled once more and dealt round-robin to ``cfg.num_train_shards``
-  shards, so shard sizes differ by at most one.
+Idempotent: the *fingerprint* is a hash of the source files' identities (S3 ETag + size, local
+sha256) and of the settings that decide the shard bytes. A prefix whose manifest carries the
+same fingerprint is reused as is. ``shard_content_addressed`` puts shards under
+``{root}/{fingerprint[:16]}``, so a changed source or setting gets a new prefix and an
+unchanged one is found again by the next run.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import math
 import os
 import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common import storage
+from common import records, storage
+from common.manifest import FORMAT_VERSION, download_shard, load_manifest, manifest_digest, manifest_uri, to_json_bytes
 from data_checks import sources
+from data_checks.assign import SPLITS, TRAIN, Assigner, SplitBlock, split_summary
 from data_checks.errors import DataError
-from common.manifest import (  # re-exported for callers of the sharder
-    FORMAT_VERSION,
-    download_shard,
-    load_manifest,
-    manifest_digest,
-    manifest_uri,
-    to_json_bytes,
-)
+from data_checks.readers import Chunk, TableReader, canonical_label
 
 if TYPE_CHECKING:
-    import pandas as pd
-
     from training.config import TrainConfig
 
-__all__ = ["shard_dataset", "load_manifest", "manifest_digest", "download_shard", "MIN_ROWS_TO_SPLIT"]
+__all__ = ["shard_dataset", "shard_content_addressed", "fingerprint", "load_manifest", "manifest_digest",
+           "download_shard"]
 
 log = logging.getLogger(__name__)
 
-# One row each for train, val and test.
-MIN_ROWS_TO_SPLIT = 3
+MAX_CLASSES = 10_000
+_PROGRESS_EVERY_S = 5.0
+_UPLOAD_THREADS = 4
+
+
+def sharding_params(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings that decide the shard bytes (chunk_rows does not: the output is the same)."""
+    d = cfg.data
+    return {"format_version": FORMAT_VERSION, "assignment": "blocked-v1", "label_column": d.label_column,
+            "id_column": d.id_column, "classes": list(d.classes), "feature_columns": list(d.feature_columns),
+            "num_train_shards": cfg.num_train_shards, "val_fraction": d.val_fraction,
+            "test_fraction": d.test_fraction, "input_shape": list(d.input_shape), "seed": cfg.seed}
+
+
+def fingerprint(plan: sources.SourcePlan, params: dict[str, Any]) -> str:
+    canon = json.dumps({"source": plan.digest(), "sharding": params}, sort_keys=True)
+    return hashlib.sha256(canon.encode()).hexdigest()
 
 
 def shard_dataset(cfg: TrainConfig, out_prefix: str, *, work_dir: str | None = None) -> dict[str, Any]:
-    """Shard ``cfg.data.source_uri`` under ``out_prefix``; returns the manifest (also written)."""
-    source = cfg.data.source_uri
-    if not source:
-        raise DataError("data.source_uri is empty: nothing to shard")
-    sources.table_format(source)
-    data = sources.read_bytes(source)
-    source_sha = storage.sha256_bytes(data)
-    params = sharding_params(cfg)
+    """Shard ``cfg.data.source_uri`` under ``out_prefix``; returns the manifest (also written).
 
+    A manifest already there with the same fingerprint is returned untouched; one from other
+    data or settings is removed with its shards and the source is sharded again.
+    """
+    plan = sources.plan_source(cfg.data.source_uri)
+    params = sharding_params(cfg)
+    fp = fingerprint(plan, params)
     existing = _existing_manifest(out_prefix)
     if existing is not None:
-        if _same_sharding(existing, source_sha, params):
-            log.info("shards under %s already match source sha256 %s: reusing them", out_prefix, source_sha[:12])
+        if existing.get("source_fingerprint") == fp:
+            log.info("shards under %s already match fingerprint %s: reusing them", out_prefix, fp[:16])
             return existing
         log.warning("shards under %s were made from other data or settings: removing them and resharding",
                     out_prefix)
         storage.delete_prefix(out_prefix)
+    return _shard(plan, cfg, params, fp, out_prefix, work_dir)
 
-    table = sources.parse_table(data, source)
-    X, y, classes, feature_columns = _prepare(table, cfg, source)
-    del table, data
-    train_shards, val_rows, test_rows = _split(y, cfg)
-    plan = [(f"train-{i:05d}", "train", rows) for i, rows in enumerate(train_shards)]
-    plan += [("val", "val", val_rows), ("test", "test", test_rows)]
 
+def shard_content_addressed(cfg: TrainConfig, root: str, *,
+                            work_dir: str | None = None) -> tuple[str, dict[str, Any], bool]:
+    """Shard under ``{root}/{fingerprint[:16]}``; returns ``(prefix, manifest, reused)``."""
+    plan = sources.plan_source(cfg.data.source_uri)
+    params = sharding_params(cfg)
+    fp = fingerprint(plan, params)
+    prefix = storage.join(root, fp[:16])
+    existing = _existing_manifest(prefix)
+    if existing is not None and existing.get("source_fingerprint") == fp:
+        log.info("source and settings unchanged (fingerprint %s): reusing the shards under %s", fp[:16], prefix)
+        return prefix, existing, True
+    if existing is not None:  # a leftover from an older format: rebuild it
+        storage.delete_prefix(prefix)
+    return prefix, _shard(plan, cfg, params, fp, prefix, work_dir), False
+
+
+def _existing_manifest(prefix: str) -> dict[str, Any] | None:
+    if not storage.exists(manifest_uri(prefix)):
+        return None
+    try:
+        return load_manifest(prefix)
+    except DataError as exc:
+        log.warning("ignoring unreadable manifest under %s: %s", prefix, exc)
+        return {}
+
+
+class _Progress:
+    """Log lines with rows done and MB/s, at most every few seconds."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.total = total_bytes
+        self.bytes = 0
+        self.rows = 0
+        self.started = self._last = time.monotonic()
+
+    def add_bytes(self, n: int) -> None:
+        self.bytes += n
+
+    def add_rows(self, n: int) -> None:
+        self.rows += n
+        if time.monotonic() - self._last >= _PROGRESS_EVERY_S:
+            self._last = time.monotonic()
+            self.log("sharding")
+
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / max(time.monotonic() - self.started, 1e-9)
+
+    def log(self, what: str) -> None:
+        share = f" ({100 * self.bytes / self.total:.0f}%)" if self.total else ""
+        log.info("%s: %d rows, %.1f of %.1f MB read%s, %.1f MB/s", what, self.rows, self.bytes / 1e6,
+                 self.total / 1e6, share, self.mb_per_s())
+
+
+class _Classes:
+    """Class values → ids in order of first appearance (declared classes first)."""
+
+    def __init__(self, declared: tuple[Any, ...], on_new: Callable[[int, Any], None]) -> None:
+        self.values: list[Any] = []
+        self.index: dict[Any, int] = {}
+        self.declared = [canonical_label(v) for v in declared]
+        self._on_new = on_new
+        for v in self.declared:
+            self._add(v)
+
+    def _add(self, value: Any) -> int:
+        if len(self.values) >= MAX_CLASSES:
+            raise DataError(f"the label column has more than {MAX_CLASSES} distinct values (e.g. "
+                            f"{self.values[-3:]}): is it a class label?")
+        self.index[value] = len(self.values)
+        self.values.append(value)
+        self._on_new(self.index[value], value)
+        return self.index[value]
+
+    def ids(self, values: list[Any]) -> np.ndarray:
+        return np.array([self.index[v] if v in self.index else self._add(v) for v in values], dtype=np.int64)
+
+    def final_order(self) -> tuple[list[Any], np.ndarray]:
+        """Declared classes in their order, then the others sorted (ints before text)."""
+        start = len(self.declared)
+        rest = sorted(self.values[start:], key=lambda v: (isinstance(v, str), v))
+        ordered = self.values[:start] + rest
+        final = {v: i for i, v in enumerate(ordered)}
+        return ordered, np.array([final[v] for v in self.values], dtype=np.int64)
+
+
+class _Shards:
+    """The local shard files being written, with counts and label histograms."""
+
+    def __init__(self, tmp: str, names: list[str]) -> None:
+        self.names = names
+        self.paths = [(os.path.join(tmp, f"{n}.idx"), os.path.join(tmp, f"{n}.rec")) for n in names]
+        self.writers = [records.RecordWriter(idx, rec) for idx, rec in self.paths]
+        self.hist: list[dict[int, int]] = [{} for _ in names]
+
+    def write(self, dest: np.ndarray, source: np.ndarray, X: np.ndarray, classes: np.ndarray,
+              row_ids: np.ndarray, ids: np.ndarray | None) -> None:
+        """Write emitted row ``k`` (``X[source[k]]`` …, ``row_ids[k]``) to shard ``dest[k]``."""
+        if len(dest) == 0:
+            return
+        order = np.argsort(dest, kind="stable")  # keeps emission order inside each shard
+        bounds = np.flatnonzero(np.r_[True, dest[order][1:] != dest[order][:-1], True])
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            rows = order[a:b]
+            src = source[rows]
+            d = int(dest[rows[0]])
+            self.writers[d].write_batch(X[src], classes[src], row_ids[rows], None if ids is None else ids[src])
+            for c, n in zip(*np.unique(classes[src], return_counts=True)):
+                self.hist[d][int(c)] = self.hist[d].get(int(c), 0) + int(n)
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+
+
+def _shard(plan: sources.SourcePlan, cfg: TrainConfig, params: dict[str, Any], fp: str, out_prefix: str,
+           work_dir: str | None) -> dict[str, Any]:
+    n_train = cfg.num_train_shards
+    if cfg.cluster.num_workers > 1 and n_train % cfg.cluster.num_workers:
+        log.warning("%d train shards for %d workers: the workers' shares will differ", n_train,
+                    cfg.cluster.num_workers)
+    names = [f"train-{i:05d}" for i in range(n_train)] + ["val", "test"]
+    progress = _Progress(plan.total_bytes)
+    block = SplitBlock.from_fractions(cfg.data.val_fraction, cfg.data.test_fraction)
+    assigner = Assigner(block, n_train, cfg.seed)
+    classes = _Classes(cfg.data.classes, assigner.add_class)
     with tempfile.TemporaryDirectory(prefix="shards-", dir=work_dir) as tmp:
-        entries = [_write_shard(name, split, rows, X, y, tmp, out_prefix) for name, split, rows in plan]
+        if plan.kind == "images":
+            from data_checks.images import ImageReader
 
+            reader: Any = ImageReader(plan, cfg.data, tmp, progress.add_bytes)
+        else:
+            reader = TableReader(plan, cfg.data, tmp, progress.add_bytes)
+        shards = _Shards(tmp, names)
+        held: dict[int, tuple[np.ndarray, int, int]] = {}  # row id → (features, class id, id hash)
+        try:
+            for chunk in reader.chunks():
+                _route(chunk, classes.ids(chunk.label_values)[chunk.label_codes], assigner, held, shards, n_train)
+                progress.add_rows(len(chunk.row_ids))
+            rest, split, shard = assigner.finish()
+            if len(rest):
+                X = np.stack([held[h][0] for h in rest])
+                ids = np.array([held[h][2] for h in rest], dtype=np.uint64)
+                shards.write(shard, np.arange(len(rest)), X, np.array([held[h][1] for h in rest]), rest, ids)
+        finally:
+            shards.close()
+        progress.log("read")
+        ordered, mapping = classes.final_order()
+        _check_splits(shards, ordered, plan.spec, n_train)
+        if not np.array_equal(mapping, np.arange(len(mapping))):
+            for idx, rec in shards.paths:
+                records.rewrite_labels(idx, rec, mapping)
+        entries = _upload(shards, mapping, out_prefix)
+    lay = reader.layout
+    input_shape = list(cfg.data.input_shape) or list(getattr(reader, "shape", ()) or ())
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
-        "source_uri": source,
-        "source_sha256": source_sha,
+        "source_uri": plan.spec,
+        "source_kind": plan.kind,
+        "source_format": plan.format,
+        "source_fingerprint": fp,
+        "source_sha256": _source_sha(reader.files_read, plan),
+        "source": {"files": reader.files_read if plan.kind == "table" else reader.files_read[:1],
+                   "num_files": len(plan.files), "bytes": plan.total_bytes, "listing_sha256": plan.digest()},
+        "schema": lay.schema(),
         "label_column": cfg.data.label_column,
-        "feature_columns": feature_columns,
-        "num_features": len(feature_columns),
-        "input_shape": list(cfg.data.input_shape),
-        "classes": classes,
-        "num_classes": len(classes),
-        "splits": {s: {"count": sum(e["count"] for e in entries if e["split"] == s)}
-                   for s in ("train", "val", "test")},
+        "id_column": getattr(reader, "id_column", "") or cfg.data.id_column or None,
+        "feature_columns": lay.feature_columns,
+        "num_features": len(lay.feature_columns),
+        "input_shape": input_shape,
+        "feature_scaling": "pixel / 255" if plan.kind == "images" else None,
+        "classes": ordered,
+        "num_classes": len(ordered),
+        "declared_classes": [canonical_label(v) for v in cfg.data.classes] or None,
+        "splits": _split_totals(entries),
         "shards": entries,
-        "sharding": params,
+        "sharding": {**params, "split_rule": split_summary(block)},
+        "stats": {"rows": reader.rows, "seconds": round(time.monotonic() - progress.started, 3),
+                  "source_mb_per_s": round(progress.mb_per_s(), 2), "chunk_rows": cfg.data.chunk_rows},
         "config_digest": cfg.digest(),
         "seed": cfg.seed,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    # Round-trip through JSON so the returned dict equals what load_manifest() gives later.
+    # The sharding settings must compare equal after a JSON round trip (reuse check).
     manifest = json.loads(to_json_bytes(manifest))
-    return _commit(manifest, out_prefix, source_sha, params)
+    return _commit(manifest, out_prefix)
 
 
-def sharding_params(cfg: TrainConfig) -> dict[str, Any]:
-    """The settings that decide the shard bytes; equal params + equal source = reusable shards."""
-    return {
-        "format_version": FORMAT_VERSION,
-        "label_column": cfg.data.label_column,
-        "num_train_shards": cfg.num_train_shards,
-        "val_fraction": cfg.data.val_fraction,
-        "test_fraction": cfg.data.test_fraction,
-        "input_shape": list(cfg.data.input_shape),
-        "seed": cfg.seed,
-    }
+def _route(chunk: Chunk, cids: np.ndarray, assigner: Assigner, held: dict[int, tuple[np.ndarray, int, int]],
+           shards: _Shards, n_train: int) -> None:
+    """Assign one chunk and write what it emits; keep what it holds back."""
+    emitted, split, shard, newly_held = assigner.assign(cids, chunk.row_ids)
+    base, n = (int(chunk.row_ids[0]), len(chunk.row_ids)) if len(chunk.row_ids) else (0, 0)
+    ids = chunk.id_hashes if chunk.id_hashes is not None else np.zeros(n, np.uint64)
+    for h in newly_held:
+        held[h] = (chunk.features[h - base].copy(), int(cids[h - base]), int(ids[h - base]))
+    local = emitted - base
+    outside = np.flatnonzero((local < 0) | (local >= n))  # released rows held from earlier chunks
+    if len(outside):  # rare (at most 2 per class): gather them into a small extension of the chunk
+        extra = [held.pop(int(emitted[i])) for i in outside]
+        features = np.concatenate([chunk.features, np.stack([e[0] for e in extra])])
+        cids = np.concatenate([cids, [e[1] for e in extra]])
+        ids = np.concatenate([ids, np.array([e[2] for e in extra], np.uint64)])
+        local[outside] = n + np.arange(len(outside))
+    else:
+        features = chunk.features
+    dest = np.where(split == TRAIN, shard, n_train - 1 + split)  # val → n_train, test → n_train + 1
+    shards.write(dest, local, features, cids, emitted, ids if chunk.id_hashes is not None else None)
 
 
-def _existing_manifest(out_prefix: str) -> dict[str, Any] | None:
-    if not storage.exists(manifest_uri(out_prefix)):
-        return None
-    try:
-        return load_manifest(out_prefix)
-    except DataError as exc:
-        log.warning("ignoring unreadable manifest under %s: %s", out_prefix, exc)
-        return {}
+def _check_splits(shards: _Shards, classes: list[Any], spec: str, n_train: int) -> None:
+    if len(classes) < 2:
+        raise DataError(f"label column in {spec} has a single class ({classes[0]!r}): nothing to learn"
+                        if classes else f"{spec} has no labelled rows")
+    counts = [w.count for w in shards.writers]
+    if counts[-1] == 0 or counts[-2] == 0:
+        raise DataError(f"too few rows per class for a train/val/test split: every class has fewer than 3 rows "
+                        f"(source {spec})")
+    if min(counts[:n_train]) == 0:
+        raise DataError(f"{sum(counts[:n_train])} train rows cannot fill {n_train} train shards "
+                        f"(source {spec}): lower data.num_shards or cluster.num_workers")
 
 
-def _same_sharding(manifest: dict[str, Any], source_sha: str, params: dict[str, Any]) -> bool:
-    return manifest.get("source_sha256") == source_sha and manifest.get("sharding") == params
+def _upload(shards: _Shards, mapping: np.ndarray, out_prefix: str) -> list[dict[str, Any]]:
+    """Upload every shard file (in parallel) and describe it for the manifest."""
+    def one(path: str) -> dict[str, Any]:
+        name = os.path.basename(path)
+        storage.upload_file(path, storage.join(out_prefix, name))
+        return {"name": name, "bytes": os.path.getsize(path), "sha256": storage.sha256_file(path)}
+
+    with ThreadPoolExecutor(_UPLOAD_THREADS, thread_name_prefix="shard-upload") as pool:
+        described = list(pool.map(one, [p for pair in shards.paths for p in (pair[1], pair[0])]))
+    entries = []
+    for i, name in enumerate(shards.names):
+        split = "train" if name.startswith("train") else name
+        hist = {int(mapping[c]): n for c, n in shards.hist[i].items()}
+        entries.append({"name": name, "split": split, "count": shards.writers[i].count,
+                        "label_histogram": {str(k): hist[k] for k in sorted(hist)},
+                        "files": {"rec": described[2 * i], "idx": described[2 * i + 1]}})
+    return entries
 
 
-def _commit(manifest: dict[str, Any], out_prefix: str, source_sha: str, params: dict[str, Any]) -> dict[str, Any]:
+def _split_totals(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    totals: dict[str, Any] = {}
+    for split in SPLITS:
+        hist: dict[str, int] = {}
+        for e in entries:
+            if e["split"] == split:
+                for k, n in e["label_histogram"].items():
+                    hist[k] = hist.get(k, 0) + n
+        totals[split] = {"count": sum(e["count"] for e in entries if e["split"] == split),
+                         "label_histogram": {k: hist[k] for k in sorted(hist, key=int)}}
+    return totals
+
+
+def _source_sha(files: list[dict[str, Any]], plan: sources.SourcePlan) -> str:
+    """The single source file's sha256; for several files (or images), a hash of the listing."""
+    if plan.kind == "table" and len(files) == 1:
+        return files[0]["sha256"]
+    return hashlib.sha256(json.dumps(files if plan.kind == "table" else plan.identity(),
+                                     sort_keys=True).encode()).hexdigest()
+
+
+def _commit(manifest: dict[str, Any], out_prefix: str) -> dict[str, Any]:
     uri = manifest_uri(out_prefix)
     try:
         storage.put_bytes(uri, to_json_bytes(manifest), if_none_match=True)
     except storage.AlreadyExists:
         # A concurrent writer committed first; its shards are as good as ours if they match.
         other = load_manifest(out_prefix)
-        if _same_sharding(other, source_sha, params):
+        if other.get("source_fingerprint") == manifest["source_fingerprint"]:
             log.info("another writer committed identical shards under %s first", out_prefix)
             return other
         raise DataError(f"{uri} was committed concurrently from different data or settings") from None
+    splits = manifest["splits"]
     log.info("committed %d shards (%d train / %d val / %d test rows) under %s", len(manifest["shards"]),
-             manifest["splits"]["train"]["count"], manifest["splits"]["val"]["count"],
-             manifest["splits"]["test"]["count"], out_prefix)
+             splits["train"]["count"], splits["val"]["count"], splits["test"]["count"], out_prefix)
     return manifest
-
-
-def _prepare(table: "pd.DataFrame", cfg: TrainConfig, uri: str) -> tuple[np.ndarray, np.ndarray, list[Any], list[str]]:
-    """Features as float32 (NaN/inf kept for validation to report), labels as class indices."""
-    import pandas as pd
-
-    label = cfg.data.label_column
-    if label not in table.columns:
-        raise DataError(f"label column {label!r} not found in {uri}; available columns: {list(table.columns)}")
-    if len(table) == 0:
-        raise DataError(f"source dataset has no rows (header only): {uri}")
-    feature_columns = [c for c in table.columns if c != label]
-    if not feature_columns:
-        raise DataError(f"{uri} has no feature columns besides the label column {label!r}")
-    bad = [c for c in feature_columns
-           if not pd.api.types.is_numeric_dtype(table[c]) or pd.api.types.is_complex_dtype(table[c])]
-    if bad:
-        details = "; ".join(f"{c!r} ({table[c].dtype}, e.g. {_first_non_numeric(table[c])!r})" for c in bad[:10])
-        raise DataError(f"non-numeric feature columns in {uri}: {details}"
-                        f"{' …' if len(bad) > 10 else ''}; every column except the label {label!r} must be numeric")
-
-    labels = table[label]
-    missing = labels.isna()
-    if missing.any():
-        raise DataError(f"label column {label!r} in {uri} has {int(missing.sum())} missing values "
-                        f"(first at rows {list(np.flatnonzero(missing.to_numpy())[:5])})")
-    if labels.dtype == object:
-        labels = labels.astype(str)
-    codes, uniques = pd.factorize(labels, sort=True)
-    if len(uniques) < 2:
-        raise DataError(f"label column {label!r} in {uri} has a single class ({uniques[0]!r}): nothing to learn")
-
-    n_features = len(feature_columns)
-    shape = cfg.data.input_shape
-    if shape and math.prod(shape) != n_features:
-        raise DataError(f"data.input_shape {tuple(shape)} holds {math.prod(shape)} values but {uri} has "
-                        f"{n_features} feature columns")
-    X = table[feature_columns].to_numpy(dtype=np.float32)
-    return X, codes.astype(np.int64), [_json_class(v) for v in uniques], [str(c) for c in feature_columns]
-
-
-def _first_non_numeric(column: "pd.Series") -> Any:
-    import pandas as pd
-
-    coerced = pd.to_numeric(column, errors="coerce")
-    odd = column[coerced.isna() & column.notna()]
-    return odd.iloc[0] if len(odd) else column.iloc[0]
-
-
-def _json_class(value: Any) -> str | int:
-    """A class value as JSON keeps it: ints stay ints (also 3.0), everything else becomes a str."""
-    if isinstance(value, (bool, np.bool_)):
-        return str(bool(value))
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, (float, np.floating)) and float(value).is_integer():
-        return int(value)
-    return str(value)
-
-
-def _split(y: np.ndarray, cfg: TrainConfig) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-    """Stratified, seeded split; returns (train rows per shard, val rows, test rows)."""
-    rng = np.random.default_rng(cfg.seed)
-    train, val, test, unsplit = [], [], [], []
-    for k in range(int(y.max()) + 1):
-        rows = rng.permutation(np.flatnonzero(y == k))
-        n = len(rows)
-        if n < MIN_ROWS_TO_SPLIT:
-            unsplit.append(k)
-            train.append(rows)
-            continue
-        n_test = max(1, _round_half_up(n * cfg.data.test_fraction))
-        n_val = max(1, _round_half_up(n * cfg.data.val_fraction))
-        while n - n_test - n_val < 1:  # only reachable for tiny classes with large fractions
-            if n_test >= n_val:
-                n_test -= 1
-            else:
-                n_val -= 1
-        test.append(rows[:n_test])
-        val.append(rows[n_test:n_test + n_val])
-        train.append(rows[n_test + n_val:])
-    if unsplit:
-        log.warning("classes %s have fewer than %d rows: all their rows go to train", unsplit, MIN_ROWS_TO_SPLIT)
-    val_rows = np.sort(np.concatenate(val)) if val else np.empty(0, np.int64)
-    test_rows = np.sort(np.concatenate(test)) if test else np.empty(0, np.int64)
-    if len(val_rows) == 0 or len(test_rows) == 0:
-        raise DataError(f"too few rows per class for a train/val/test split: every class has fewer than "
-                        f"{MIN_ROWS_TO_SPLIT} rows (source {cfg.data.source_uri})")
-    train_rows = rng.permutation(np.concatenate(train))
-    k_shards = cfg.num_train_shards
-    if len(train_rows) < k_shards:
-        raise DataError(f"{len(train_rows)} train rows cannot fill {k_shards} train shards "
-                        f"(source {cfg.data.source_uri}): lower data.num_shards or cluster.num_workers")
-    return [train_rows[i::k_shards] for i in range(k_shards)], val_rows, test_rows
-
-
-def _round_half_up(x: float) -> int:
-    return int(math.floor(x + 0.5))
-
-
-def _write_shard(name: str, split: str, rows: np.ndarray, X: np.ndarray, y: np.ndarray,
-                 tmp: str, out_prefix: str) -> dict[str, Any]:
-    """Write one ``.rec``/``.idx`` pair locally, upload it, and describe it for the manifest."""
-    from common.records import RecordWriter
-
-    idx_path, rec_path = os.path.join(tmp, f"{name}.idx"), os.path.join(tmp, f"{name}.rec")
-    with RecordWriter(idx_path, rec_path) as writer:
-        for r in rows:
-            writer.write(X[r], int(y[r]), int(r))
-    files = {}
-    for kind, path in (("rec", rec_path), ("idx", idx_path)):
-        fname = os.path.basename(path)
-        storage.upload_file(path, storage.join(out_prefix, fname))
-        files[kind] = {"name": fname, "bytes": os.path.getsize(path), "sha256": storage.sha256_file(path)}
-    labels, counts = np.unique(y[rows], return_counts=True)
-    return {
-        "name": name,
-        "split": split,
-        "count": int(len(rows)),
-        "label_histogram": {str(int(k)): int(c) for k, c in zip(labels, counts)},
-        "files": files,
-    }

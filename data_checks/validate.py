@@ -1,30 +1,36 @@
-"""Validate committed shards with Great Expectations (1.x, code-first, ephemeral context).
+"""Validate committed shards: one Great Expectations run per shard, then cross-shard checks.
 
-All shards are loaded into one pandas frame (one batch) and checked by one suite run:
+``validate_shard`` checks one shard (memory: that shard) — file integrity against the manifest
+(size + sha256), then the GX suite of the dataset's kind (``suites``) — and never raises for
+bad data: it returns a result. In Airflow it is one mapped task per shard;
+``finish_validation`` is the task after them: it reads the per-shard results, runs the
+cross-shard checks (``cross``), writes ``validation.json`` + ``validation.html`` and raises
+``DataValidationError`` listing every failure. ``validate_shards`` does both in one process
+(CLI, tests).
 
-* the table's columns match the manifest's schema, it has rows, every shard contributes rows;
-* no feature is NaN or ±inf (see ``_nonfinite_column``: one derived column, one expectation);
-* labels are class indices ``0..num_classes-1``; row ids are unique and inside the source's range.
-
-Two checks that GE cannot express on that batch are plain code, reported side by side in the
-same report: the file integrity of every shard (sha256 and size against the manifest) and the
-balance of the train shards. Failures raise ``DataValidationError`` listing each one.
+Report layout under the report prefix: ``shards/{name}.json`` (+ ``.html``: the GX Data Docs
+page; + ``.ids.npy``: id hashes for the cross-shard duplicate check), ``validation.json``,
+``validation.html``.
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
-import math
+import os
 import tempfile
 import time
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from common import storage
+from common.manifest import download_shard, load_manifest, shards_prefix
+from data_checks import report as reporting
+from data_checks.cross import cross_shard_checks
 from data_checks.errors import DataError, DataValidationError
-from common.manifest import download_shard, load_manifest, manifest_digest, manifest_uri, shards_prefix
+from data_checks.suites import NONFINITE_COLUMN, RANGE_COLUMN, SuiteSpec, describe_rows, ge_failures, run_suite
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -33,293 +39,205 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REPORT_NAME = "validation.json"
-NONFINITE_COLUMN = "_nonfinite_features"
-_RESERVED = ("label", "row_id", "shard", "split", NONFINITE_COLUMN)
-_EXAMPLES = 5
-# Rows described value by value in the non-finite column; further bad rows are only counted.
-_DESCRIBED_ROWS = 200
+REPORT_NAME = reporting.REPORT_NAME
+_RESERVED = ("label", "row_id", "id_hash", NONFINITE_COLUMN, RANGE_COLUMN)
 
 
-def validate_shards(manifest_prefix: str, cfg: "TrainConfig", *, report_prefix: str | None = None) -> dict[str, Any]:
-    """Validate every shard of the manifest under ``manifest_prefix``.
+@dataclass
+class ShardOutcome:
+    result: dict[str, Any]  # JSON-able: success, failures, checks, GX result, stats
+    ids: np.ndarray | None  # [n, 2] uint64: (id hash, row id), for the cross-shard duplicate check
 
-    Returns ``{success, evaluated, failed, report_uri, manifest_digest, seconds}``; raises
-    ``DataValidationError`` when any expectation or check fails (after writing the report).
-    """
+
+def validate_shard(manifest_prefix: str, shard_name: str, cfg: "TrainConfig", *,
+                   manifest: dict[str, Any] | None = None, docs: bool = False) -> ShardOutcome:
+    """Validate one shard; bad data gives ``success=False`` with the failures listed."""
     started = time.monotonic()
-    manifest = load_manifest(manifest_prefix)
+    manifest = manifest or load_manifest(manifest_prefix)
     prefix = shards_prefix(manifest_prefix)
-    loaded, integrity = _load_shards(manifest, prefix)
-    checks = [integrity]
-    ge_result: dict[str, Any] | None = None
-    nonfinite: dict[str, int] = {}
-    if integrity["success"]:
-        frame, features, nonfinite = _frame(manifest, loaded)
-        ge_result = _run_suite(frame, manifest, features)
-        checks += [_balance_check(loaded, manifest, cfg), _shard_layout_check(manifest, cfg)]
+    entry = next((s for s in manifest["shards"] if s["name"] == shard_name), None)
+    if entry is None:
+        raise DataError(f"shard {shard_name!r} is not in the manifest under {prefix}")
+    from common.records import read_shard
 
-    failures = _ge_failures(ge_result, nonfinite) + [f for c in checks if not c["success"] for f in c["failures"]]
-    evaluated = len(checks) + (len(ge_result["results"]) if ge_result else 0)
-    seconds = round(time.monotonic() - started, 3)
-    report = {
-        "success": not failures,
-        "manifest_uri": manifest_uri(prefix),
-        "manifest_digest": manifest_digest(manifest),
-        "validated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "seconds": seconds,
-        "evaluated": evaluated,
-        "failures": failures,
-        "checks": checks,
-        "great_expectations": ge_result if ge_result is not None else
-        {"skipped": "shard files failed their integrity check; their contents were not loaded"},
-    }
-    report_uri = None
-    if report_prefix:
-        report_uri = storage.join(report_prefix, REPORT_NAME)
-        storage.put_bytes(report_uri, json.dumps(_jsonable(report), indent=2, sort_keys=True).encode())
-    summary = {"success": not failures, "evaluated": evaluated, "failed": len(failures),
-               "report_uri": report_uri, "manifest_digest": report["manifest_digest"], "seconds": seconds}
-    if failures:
-        raise DataValidationError(_message(prefix, failures, evaluated, report_uri), failures, report_uri)
-    log.info("shards under %s passed %d checks in %.2f s", prefix, evaluated, seconds)
+    result: dict[str, Any] = {"shard": shard_name, "split": entry["split"], "expected_rows": entry["count"]}
+    with tempfile.TemporaryDirectory(prefix="validate-") as tmp:
+        try:
+            idx, rec = download_shard(manifest, prefix, shard_name, tmp)
+            shard = read_shard(idx, rec, manifest["num_features"])
+        except (DataError, ValueError) as exc:  # ValueError: a record of the wrong width
+            problem = {"expectation": "shard_files_match_manifest", "column": None, "shard": shard_name,
+                       "unexpected_count": 1, "examples": [str(exc)], "message": f"{shard_name}: {exc}"}
+            result.update(success=False, rows=0, evaluated=1, failures=[problem],
+                          checks=[_integrity(False, [problem])],
+                          great_expectations={"skipped": "the shard files failed their integrity check"})
+            return ShardOutcome(_finish(result, started), None)
+        frame, spec, counts = _frame(manifest, entry, shard, cfg)
+        ge_result, page = run_suite(manifest.get("source_kind", "table"), spec, frame,
+                                    docs_dir=os.path.join(tmp, "docs") if docs else None)
+        html = open(page).read() if page else None
+    failures = ge_failures(ge_result, counts, manifest["classes"])
+    hist_check = _histogram_check(entry, shard.labels)
+    failures += hist_check["failures"]
+    labels, label_counts = np.unique(shard.labels, return_counts=True)
+    result.update(success=not failures, rows=len(shard.labels), failures=failures,
+                  evaluated=len(ge_result["results"]) + 2, checks=[_integrity(True, []), hist_check],
+                  label_histogram={str(int(k)): int(c) for k, c in zip(labels, label_counts)},
+                  great_expectations=ge_result)
+    if html is not None:
+        result["_html"] = html
+    ids = np.stack([shard.id_hashes, shard.row_ids.astype(np.uint64)], axis=1) if spec.has_ids else None
+    return ShardOutcome(_finish(result, started), ids)
+
+
+def _finish(result: dict[str, Any], started: float) -> dict[str, Any]:
+    seconds = time.monotonic() - started
+    result["seconds"] = round(seconds, 3)
+    result["rows_per_s"] = round(result.get("rows", 0) / max(seconds, 1e-9), 1)
+    level = logging.INFO if result["success"] else logging.WARNING
+    log.log(level, "shard %s: %s (%d rows, %d failures, %.2f s, %.0f rows/s)", result["shard"],
+            "passed" if result["success"] else "FAILED", result.get("rows", 0), len(result["failures"]),
+            seconds, result["rows_per_s"])
+    return result
+
+
+def _integrity(ok: bool, failures: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"check": "shard_files_match_manifest", "success": ok, "failures": failures,
+            "description": "the shard files exist and match the manifest's size and sha256"}
+
+
+def _histogram_check(entry: dict[str, Any], labels: np.ndarray) -> dict[str, Any]:
+    observed = {str(int(k)): int(c) for k, c in zip(*np.unique(labels, return_counts=True))}
+    expected = entry.get("label_histogram") or observed  # hand-made manifests may leave it empty
+    ok = observed == expected
+    diff = sorted(k for k in set(observed) | set(expected) if observed.get(k) != expected.get(k))
+    failures = [] if ok else [{
+        "expectation": "label_histogram_matches_manifest", "column": "label", "unexpected_count": len(diff),
+        "examples": [f"class {k}: {observed.get(k, 0)} rows, manifest says {expected.get(k, 0)}" for k in diff[:5]],
+        "message": f"{entry['name']}: label histogram differs from the manifest in {len(diff)} classes"}]
+    return {"check": "label_histogram_matches_manifest", "success": ok, "failures": failures,
+            "description": "the shard's label histogram equals the manifest's"}
+
+
+def _frame(manifest: dict[str, Any], entry: dict[str, Any], shard: Any,
+           cfg: "TrainConfig") -> tuple["pd.DataFrame", SuiteSpec, dict[str, dict[str, int]]]:
+    """The batch GX sees, the suite's parameters, and per-column counts for the derived columns."""
+    import pandas as pd
+
+    names = list(manifest["feature_columns"])
+    features = names if not (set(names) & set(_RESERVED) or len(set(names)) != len(names)) else \
+        [f"f{i}" for i in range(len(names))]
+    X, ids = shard.features, shard.row_ids
+    has_ids = bool(manifest.get("id_column"))
+    kind = manifest.get("source_kind", "table")
+    value_range = tuple(cfg.data.feature_range) or ((0.0, 1.0) if kind == "images" else None)
+    nonfinite = ~np.isfinite(X)
+    parts = [pd.DataFrame({"label": shard.labels, "row_id": ids, **({"id_hash": shard.id_hashes} if has_ids else {})}),
+             pd.DataFrame(X, columns=features, copy=False),
+             pd.DataFrame({NONFINITE_COLUMN: describe_rows(nonfinite, X, ids, names, "non-finite")})]
+    counts = {NONFINITE_COLUMN: _per_column(nonfinite, names)}
+    if value_range is not None:
+        with np.errstate(invalid="ignore"):
+            outside = np.isfinite(X) & ((X < value_range[0]) | (X > value_range[1]))
+        parts.append(pd.DataFrame({RANGE_COLUMN: describe_rows(outside, X, ids, names, "out of range")}))
+        counts[RANGE_COLUMN] = _per_column(outside, names)
+    frame = pd.concat(parts, axis=1)
+    declared = manifest.get("declared_classes")
+    spec = SuiteSpec(shard=entry["name"], columns=list(frame.columns), expected_rows=entry["count"],
+                     allowed_labels=len(declared) if declared else manifest["num_classes"],
+                     total_rows=_total_rows(manifest), has_ids=has_ids,
+                     value_range=value_range, num_features=manifest["num_features"])
+    return frame, spec, counts
+
+
+def _per_column(bad: np.ndarray, names: list[str]) -> dict[str, int]:
+    per_column = bad.sum(axis=0)
+    return {names[j]: int(per_column[j]) for j in np.flatnonzero(per_column)}
+
+
+def _total_rows(manifest: dict[str, Any]) -> int:
+    return int((manifest.get("stats") or {}).get("rows") or sum(s["count"] for s in manifest["shards"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-shard results in storage (the mapped Airflow tasks hand them to the final one this way)
+
+
+def save_outcome(outcome: ShardOutcome, report_prefix: str) -> dict[str, Any]:
+    """Write a shard's result (+ Data Docs page, + id hashes) under ``{report_prefix}/shards/``."""
+    result = dict(outcome.result)
+    base = storage.join(report_prefix, "shards", result["shard"])
+    html = result.pop("_html", None)
+    if html is not None:
+        storage.put_bytes(base + ".html", html.encode())
+        result["html_uri"] = base + ".html"
+    if outcome.ids is not None:
+        buf = io.BytesIO()
+        np.save(buf, outcome.ids)
+        storage.put_bytes(base + ".ids.npy", buf.getvalue())
+        result["ids_uri"] = base + ".ids.npy"
+    result["report_uri"] = base + ".json"
+    storage.put_bytes(result["report_uri"], json.dumps(reporting.jsonable(result), indent=2, sort_keys=True).encode())
+    return result
+
+
+def load_outcome(report_prefix: str, shard_name: str) -> ShardOutcome | None:
+    base = storage.join(report_prefix, "shards", shard_name)
+    try:
+        result = json.loads(storage.get_bytes(base + ".json"))
+    except FileNotFoundError:
+        return None
+    ids = np.load(io.BytesIO(storage.get_bytes(result["ids_uri"]))) if result.get("ids_uri") else None
+    return ShardOutcome(result, ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole validation
+
+
+def finish_validation(manifest_prefix: str, cfg: "TrainConfig", outcomes: dict[str, ShardOutcome | None], *,
+                      report_prefix: str | None = None, previous_manifest_uri: str | None = None,
+                      started: float | None = None) -> dict[str, Any]:
+    """Cross-shard checks over the per-shard outcomes; write the report; raise on any failure."""
+    started = time.monotonic() if started is None else started
+    manifest = load_manifest(manifest_prefix)
+    checks = cross_shard_checks(manifest, {k: (v.result if v else None) for k, v in outcomes.items()},
+                                {k: v.ids for k, v in outcomes.items() if v is not None and v.ids is not None},
+                                cfg, previous_manifest_uri)
+    report = reporting.build(manifest, shards_prefix(manifest_prefix), outcomes, checks,
+                             round(time.monotonic() - started, 3))
+    uris = reporting.write(report, report_prefix) if report_prefix else {}
+    summary = {"success": report["success"], "evaluated": report["evaluated"], "failed": len(report["failures"]),
+               "warnings": [w.get("message") or w["expectation"] for w in report["warnings"]],
+               "report_uri": uris.get("json"), "html_uri": uris.get("html"),
+               "manifest_digest": report["manifest_digest"], "seconds": report["seconds"],
+               "rows_per_s": report["rows_per_s"], "drift": report.get("drift")}
+    if report["failures"]:
+        raise DataValidationError(reporting.message(report, uris.get("json")), report["failures"], uris.get("json"))
+    for warning in summary["warnings"]:
+        log.warning("validation warning: %s", warning)
+    log.info("shards under %s passed %d checks in %.2f s", shards_prefix(manifest_prefix), report["evaluated"],
+             report["seconds"])
     return summary
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading
+def validate_shards(manifest_prefix: str, cfg: "TrainConfig", *, report_prefix: str | None = None,
+                    previous_manifest_uri: str | None = None, docs: bool = False) -> dict[str, Any]:
+    """Every shard, then the cross-shard checks, in this process (CLI, tests).
 
-
-def _load_shards(manifest: dict[str, Any], prefix: str) -> tuple[dict[str, tuple], dict[str, Any]]:
-    """Download, verify and decode every shard; integrity problems become a failed check."""
-    from common.records import read_all
-
-    loaded: dict[str, tuple] = {}
-    problems: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="validate-") as tmp:
-        for shard in manifest["shards"]:
-            name = shard["name"]
-            try:
-                idx, rec = download_shard(manifest, prefix, name, tmp)
-                X, y, ids = read_all(idx, rec, manifest["num_features"])
-            except (DataError, ValueError) as exc:  # ValueError: a record of the wrong width
-                problems.append({"expectation": "shard_files_match_manifest", "column": None, "shard": name,
-                                 "unexpected_count": 1, "examples": [str(exc)], "message": f"{name}: {exc}"})
-                continue
-            if len(y) != shard["count"]:
-                problems.append({"expectation": "shard_files_match_manifest", "column": None, "shard": name,
-                                 "unexpected_count": abs(len(y) - shard["count"]), "examples": [],
-                                 "message": f"{name}: holds {len(y)} records, manifest says {shard['count']}"})
-            loaded[name] = (shard["split"], X, y, ids)
-    check = {"check": "shard_files_match_manifest", "success": not problems,
-             "description": "every shard file exists and matches the manifest's size and sha256",
-             "shards": len(manifest["shards"]), "failures": problems}
-    return loaded, check
-
-
-def _frame(manifest: dict[str, Any], loaded: dict[str, tuple]) -> tuple["pd.DataFrame", list[str], dict[str, int]]:
-    """One frame of all rows: label, row_id, shard, split, the features, and the non-finite marker.
-
-    Also returns how many non-finite values each feature column has (for the failure report).
+    Returns ``{success, evaluated, failed, warnings, report_uri, html_uri, manifest_digest,
+    seconds, rows_per_s, drift}``; raises ``DataValidationError`` listing every failure (after
+    writing the report).
     """
-    import pandas as pd
-
-    features = list(manifest["feature_columns"])
-    if any(c in _RESERVED for c in features) or len(set(features)) != len(features):
-        features = [f"f{i}" for i in range(manifest["num_features"])]
-    width = manifest["num_features"]
-    X = np.concatenate([v[1] for v in loaded.values()]) if loaded else np.empty((0, width), np.float32)
-    y = np.concatenate([v[2] for v in loaded.values()]) if loaded else np.empty(0, np.int32)
-    ids = np.concatenate([v[3] for v in loaded.values()]) if loaded else np.empty(0, np.int64)
-    sizes = [len(v[2]) for v in loaded.values()]
-    shard = np.repeat(np.array(list(loaded), dtype=object), sizes)
-    split = np.repeat(np.array([v[0] for v in loaded.values()], dtype=object), sizes)
-    frame = pd.concat([
-        pd.DataFrame({"label": y, "row_id": ids, "shard": shard, "split": split}),
-        pd.DataFrame(X, columns=features),
-        pd.DataFrame({NONFINITE_COLUMN: _nonfinite_column(X, ids, list(manifest["feature_columns"]))}),
-    ], axis=1)
-    per_column = (~np.isfinite(X)).sum(axis=0)
-    names = manifest["feature_columns"]
-    return frame, features, {names[j]: int(per_column[j]) for j in np.flatnonzero(per_column)}
-
-
-def _nonfinite_column(X: np.ndarray, ids: np.ndarray, names: list[str]) -> np.ndarray:
-    """Per row: None when every feature is finite, else which features are not ("row 5: a=nan").
-
-    Why a derived column: ``expect_column_values_to_not_be_null`` catches NaN but not inf, and
-    ``expect_column_values_to_be_between`` catches inf but skips NaN (GE treats NaN as missing),
-    so per-feature checks need two expectations per column — about 3 s of GE overhead for 64
-    features, growing with the width. One expectation on this column costs the same at any
-    width and its unexpected values name the columns, the values and the source rows.
-    """
-    bad = ~np.isfinite(X)
-    out = np.full(len(X), None, dtype=object)
-    bad_rows = np.flatnonzero(bad.any(axis=1))
-    out[bad_rows[_DESCRIBED_ROWS:]] = "non-finite"
-    for i in bad_rows[:_DESCRIBED_ROWS]:
-        cols = np.flatnonzero(bad[i])
-        shown = ", ".join(f"{names[j]}={X[i, j]}" for j in cols[:_EXAMPLES])
-        more = f" (+{len(cols) - _EXAMPLES} more)" if len(cols) > _EXAMPLES else ""
-        out[i] = f"row {ids[i]}: {shown}{more}"
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Great Expectations
-
-
-def _run_suite(frame: "pd.DataFrame", manifest: dict[str, Any], features: list[str]) -> dict[str, Any]:
-    """Build an ephemeral GE context, one batch of ``frame``, one suite; run it once."""
-    import great_expectations as gx
-    import great_expectations.expectations as gxe
-    from great_expectations.data_context.types.base import ProgressBarsConfig
-
-    context = gx.get_context(mode="ephemeral")
-    context.variables.progress_bars = ProgressBarsConfig(globally=False)
-    batch_definition = (context.data_sources.add_pandas("shards")
-                        .add_dataframe_asset("rows")
-                        .add_batch_definition_whole_dataframe("all_rows"))
-    total_rows = sum(s["count"] for s in manifest["splits"].values())
-    suite = context.suites.add(gx.ExpectationSuite(name="shards", expectations=[
-        gxe.ExpectTableColumnsToMatchOrderedList(
-            column_list=["label", "row_id", "shard", "split", *features, NONFINITE_COLUMN],
-            description="columns match the manifest's schema"),
-        gxe.ExpectTableRowCountToBeBetween(min_value=1, description="the shards hold rows"),
-        gxe.ExpectColumnDistinctValuesToEqualSet(
-            column="shard", value_set=[s["name"] for s in manifest["shards"]],
-            description="every shard in the manifest holds at least one row"),
-        gxe.ExpectColumnValuesToBeNull(
-            column=NONFINITE_COLUMN, description="every feature is finite (no NaN, no inf)"),
-        gxe.ExpectColumnValuesToBeInSet(
-            column="label", value_set=list(range(manifest["num_classes"])),
-            description=f"labels are class indices 0..{manifest['num_classes'] - 1}"),
-        gxe.ExpectColumnValuesToBeUnique(column="row_id", description="no source row appears twice"),
-        gxe.ExpectColumnValuesToBeBetween(
-            column="row_id", min_value=0, max_value=max(total_rows - 1, 0),
-            description="row ids point into the source table"),
-    ]))
-    validation = context.validation_definitions.add(
-        gx.ValidationDefinition(name="shards", data=batch_definition, suite=suite))
-    result = validation.run(batch_parameters={"dataframe": frame},
-                            result_format={"result_format": "SUMMARY", "partial_unexpected_count": 10})
-    return result.to_json_dict()
-
-
-def _ge_failures(ge_result: dict[str, Any] | None, nonfinite: dict[str, int]) -> list[dict[str, Any]]:
-    if not ge_result:
-        return []
-    failures = []
-    for r in ge_result["results"]:
-        if r["success"]:
-            continue
-        cfg, res = r["expectation_config"], r.get("result") or {}
-        column = cfg["kwargs"].get("column")
-        examples = (res.get("partial_unexpected_list") or res.get("partial_missing_list") or [])[:_EXAMPLES]
-        failure = {
-            "expectation": cfg["type"],
-            "column": column,
-            "description": cfg.get("description"),
-            "element_count": res.get("element_count"),
-            "unexpected_count": res.get("unexpected_count"),
-            "examples": examples,
-        }
-        if res.get("missing_count"):  # set expectations: values that should be there and are not
-            failure["missing_count"] = res["missing_count"]
-        if "observed_value" in res:
-            failure["observed_value"] = res["observed_value"]
-        if (r.get("exception_info") or {}).get("raised_exception"):
-            failure["exception"] = r["exception_info"]["exception_message"]
-        if column == NONFINITE_COLUMN:
-            failure["columns"] = list(nonfinite)
-            failure["column_counts"] = nonfinite
-        failures.append(failure)
-    return failures
-
-
-# ---------------------------------------------------------------------------------------------
-# Plain checks, reported beside the GE results
-
-
-def _balance_check(loaded: dict[str, tuple], manifest: dict[str, Any], cfg: "TrainConfig") -> dict[str, Any]:
-    """No train shard holds more than ``max_shard_imbalance`` × the mean (or more than ceil(mean),
-    the least any split can achieve, so tiny datasets are not failed for being indivisible)."""
-    counts = {n: len(v[2]) for n, v in loaded.items() if v[0] == "train"}
-    mean = sum(counts.values()) / len(counts) if counts else 0.0
-    limit = max(cfg.data.max_shard_imbalance * mean, math.ceil(mean))
-    over = {n: c for n, c in counts.items() if c > limit}
-    failures = [{
-        "expectation": "train_shards_balanced", "column": "shard", "unexpected_count": len(over),
-        "examples": [f"{n}: {c} rows" for n, c in list(over.items())[:_EXAMPLES]],
-        "message": f"{len(over)} train shard(s) hold more than {limit:.1f} rows "
-                   f"({cfg.data.max_shard_imbalance} × mean {mean:.1f})",
-    }] if over else []
-    return {"check": "train_shards_balanced", "success": not over, "counts": counts, "mean": mean,
-            "limit": limit, "max_shard_imbalance": cfg.data.max_shard_imbalance,
-            "description": "no train shard holds more than max_shard_imbalance × the mean", "failures": failures}
-
-
-def _shard_layout_check(manifest: dict[str, Any], cfg: "TrainConfig") -> dict[str, Any]:
-    """The manifest has the train shards the config asks for (one per worker unless set)."""
-    n_train = sum(1 for s in manifest["shards"] if s["split"] == "train")
-    ok = n_train == cfg.num_train_shards
-    failures = [] if ok else [{
-        "expectation": "train_shard_count_matches_config", "column": None, "unexpected_count": 1,
-        "examples": [], "observed_value": n_train,
-        "message": f"manifest has {n_train} train shards, the config asks for {cfg.num_train_shards}",
-    }]
-    return {"check": "train_shard_count_matches_config", "success": ok, "observed": n_train,
-            "expected": cfg.num_train_shards, "failures": failures}
-
-
-# ---------------------------------------------------------------------------------------------
-# Reporting
-
-
-def _message(prefix: str, failures: list[dict[str, Any]], evaluated: int, report_uri: str | None) -> str:
-    lines = [f"shard validation failed for {prefix}: {len(failures)} of {evaluated} checks failed"]
-    for f in failures:
-        if "message" in f:
-            lines.append(f"- {f['expectation']}: {f['message']}")
-            continue
-        where = f"({f['column']})" if f.get("column") else ""
-        text = f"- {f['expectation']}{where}"
-        if f.get("description"):
-            text += f" [{f['description']}]"
-        if f.get("column_counts"):
-            shown = [f"{c} ({n})" for c, n in list(f["column_counts"].items())[:10]]
-            more = f" and {len(f['column_counts']) - 10} more" if len(f["column_counts"]) > 10 else ""
-            text += f": columns {', '.join(shown)}{more}"
-        if f.get("unexpected_count") is not None:
-            of = f" of {f['element_count']}" if f.get("element_count") is not None else ""
-            text += f"; {f['unexpected_count']}{of} unexpected"
-        if f.get("missing_count"):
-            text += f"; {f['missing_count']} missing"
-        if f.get("observed_value") is not None:
-            text += f"; observed {_short(f['observed_value'])}"
-        if f.get("examples"):
-            text += f"; e.g. {_short(f['examples'])}"
-        if f.get("exception"):
-            text += f"; error: {f['exception']}"
-        lines.append(text)
-    if report_uri:
-        lines.append(f"full report: {report_uri}")
-    return "\n".join(lines)
-
-
-def _short(value: Any, limit: int = 300) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "…"
-
-
-def _jsonable(value: Any) -> Any:
-    """Strict JSON: NaN/inf become strings, numpy scalars become Python ones."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
+    started = time.monotonic()
+    manifest = load_manifest(manifest_prefix)
+    outcomes: dict[str, ShardOutcome | None] = {}
+    for entry in manifest["shards"]:
+        outcome = validate_shard(manifest_prefix, entry["name"], cfg, manifest=manifest, docs=docs)
+        if report_prefix:
+            outcome = ShardOutcome(save_outcome(outcome, report_prefix), outcome.ids)
+        else:
+            outcome.result.pop("_html", None)
+        outcomes[entry["name"]] = outcome
+    return finish_validation(manifest_prefix, cfg, outcomes, report_prefix=report_prefix,
+                             previous_manifest_uri=previous_manifest_uri, started=started)

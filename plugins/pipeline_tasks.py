@@ -40,7 +40,8 @@ def resolve_config(params: dict[str, Any]) -> Any:
     try:
         base = recipe(params.get("recipe", "digits"), params["dataset_uri"])
         return base.replace(
-            data={"label_column": params["label_column"]},
+            # data_options: further data.* fields (id_column, classes, drift_action, ...) as a JSON object.
+            data={"label_column": params["label_column"], **(params.get("data_options") or {})},
             model={"name": params["model"]},
             optim={"epochs": params["epochs"], "batch_size": params["batch_size"],
                    "learning_rate": params["learning_rate"], "optimizer": params["optimizer"]},
@@ -58,66 +59,180 @@ def run_paths(dag_id: str, run_id: str) -> Any:
     return RunPaths(root=artifact_root(), dag_id=dag_id, run_id=run_id)
 
 
+# Content-addressed shards and the "last validated manifest" pointer live per dataset here.
+DATASETS_DIR = "datasets"
+LATEST_VALIDATED = "latest_validated.json"
+
+
+def dataset_root(source_uri: str) -> str:
+    """``{artifact_root}/datasets/{name}-{hash8}``: one folder per source URI.
+
+    Shards are a function of the data (``shards/{fingerprint[:16]}``), not of the run: a run on
+    unchanged data finds the shards a previous run made and reuses them; changed data or
+    settings get a new prefix. The pointer to the last validated manifest sits beside them.
+    """
+    import hashlib
+
+    from common import storage
+    from common.paths import safe_component
+
+    tail = [p for p in source_uri.replace("*", "_").split("/") if p]
+    name = safe_component(tail[-1] if tail else "dataset")[:60] or "dataset"
+    return storage.join(artifact_root(), DATASETS_DIR, f"{name}-{hashlib.sha256(source_uri.encode()).hexdigest()[:8]}")
+
+
 def shard(params: dict[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
     from common import storage
+    from common.manifest import read_pointer
     from data_checks.errors import DataError
-    from data_checks.shard import manifest_digest, shard_dataset
+    from data_checks.shard import manifest_digest, shard_content_addressed
 
     cfg = resolve_config(params)
     paths = run_paths(dag_id, run_id)
     storage.put_bytes(storage.join(paths.config, "train_config.json"), cfg.to_json().encode())
+    root = dataset_root(cfg.data.source_uri)
     try:
-        manifest = shard_dataset(cfg, paths.shards)
+        prefix, manifest, reused = shard_content_addressed(cfg, storage.join(root, "shards"))
     except DataError as exc:
         raise _fail(f"shard: {exc}") from exc
+    pointer = read_pointer(storage.join(root, LATEST_VALIDATED))
     splits = manifest["splits"]
-    log.info("sharded %s: %s train / %s val / %s test rows in %d train shards", cfg.data.source_uri,
-             splits["train"]["count"], splits["val"]["count"], splits["test"]["count"], cfg.num_train_shards)
-    return {"shards_prefix": paths.shards, "manifest_uri": storage.join(paths.shards, "manifest.json"),
+    log.info("%s %s: %s train / %s val / %s test rows in %d train shards under %s",
+             "reusing the shards of" if reused else "sharded", cfg.data.source_uri, splits["train"]["count"],
+             splits["val"]["count"], splits["test"]["count"], cfg.num_train_shards, prefix)
+    return {"shards_prefix": prefix, "manifest_uri": storage.join(prefix, "manifest.json"),
             "manifest_digest": manifest_digest(manifest), "num_classes": manifest["num_classes"],
-            "rows": {k: v["count"] for k, v in splits.items()}}
+            "rows": {k: v["count"] for k, v in splits.items()},
+            "shard_names": [s["name"] for s in manifest["shards"]],
+            "fingerprint": manifest["source_fingerprint"], "reused": reused, "dataset_root": root,
+            "previous_manifest_uri": pointer["manifest_uri"] if pointer else None}
 
 
-def validate(params: dict[str, Any], shards: dict[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
+def validate_shard(params: dict[str, Any], shards: dict[str, Any], shard_name: str, dag_id: str,
+                   run_id: str) -> dict[str, Any]:
+    """One mapped task per shard: its GX suite; the result goes to ``validation/shards/``."""
     from data_checks.errors import DataError
-    from data_checks.validate import validate_shards
+    from data_checks.report import shard_message
+    from data_checks.validate import save_outcome
+    from data_checks.validate import validate_shard as check_shard
 
     cfg = resolve_config(params)
     paths = run_paths(dag_id, run_id)
     try:
-        summary = validate_shards(shards["shards_prefix"], cfg, report_prefix=paths.validation)
+        # The GX Data Docs page costs about a second per shard; MXPIPE_GX_DATA_DOCS=0 skips it.
+        outcome = check_shard(shards["shards_prefix"], shard_name, cfg,
+                              docs=os.environ.get("MXPIPE_GX_DATA_DOCS", "1") != "0")
+    except DataError as exc:
+        raise _fail(f"validate {shard_name}: {exc}") from exc
+    result = save_outcome(outcome, paths.validation)
+    if not result["success"]:
+        raise _fail(shard_message(result))
+    return {"shard": shard_name, "rows": result["rows"], "report_uri": result["report_uri"],
+            "seconds": result["seconds"], "rows_per_s": result["rows_per_s"]}
+
+
+def validate(params: dict[str, Any], shards: dict[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
+    """After every shard's task: cross-shard checks, the full report, and (on success) the
+    dataset's "last validated manifest" pointer, which the next run's drift check compares to."""
+    from datetime import datetime, timezone
+
+    from common import storage
+    from common.manifest import load_manifest, write_pointer
+    from data_checks.errors import DataError
+    from data_checks.validate import finish_validation, load_outcome
+
+    cfg = resolve_config(params)
+    paths = run_paths(dag_id, run_id)
+    outcomes = {name: load_outcome(paths.validation, name) for name in shards["shard_names"]}
+    try:
+        summary = finish_validation(shards["shards_prefix"], cfg, outcomes, report_prefix=paths.validation,
+                                    previous_manifest_uri=shards.get("previous_manifest_uri"))
     except DataError as exc:
         raise _fail(f"validate: {exc}") from exc
-    return {"report_uri": summary.get("report_uri"), "evaluated": summary.get("evaluated"),
-            "success": summary.get("success")}
+    write_pointer(storage.join(shards["dataset_root"], LATEST_VALIDATED), shards["manifest_uri"],
+                  load_manifest(shards["shards_prefix"]), dag_id=dag_id, run_id=run_id,
+                  report_uri=summary["report_uri"],
+                  validated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    return {"report_uri": summary["report_uri"], "html_uri": summary["html_uri"], "evaluated": summary["evaluated"],
+            "success": summary["success"], "warnings": summary["warnings"], "drift": summary["drift"],
+            "manifest_digest": summary["manifest_digest"], "rows_per_s": summary["rows_per_s"]}
+
+
+def cluster_options(backend: str) -> dict[str, Any]:
+    """Where a backend's machines are, from the environment of the Airflow workers.
+
+    ``MXPIPE_HOSTS_FILE``: a JSON list of hosts (``infra.transport.HostSpec`` fields) for the
+    ``hosts`` backend. ``MXPIPE_EC2_FILE``: a JSON object of ``infra.ec2_cluster.Ec2Options``
+    fields (region, launch template, subnet, spot, ...) for the ``ec2`` backend.
+    """
+    if backend == "local":
+        return {}
+    var = {"hosts": "MXPIPE_HOSTS_FILE", "ec2": "MXPIPE_EC2_FILE"}[backend]
+    path = os.environ.get(var)
+    if not path:
+        raise _fail(f"backend {backend!r} needs {var} (a JSON file describing its machines)")
+    with open(path) as fh:
+        raw = json.load(fh)
+    return {"hosts": raw} if backend == "hosts" else raw
+
+
+def cluster_spec(params: dict[str, Any], dag_id: str, run_id: str) -> Any:
+    """The run's ``ClusterSpec``: shape from the config, place from the ``backend`` param."""
+    from infra.cluster import ClusterSpec
+
+    cfg = resolve_config(params)
+    backend = params.get("backend") or "local"
+    options = cluster_options(backend)
+    return ClusterSpec(run_tag=f"{dag_id}--{run_id}", workers=cfg.cluster.num_workers,
+                       servers=cfg.cluster.num_servers, backend=backend,
+                       devices_per_worker=int(options.get("devices_per_worker", 0)),
+                       instance_type=str(options.get("instance_type", "")), image=str(options.get("image", "")),
+                       ttl_s=float(os.environ.get("MXPIPE_CLUSTER_TTL_S", 6 * 3600)), options=options)
 
 
 def provision(params: dict[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
-    from infra.local_cluster import ClusterSpec, LocalCluster
+    """Provision (or, on a retry, find) the run's cluster; a retry reuses what is healthy."""
+    from infra.cluster import ProvisionError
+    from infra.cluster import provision as provision_cluster
 
-    cfg = resolve_config(params)
-    spec = ClusterSpec(workers=cfg.cluster.num_workers, servers=cfg.cluster.num_servers,
-                       run_tag=f"{dag_id}--{run_id}", backend=cfg.cluster.backend)
-    return LocalCluster.provision(spec).describe()
+    spec = cluster_spec(params, dag_id, run_id)
+    try:
+        return provision_cluster(spec).describe()
+    except (ProvisionError, ValueError) as exc:
+        raise RuntimeError(f"provision ({spec.backend}): {exc}") from exc
 
 
 def teardown(cluster: dict[str, Any] | None) -> dict[str, Any]:
-    from infra.local_cluster import LocalCluster
+    """Release the cluster (runs on success, failure and manual fail). Idempotent."""
+    from infra.cluster import attach
 
     if not cluster:
         log.info("nothing was provisioned; nothing to tear down")
         return {"stopped": []}
-    return {"stopped": LocalCluster.from_description(cluster).teardown()}
+    return attach(cluster).teardown()
+
+
+def reap(older_than_s: float = 0.0) -> dict[str, Any]:
+    """Tear down every cluster past its TTL: local records, and EC2 instances by their tags."""
+    from infra.cluster import reap as reap_records
+
+    reaped = {"clusters": reap_records(older_than_s)}
+    if os.environ.get("MXPIPE_EC2_FILE"):
+        from infra.ec2_cluster import Ec2Options, reap_expired
+
+        reaped["ec2_instances"] = reap_expired(Ec2Options.from_dict(cluster_options("ec2")),
+                                               older_than_s=older_than_s)
+    log.info("reaper: %s", reaped)
+    return reaped
 
 
 def train(params: dict[str, Any], cluster: dict[str, Any], shards: dict[str, Any], dag_id: str,
           run_id: str, try_number: int) -> dict[str, Any]:
     from common import storage
-    from infra.local_cluster import LocalCluster
+    from infra.cluster import attach
     from training.checkpoint import CheckpointStore
     from training.job import JobSpec
     from training.launcher import JobFailed, Supervisor
-    from training.ports import free_port
 
     cfg = resolve_config(params)
     paths = run_paths(dag_id, run_id)
@@ -130,8 +245,13 @@ def train(params: dict[str, Any], cluster: dict[str, Any], shards: dict[str, Any
     resume_step = committed[0] if committed else 0
     log.info("attempt %d: %s", try_number,
              f"resuming from checkpoint step {resume_step}" if committed else "starting from scratch")
-    lc = LocalCluster.from_description(cluster)
-    sup = Supervisor(cfg, lc.spawner(), host=lc.host, port=free_port(lc.host), base_env=os.environ)
+    # The cluster places the roles and picks the scheduler's address for this attempt. A retry
+    # provisions again first: idempotent, it reuses what is healthy and replaces what was lost
+    # (a reclaimed spot instance), where the previous attempt's failure may have come from.
+    backend = attach(cluster)
+    if try_number > 1:
+        backend = type(backend).provision(backend.spec, backend.home)
+    sup = Supervisor(cfg, cluster=backend, base_env=os.environ)
     try:
         sup.run(job_uri)
     except JobFailed as exc:

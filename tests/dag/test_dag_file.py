@@ -42,7 +42,11 @@ def test_parse_loads_nothing_heavy():
 
 def test_structure(dag):
     tasks = {t.task_id: t for t in dag.tasks}
-    assert set(tasks) == {"shard", "validate", "provision", "train", "release", "register"}
+    assert set(tasks) == {"shard", "shard_names", "validate_shard", "validate", "provision", "train", "release",
+                          "register"}
+    # One validation task per shard (mapped), then the cross-shard task, which waits for all of them.
+    assert type(tasks["validate_shard"]).__name__.endswith("MappedOperator")
+    assert "validate_shard" in tasks["validate"].upstream_task_ids
     assert tasks["provision"].is_setup and tasks["release"].is_teardown
     # Nothing is provisioned before the data has passed validation.
     assert "validate" in tasks["provision"].upstream_task_ids

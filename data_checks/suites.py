@@ -1,0 +1,172 @@
+"""Great Expectations suites, one function per dataset kind, and the code that runs them.
+
+GX 1.x, code-first: an ephemeral context is built when a validation runs (never at import or
+DAG-parse time), with one pandas batch (one shard) and one suite. Optionally the run goes
+through a Checkpoint with ``UpdateDataDocsAction`` into a throw-away local Data Docs site, and
+the rendered validation page is kept (it costs about a second per shard).
+
+Why derived columns (``_nonfinite_features``, ``_out_of_range``) rather than one expectation
+per feature: ``expect_column_values_to_not_be_null`` catches NaN but not inf, and
+``expect_column_values_to_be_between`` catches inf but skips NaN (GX treats NaN as missing), so
+per-feature checks need two expectations per column — about 3 s of GX overhead for 64
+features, growing with the width. One expectation on a derived column costs the same at any
+width, and its unexpected values name the columns, the values and the source rows.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+log = logging.getLogger(__name__)
+
+NONFINITE_COLUMN = "_nonfinite_features"
+RANGE_COLUMN = "_out_of_range"
+EXAMPLES = 5
+# Rows described value by value in a derived column; further bad rows are only marked.
+_DESCRIBED_ROWS = 200
+
+
+@dataclass(frozen=True)
+class SuiteSpec:
+    """What a shard's batch must look like; built from the manifest and the config."""
+
+    shard: str
+    columns: list[str]  # the batch's columns, in order
+    expected_rows: int
+    allowed_labels: int  # labels are class indices 0..allowed_labels-1
+    total_rows: int  # row ids point into the source: 0..total_rows-1
+    has_ids: bool
+    value_range: tuple[float, float] | None
+    num_features: int
+
+
+def _common(spec: SuiteSpec) -> list[Any]:
+    import great_expectations.expectations as gxe
+
+    out = [
+        gxe.ExpectTableColumnsToMatchOrderedList(column_list=spec.columns,
+                                                 description="columns match the manifest's schema"),
+        gxe.ExpectTableRowCountToBeBetween(min_value=1, description="the shard holds rows"),
+        gxe.ExpectTableRowCountToEqual(value=spec.expected_rows,
+                                       description="the shard holds the manifest's record count"),
+        gxe.ExpectColumnValuesToBeOfType(column="label", type_="int32", description="labels are class indices"),
+        gxe.ExpectColumnValuesToBeOfType(column="row_id", type_="int64", description="row ids are integers"),
+        gxe.ExpectColumnValuesToBeNull(column=NONFINITE_COLUMN,
+                                       description="every feature is finite (no null, NaN or inf)"),
+        gxe.ExpectColumnValuesToBeInSet(column="label", value_set=list(range(spec.allowed_labels)),
+                                        description="labels are within the declared label set"),
+        gxe.ExpectColumnValuesToBeUnique(column="row_id", description="no source row appears twice"),
+        gxe.ExpectColumnValuesToBeBetween(column="row_id", min_value=0, max_value=max(spec.total_rows - 1, 0),
+                                          description="row ids point into the source table"),
+    ]
+    if spec.has_ids:
+        out.append(gxe.ExpectColumnValuesToBeUnique(column="id_hash", description="no id appears twice"))
+    return out
+
+
+def table_suite(spec: SuiteSpec) -> list[Any]:
+    """Tabular sources: the common checks, plus the declared ``data.feature_range`` if any."""
+    import great_expectations.expectations as gxe
+
+    out = _common(spec)
+    if spec.value_range is not None:
+        lo, hi = spec.value_range
+        out.append(gxe.ExpectColumnValuesToBeNull(column=RANGE_COLUMN,
+                                                  description=f"every feature is within [{lo}, {hi}]"))
+    return out
+
+
+def image_suite(spec: SuiteSpec) -> list[Any]:
+    """Image sources: the common checks, pixels scaled into [0, 1], C×H×W values per image."""
+    import great_expectations.expectations as gxe
+
+    lo, hi = spec.value_range or (0.0, 1.0)
+    return [*_common(spec),
+            gxe.ExpectColumnValuesToBeNull(column=RANGE_COLUMN, description=f"every pixel is within [{lo}, {hi}]"),
+            gxe.ExpectTableColumnCountToEqual(value=len(spec.columns),
+                                              description=f"each image has {spec.num_features} values (C×H×W)")]
+
+
+SUITES: dict[str, Callable[[SuiteSpec], list[Any]]] = {"table": table_suite, "images": image_suite}
+
+
+def run_suite(kind: str, spec: SuiteSpec, frame: "pd.DataFrame", docs_dir: str | None = None) -> tuple[dict[str, Any], str | None]:
+    """Run the suite of ``kind`` on ``frame``; returns (GX result as JSON, Data Docs page or None)."""
+    import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    context = gx.get_context(mode="ephemeral")
+    context.variables.progress_bars = ProgressBarsConfig(globally=False)
+    batch_definition = (context.data_sources.add_pandas("shards")
+                        .add_dataframe_asset(spec.shard)
+                        .add_batch_definition_whole_dataframe("rows"))
+    suite = context.suites.add(gx.ExpectationSuite(name=f"{kind}-shard", expectations=SUITES[kind](spec)))
+    validation = context.validation_definitions.add(
+        gx.ValidationDefinition(name=f"validate-{spec.shard}", data=batch_definition, suite=suite))
+    result_format = {"result_format": "SUMMARY", "partial_unexpected_count": 10}
+    if docs_dir is None:
+        result = validation.run(batch_parameters={"dataframe": frame}, result_format=result_format)
+        return result.to_json_dict(), None
+    context.add_data_docs_site(site_name="local", site_config={
+        "class_name": "SiteBuilder",
+        "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": docs_dir},
+        "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"}})
+    checkpoint = context.checkpoints.add(gx.Checkpoint(
+        name=f"checkpoint-{spec.shard}", validation_definitions=[validation], result_format=result_format,
+        actions=[gx.checkpoint.UpdateDataDocsAction(name="data_docs", site_names=["local"])]))
+    run = checkpoint.run(batch_parameters={"dataframe": frame})
+    result = next(iter(run.run_results.values()))
+    pages = glob.glob(os.path.join(docs_dir, "validations", "**", "*.html"), recursive=True)
+    return result.to_json_dict(), (pages[0] if pages else None)
+
+
+def describe_rows(bad: np.ndarray, X: np.ndarray, ids: np.ndarray, names: list[str], label: str) -> np.ndarray:
+    """A derived column: None for good rows, else which features are bad ("row 5: a=nan").
+
+    ``bad`` is a boolean matrix like ``X``; ``label`` marks rows past the described ones.
+    """
+    out = np.full(len(X), None, dtype=object)
+    bad_rows = np.flatnonzero(bad.any(axis=1))
+    out[bad_rows[_DESCRIBED_ROWS:]] = label
+    for i in bad_rows[:_DESCRIBED_ROWS]:
+        cols = np.flatnonzero(bad[i])
+        shown = ", ".join(f"{names[j]}={X[i, j]}" for j in cols[:EXAMPLES])
+        more = f" (+{len(cols) - EXAMPLES} more)" if len(cols) > EXAMPLES else ""
+        out[i] = f"row {ids[i]}: {shown}{more}"
+    return out
+
+
+def ge_failures(ge_result: dict[str, Any], column_counts: dict[str, dict[str, int]],
+                classes: list[Any]) -> list[dict[str, Any]]:
+    """One failure dict per failed expectation: type, column, counts, examples."""
+    failures = []
+    for r in ge_result["results"]:
+        if r["success"]:
+            continue
+        cfg, res = r["expectation_config"], r.get("result") or {}
+        column = cfg["kwargs"].get("column")
+        examples = (res.get("partial_unexpected_list") or res.get("partial_missing_list") or [])[:EXAMPLES]
+        failure: dict[str, Any] = {"expectation": cfg["type"], "column": column, "description": cfg.get("description"),
+                                   "element_count": res.get("element_count"),
+                                   "unexpected_count": res.get("unexpected_count"), "examples": examples}
+        if res.get("missing_count"):
+            failure["missing_count"] = res["missing_count"]
+        if "observed_value" in res:
+            failure["observed_value"] = res["observed_value"]
+        if (r.get("exception_info") or {}).get("raised_exception"):
+            failure["exception"] = r["exception_info"]["exception_message"]
+        if column in column_counts:
+            failure["columns"] = list(column_counts[column])
+            failure["column_counts"] = column_counts[column]
+        if column == "label" and cfg["type"] == "expect_column_values_to_be_in_set":
+            failure["values"] = [classes[int(v)] if 0 <= int(v) < len(classes) else v for v in examples]
+        failures.append(failure)
+    return failures
