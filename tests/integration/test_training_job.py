@@ -3,17 +3,19 @@ reading shards from and checkpointing to a real S3 server (SeaweedFS)."""
 import json
 import logging
 import os
+import sys
 import re
 
 import pytest
+
 from common import storage
-from common.procs import GroupSpawner, group_members
 from data_checks.shard import shard_dataset
 from training.checkpoint import CheckpointStore
 from training.config import recipe
-from training.job import JobSpec
-from training.launcher import JobFailed, Supervisor
-from training.ports import free_port
+from training.launcher import JobFailed
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from local_jobs import make_job as _job, run_job as _run  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -26,25 +28,6 @@ def digits_shards(s3_server, digits_csv):
     cfg = recipe("debug", source)
     shard_dataset(cfg, storage.join(bucket, "shards"))
     return cfg, storage.join(bucket, "shards")
-
-
-def _job(cfg, shards, prefix, **overrides):
-    cfg = cfg.replace(**overrides) if overrides else cfg
-    return JobSpec(config=cfg, shards_prefix=shards, checkpoint_prefix=storage.join(prefix, "checkpoints"),
-                   model_prefix=storage.join(prefix, "model"), metrics_uri=storage.join(prefix, "metrics.json"))
-
-
-def _run(job, prefix, tmp_path, env=None):
-    job_uri = storage.join(prefix, "job.json")
-    job.save(job_uri)
-    spawner = GroupSpawner(str(tmp_path / f"procs-{len(os.listdir(tmp_path))}"))
-    sup = Supervisor(job.config, spawner, host="127.0.0.1", port=free_port(), base_env={**os.environ, **(env or {})})
-    try:
-        sup.run(job_uri)
-    finally:
-        leftover = [r.name for r in spawner.records if group_members(r.pgid)]
-        assert leftover == [], f"role processes left behind: {leftover}"
-    return spawner
 
 
 def test_dist_sync_two_workers_one_server(digits_shards, s3_prefix, tmp_path):

@@ -1,0 +1,28 @@
+"""Shared by the job tests: build a JobSpec under a prefix and run it on local role processes,
+asserting that no role process outlives the job."""
+import os
+
+from common import storage
+from common.procs import GroupSpawner, group_members
+from training.job import JobSpec
+from training.launcher import Supervisor
+from training.ports import free_port
+
+
+def make_job(cfg, shards_prefix, prefix, **overrides):
+    cfg = cfg.replace(**overrides) if overrides else cfg
+    return JobSpec(config=cfg, shards_prefix=shards_prefix, checkpoint_prefix=storage.join(prefix, "checkpoints"),
+                   model_prefix=storage.join(prefix, "model"), metrics_uri=storage.join(prefix, "metrics.json"))
+
+
+def run_job(job, prefix, tmp_path, env=None):
+    job_uri = storage.join(prefix, "job.json")
+    job.save(job_uri)
+    spawner = GroupSpawner(str(tmp_path / f"procs-{len(os.listdir(tmp_path))}"))
+    sup = Supervisor(job.config, spawner, host="127.0.0.1", port=free_port(), base_env={**os.environ, **(env or {})})
+    try:
+        sup.run(job_uri)
+    finally:
+        leftover = [r.name for r in spawner.records if group_members(r.pgid)]
+        assert leftover == [], f"role processes left behind: {leftover}"
+    return spawner
