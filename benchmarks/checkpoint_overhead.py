@@ -1,16 +1,19 @@
 """Checkpoint overhead: how long the training loop is blocked, upload throughput, restore time.
 
-    .venv/bin/python benchmarks/checkpoint_overhead.py          # quick (about a minute)
+    .venv/bin/python benchmarks/checkpoint_overhead.py          # quick (about two minutes)
     .venv/bin/python benchmarks/checkpoint_overhead.py --full   # more steps, 3 repeats
 
 Starts its own SeaweedFS (``infra.services.start_s3`` on free ports in a temp folder) and trains
-an MLP of 3.8 M parameters (15 MB; with Adam's two moments, 45 MB of params + states per
-checkpoint) in one process with the worker's own pieces (``make_trainer`` on a local kvstore,
-``checkpoint_state.snapshot``, ``Checkpointer``, ``CheckpointStore``), checkpointing every few
-steps, once with the synchronous writer and once with the asynchronous one.
+ResNet-18 (``gluon.model_zoo.vision.resnet18_v1``, 11.2 M parameters, 45 MB; with SGD
+momentum, 90 MB of params + states per checkpoint) on 32x32 inputs in one process with the
+worker's own pieces (``make_trainer`` on a local kvstore, ``checkpoint_state.snapshot``,
+``Checkpointer``, ``CheckpointStore``), checkpointing every few steps: once without
+checkpoints, once with the synchronous writer and once with the asynchronous one.
 
-- P2: fraction of the loop's wall time blocked by checkpointing (snapshot + serialise/upload for
-  sync; snapshot + waits for async), and the end-to-end slowdown against no checkpoints.
+- P2: fraction of the loop's wall time blocked by checkpointing in steady state (the snapshot
+  plus any wait for the previous upload; sync: the whole serialise + upload), the one-off wait
+  for the last upload at the end of the job (reported apart: it is paid once per job, not per
+  save), and the end-to-end cost per save in steps against the run without checkpoints.
 - P3: checkpoint upload throughput (``store.save``: serialise + sha256 + put + manifest) ÷ a raw
   boto3 ``put_object`` of the same bytes to the same server.
 - Restore: ``store.latest()`` (list, read, verify) + loading params and optimizer state.
@@ -29,54 +32,64 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
+BATCH = 16
+OPTIMIZER = ("sgd", {"learning_rate": 0.01, "momentum": 0.9})
 
-def _train(mx, steps: int, every: int, writer, store_prefix: str | None) -> dict:
+
+def _model(mx):
+    net = mx.gluon.model_zoo.vision.resnet18_v1(classes=10)
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    net(mx.nd.zeros((1, 3, 32, 32)))  # materialise deferred shapes
+    return net
+
+
+def _train(mx, steps: int, every: int, writer) -> dict:
     from training import checkpoint_state as cs
     from training.kvstore_sync import make_trainer
 
     mx.random.seed(1)
-    net = mx.gluon.nn.HybridSequential()
-    net.add(mx.gluon.nn.Dense(2048, activation="relu", in_units=64),
-            mx.gluon.nn.Dense(1792, activation="relu", in_units=2048), mx.gluon.nn.Dense(10, in_units=1792))
-    net.initialize(mx.init.Xavier())
-    net.hybridize()
-    trainer = make_trainer(net.collect_params(), "adam", {"learning_rate": 1e-3}, mx.kv.create("local"),
-                           "workers", batch_size=32)
+    net = _model(mx)
+    trainer = make_trainer(net.collect_params(), OPTIMIZER[0], dict(OPTIMIZER[1]), mx.kv.create("local"),
+                           "workers", batch_size=BATCH)
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
-    rng = np.random.default_rng(0)
-    X = mx.nd.array(rng.standard_normal((32, 64)))
-    y = mx.nd.array(rng.integers(0, 10, 32))
-    blocked = 0.0
+    X = mx.nd.random.uniform(shape=(BATCH, 3, 32, 32))
+    y = mx.nd.array(np.arange(BATCH) % 10)
     started = time.monotonic()
     for step in range(1, steps + 1):
         with mx.autograd.record():
             loss = loss_fn(net(X), y)
         loss.backward()
-        trainer.step(32)
+        trainer.step(BATCH)
         loss.mean().asscalar()
         if writer is not None and step % every == 0:
-            t0 = time.monotonic()
-            if not writer.busy or step == steps:
-                snap = cs.snapshot(net, trainer, step, {"global_step": step})
-                writer.stats.blocked_s += time.monotonic() - t0
-                writer.submit(snap, must=step == steps)
-            else:
+            # What the worker does: a periodic save is skipped while one is in flight; the
+            # last one must exist and waits.
+            must = step == steps
+            if writer.busy and not must:
                 writer.stats.skipped += 1
+                continue
+            t0 = time.monotonic()
+            snap = cs.snapshot(net, trainer, step, {"global_step": step})
+            writer.stats.blocked_s += time.monotonic() - t0
+            writer.submit(snap, must=must)
+    loop_wall = time.monotonic() - started
+    out: dict = {"wall_s": loop_wall, "steps": steps}
     if writer is not None:
+        steady_blocked = writer.stats.blocked_s
         t0 = time.monotonic()
         writer.close()
-        writer.stats.blocked_s += time.monotonic() - t0
-        blocked = writer.stats.blocked_s
-    wall = time.monotonic() - started
-    out = {"wall_s": wall, "blocked_s": blocked, "blocked_fraction": blocked / wall}
-    if writer is not None:
+        flush = time.monotonic() - t0
         out.update(writer.stats.as_dict())
+        out.update({"blocked_s": steady_blocked, "blocked_fraction": steady_blocked / loop_wall,
+                    "final_flush_s": flush})
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--full", action="store_true")
+    parser.add_argument("--json", help="also write the summary to this file")
     args = parser.parse_args()
     steps, every, repeats = (200, 10, 3) if args.full else (60, 10, 1)
 
@@ -99,12 +112,13 @@ def main() -> int:
             os.environ.pop("AWS_ENDPOINT_URL", None)
             root = f"s3://{cfg.bucket}/bench-{int(time.time())}"
             results: dict[str, list] = {"none": [], "sync": [], "async": []}
+            _train(mx, 3, every, None)  # warm-up: first-step graph building is not a cost of checkpoints
             for r in range(repeats):
-                results["none"].append(_train(mx, steps, every, None, None))
+                results["none"].append(_train(mx, steps, every, None))
                 for mode in ("sync", "async"):
                     store = CheckpointStore(storage.join(root, f"{mode}-{r}"), keep=2)
                     writer = Checkpointer(store, asynchronous=mode == "async")
-                    results[mode].append(_train(mx, steps, every, writer, store.prefix))
+                    results[mode].append(_train(mx, steps, every, writer))
 
             # P3 + restore on the last async store's newest checkpoint.
             store = CheckpointStore(storage.join(root, f"async-{repeats - 1}"), keep=2)
@@ -130,14 +144,11 @@ def main() -> int:
             # Loading into a model + trainer, timed once.
             from training.kvstore_sync import make_trainer
 
-            net = mx.gluon.nn.HybridSequential()
-            net.add(mx.gluon.nn.Dense(2048, activation="relu", in_units=64),
-                    mx.gluon.nn.Dense(1792, activation="relu", in_units=2048), mx.gluon.nn.Dense(10, in_units=1792))
-            net.initialize()
+            net = _model(mx)
             t0 = time.monotonic()
             cs.load_params(net, got.files[cs.PARAMS], mx.cpu())
-            trainer = make_trainer(net.collect_params(), "adam", {"learning_rate": 1e-3}, mx.kv.create("local"),
-                                   "workers", batch_size=32)
+            trainer = make_trainer(net.collect_params(), OPTIMIZER[0], dict(OPTIMIZER[1]), mx.kv.create("local"),
+                                   "workers", batch_size=BATCH)
             cs.load_states(trainer, got.files.get(cs.STATES), got.uri)
             load_s = time.monotonic() - t0
         finally:
@@ -147,17 +158,34 @@ def main() -> int:
         return float(np.median(xs))
 
     none_wall = med([x["wall_s"] for x in results["none"]])
+    step_s = none_wall / steps
+
+    def per_save_steps(mode: str, key: str) -> float:
+        """Median over repeats of a cost per committed save, in steps of the run without checkpoints."""
+        costs = []
+        for x in results[mode]:
+            saves = max(x["committed"], 1)
+            cost = x["wall_s"] - none_wall if key == "slowdown" else x[key]
+            costs.append(cost / saves / step_s)
+        return med(costs)
+
     summary = {
         "steps": steps, "checkpoint_every": every, "repeats": repeats, "checkpoint_mb": nbytes / 1e6,
         "no_checkpoint_wall_s": none_wall,
         **{f"{m}_{k}": med([x[k] for x in results[m]]) for m in ("sync", "async")
-           for k in ("wall_s", "blocked_s", "blocked_fraction", "committed", "skipped")},
+           for k in ("wall_s", "blocked_s", "blocked_fraction", "committed", "skipped", "final_flush_s")},
+        "step_s": step_s,
+        **{f"{m}_blocked_steps_per_save": per_save_steps(m, "blocked_s") for m in ("sync", "async")},
+        **{f"{m}_slowdown_steps_per_save": per_save_steps(m, "slowdown") for m in ("sync", "async")},
         "sync_slowdown": med([x["wall_s"] for x in results["sync"]]) / none_wall - 1,
         "async_slowdown": med([x["wall_s"] for x in results["async"]]) / none_wall - 1,
         "raw_put_MBps": nbytes / 1e6 / med(raw), "checkpoint_save_MBps": nbytes / 1e6 / med(ours),
         "p3_ratio": med(raw) / med(ours), "restore_read_verify_s": med(restore), "restore_load_s": load_s,
     }
     print(json.dumps(summary, indent=2))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(summary, fh, indent=2)
     return 0
 
 

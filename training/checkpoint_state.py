@@ -1,12 +1,17 @@
 """What a worker puts into a checkpoint and takes back out: parameters, optimizer state, RNG.
 
-- Parameters: a host copy (``asnumpy``) of every parameter, keyed by gluon's structural names
-  (what ``save_parameters`` uses), serialised as ``params.npz`` off the training thread.
+- Parameters: a copy of every parameter, keyed by gluon's structural names (what
+  ``save_parameters`` uses), serialised as ``params.npz`` off the training thread.
 - Optimizer state (``trainer.states``): ``Updater.get_states(dump_optimizer=True)``, the
   bytes ``Trainer.save_states`` writes: moments/momentum plus the optimizer itself (its update
   counts drive Adam's bias correction). Only with the optimizer on the workers; with it on the
   servers (``dist_async`` or ``optimizer_on='servers'``) a worker cannot read it, and a resume
   restarts it from zero (logged).
+- The snapshot does not wait for the engine: it queues a ``copyto`` of every parameter and state
+  array. MXNet's engine orders each copy after the update that wrote the array and before the
+  next step's update overwrites it, so the copies hold exactly this step's values while the
+  training thread goes on; the writer thread's ``asnumpy`` is what waits for them. The loop is
+  blocked only for queueing the copies and pickling the (small) optimizer object.
 - RNG: MXNet's generator state cannot be read back, so every step re-seeds Python, NumPy and
   MXNet from ``(seed, global_step, rank)``. An uninterrupted run and one resumed at any step
   then draw the same numbers (dropout masks, ...). Data order is a pure function of
@@ -14,10 +19,12 @@
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import logging
 import os
+import pickle
 import random
 import tempfile
 from dataclasses import dataclass
@@ -35,24 +42,60 @@ STATES = "trainer.states"
 
 @dataclass
 class Snapshot:
-    """A host-memory copy of everything a checkpoint holds; serialised later, off the loop."""
+    """A copy of everything a checkpoint holds, taken at one step; serialised later, off the loop.
+
+    ``params`` and the arrays inside ``states`` are MXNet NDArray copies (or NumPy arrays);
+    ``optimizer`` is the pickled optimizer object (update counts, learning-rate schedule).
+    """
 
     step: int
-    params: dict[str, np.ndarray]
-    states: bytes | None
+    params: dict[str, Any]
+    states: Any
+    optimizer: bytes | None
     state: dict[str, Any]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.params.values()) + len(self.states or b"")
+        return sum(_nbytes(a) for a in self.params.values()) + sum(_nbytes(a) for a in _arrays(self.states))
 
     def files(self) -> dict[str, bytes]:
+        """Serialise (waits for the engine's copies; safe from another thread)."""
         buf = io.BytesIO()
-        np.savez(buf, **self.params)
+        np.savez(buf, **{name: _host(a) for name, a in self.params.items()})
         out = {PARAMS: buf.getvalue()}
-        if self.states is not None:
-            out[STATES] = self.states
+        if self.optimizer is not None:
+            # The bytes Trainer.save_states writes: pickle((states, optimizer)).
+            out[STATES] = pickle.dumps((self.states, pickle.loads(self.optimizer)))
         return out
+
+
+def _copy(obj: Any) -> Any:
+    """A non-blocking engine copy of every NDArray in a (nested) optimizer state."""
+    if obj is None:
+        return None
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_copy(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _copy(v) for k, v in obj.items()}
+    if hasattr(obj, "copyto"):
+        return obj.copyto(obj.context)
+    return copy.deepcopy(obj)
+
+
+def _arrays(obj: Any) -> list[Any]:
+    if isinstance(obj, (tuple, list)):
+        return [a for o in obj for a in _arrays(o)]
+    if isinstance(obj, dict):
+        return [a for v in obj.values() for a in _arrays(v)]
+    return [obj] if hasattr(obj, "shape") else []
+
+
+def _nbytes(a: Any) -> int:
+    return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+
+
+def _host(a: Any) -> np.ndarray:
+    return a.asnumpy() if hasattr(a, "asnumpy") else np.asarray(a)
 
 
 def step_seed(seed: int, global_step: int, rank: int) -> int:
@@ -73,10 +116,14 @@ def saves_optimizer_state(trainer: Any) -> bool:
 
 
 def snapshot(net: Any, trainer: Any, step: int, state: dict[str, Any]) -> Snapshot:
-    """Copy parameters and optimizer state to host memory (blocks until they are computed)."""
-    params = {name: p.data().asnumpy() for name, p in net._collect_params_with_prefix().items()}
-    states = trainer._updaters[0].get_states(dump_optimizer=True) if saves_optimizer_state(trainer) else None
-    return Snapshot(step=step, params=params, states=states, state=dict(state, optimizer_state=states is not None))
+    """Queue copies of the parameters and optimizer state; returns without waiting for them."""
+    params = {name: p.data().copyto(p.data().context) for name, p in net._collect_params_with_prefix().items()}
+    states, optimizer = None, None
+    if saves_optimizer_state(trainer):
+        updater = trainer._updaters[0]
+        states, optimizer = _copy(updater.states), pickle.dumps(updater.optimizer)
+    return Snapshot(step=step, params=params, states=states, optimizer=optimizer,
+                    state=dict(copy.deepcopy(state), optimizer_state=states is not None))
 
 
 def load_params(net: Any, blob: bytes, ctx: Any) -> None:

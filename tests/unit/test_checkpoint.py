@@ -154,11 +154,14 @@ def test_key_from_env_rejects_bad_values(monkeypatch):
 
 
 def _snap(step, nbytes=16):
+    import pickle
+
     import numpy as np
 
     from training.checkpoint_state import Snapshot
 
-    return Snapshot(step=step, params={"w": np.full(nbytes // 4, step, np.float32)}, states=b"st",
+    return Snapshot(step=step, params={"w": np.full(nbytes // 4, step, np.float32)},
+                    states={0: np.zeros(2, np.float32)}, optimizer=pickle.dumps({"num_update": step}),
                     state={"global_step": step})
 
 
@@ -251,3 +254,52 @@ def test_sse_args():
     assert storage.sse_args("aws:kms", "k1") == {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "k1"}
     with pytest.raises(ValueError):
         storage.sse_args("nope")
+
+
+def test_snapshot_holds_the_values_of_its_step_while_training_goes_on():
+    """The snapshot only queues engine copies; later updates must not leak into it, and its
+    optimizer bytes must restore like Trainer.save_states' (update counts included)."""
+    import numpy as np
+
+    from common.mx import import_mxnet
+    from training import checkpoint_state as cs
+    from training.kvstore_sync import make_trainer
+
+    mx = import_mxnet()
+    mx.random.seed(3)
+    net = mx.gluon.nn.Dense(4, in_units=8)
+    net.initialize(mx.init.Xavier())
+    trainer = make_trainer(net.collect_params(), "adam", {"learning_rate": 0.1}, mx.kv.create("local"),
+                           "workers", batch_size=4)
+    x, y = mx.nd.ones((4, 8)), mx.nd.array([0, 1, 2, 3])
+    loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+
+    def step():
+        with mx.autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        trainer.step(4)
+
+    for _ in range(3):
+        step()
+    expected_w = net.weight.data().asnumpy()
+    expected_states = trainer._updaters[0].get_states(dump_optimizer=True)
+    snap = cs.snapshot(net, trainer, 3, {"history": [1]})
+    for _ in range(5):  # runs on while the snapshot is pending
+        step()
+    files = snap.files()
+    with np.load(__import__("io").BytesIO(files[cs.PARAMS])) as arrays:
+        np.testing.assert_array_equal(arrays["weight"], expected_w)
+    assert not np.array_equal(net.weight.data().asnumpy(), expected_w)
+
+    fresh = make_trainer(net.collect_params(), "adam", {"learning_rate": 0.1}, mx.kv.create("local"),
+                         "workers", batch_size=4)
+    assert cs.load_states(fresh, files[cs.STATES], "snapshot")
+    ref = make_trainer(net.collect_params(), "adam", {"learning_rate": 0.1}, mx.kv.create("local"),
+                       "workers", batch_size=4)
+    assert cs.load_states(ref, expected_states, "reference")
+    got, want = fresh._updaters[0], ref._updaters[0]
+    assert got.optimizer.num_update == want.optimizer.num_update == 3
+    for key, (mean, var) in want.states.items():
+        np.testing.assert_array_equal(got.states[key][0].asnumpy(), mean.asnumpy())
+        np.testing.assert_array_equal(got.states[key][1].asnumpy(), var.asnumpy())
