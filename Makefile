@@ -23,4 +23,4 @@ status:
 	$(PY) -m infra.services status
 
 benchmark: setup
-	$(PY) benchmarks/parse_time.py
+	$(PY) benchmarks/run.py

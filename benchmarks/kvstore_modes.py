@@ -94,6 +94,7 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--modes", default="", help="comma-separated labels to run (default: all)")
+    p.add_argument("--json", help="also write the result to this file")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows = []
@@ -119,7 +120,11 @@ def main() -> int:
               f"{acc if acc is None else f'{acc:.3f}':>7}")
     ratio = chosen["samples_per_s"] / fastest["samples_per_s"]
     print(f"\nchosen mode {CHOSEN}: {ratio:.2f} of the fastest distributed mode ({fastest['mode']})")
-    print(json.dumps({"chosen": CHOSEN, "ratio_to_fastest": ratio, "fastest": fastest["mode"], "rows": rows}))
+    result = {"chosen": CHOSEN, "ratio_to_fastest": ratio, "fastest": fastest["mode"], "rows": rows}
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
     return 0
 
 

@@ -94,6 +94,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--retry-delay-s", type=float, default=1.0)
     parser.add_argument("--kill-step", type=int, default=25)
+    parser.add_argument("--json", help="also write the medians and maxima to this file")
     args = parser.parse_args()
 
     from infra.services import StackConfig, load_credentials, stack_env, start_mlflow, start_s3, stop_s3
@@ -131,9 +132,14 @@ def main() -> int:
                 mlflow.stop()
             stop_s3(s3)
     print(f"\nP4 recovery, {args.runs} runs, retry delay {args.retry_delay_s:g} s (median / max, seconds)")
+    summary: dict[str, float] = {"runs": args.runs, "retry_delay_s": args.retry_delay_s}
     for term in TERMS:
         values = [s[term] for s in samples]
         print(f"  {term:<14} {statistics.median(values):6.2f} {max(values):6.2f}")
+        summary[f"{term}_median_s"], summary[f"{term}_max_s"] = statistics.median(values), max(values)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(summary, fh, indent=2)
     return 0
 
 

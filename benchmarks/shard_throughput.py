@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=256)
     parser.add_argument("--workers", type=int, default=4, help="planned workers = train shards")
     parser.add_argument("--chunk-rows", type=int, default=50_000)
+    parser.add_argument("--json", help="also write the result to this file")
     args = parser.parse_args()
     rows = args.rows or (36_000 if args.quick else 1_000_000)
 
@@ -151,6 +152,9 @@ def main() -> None:
     if not stopped:
         raise RuntimeError(f"SeaweedFS left processes behind: {handle.processes()}")
     print("RESULT " + json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
 
 
 def bench(bucket: str, home: str, rows: int, args: argparse.Namespace, env: dict[str, str]) -> dict:

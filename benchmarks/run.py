@@ -1,0 +1,237 @@
+"""One benchmark report: runs P1–P8 side by side on this machine and writes the table into
+benchmarks/README.md (between the report markers) and benchmarks/results.json.
+
+    benchmarks/run                 # quick mode (about 15 minutes on 2 cores)
+    benchmarks/run --full          # the long settings of every benchmark
+    benchmarks/run --only P2,P7    # a subset (the other rows of the table are left out)
+
+Each benchmark is its own script (run on its own here, one after another, so that they do not
+compete for the cores), writes its figures as JSON, and is summarised in one row: the measure,
+its goal, the figure, the ratio where the goal is one, whether the goal is met, the date and the
+command that reproduces it. A benchmark that fails gets a row that says so; the others still run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(REPO, "benchmarks", "README.md")
+RESULTS = os.path.join(REPO, "benchmarks", "results.json")
+BEGIN, END = "<!-- benchmarks/run: begin -->", "<!-- benchmarks/run: end -->"
+
+Row = tuple[str, float | None, bool | None]  # figure, ratio, goal met
+
+
+@dataclass(frozen=True)
+class Bench:
+    id: str
+    measure: str
+    goal: str
+    script: str
+    quick: tuple[str, ...]
+    full: tuple[str, ...]
+    timeout_s: int
+    summarise: Callable[[dict[str, Any]], Row]
+
+    def command(self, full: bool) -> list[str]:
+        return [os.path.join("benchmarks", self.script), *(self.full if full else self.quick)]
+
+
+def _p1(r: dict[str, Any]) -> Row:
+    ratio = r["ratio"]
+    return (f"{r['pipeline_samples_per_s']:.0f} vs {r['bare_samples_per_s']:.0f} samples/s", ratio, ratio >= 0.98)
+
+
+def _p2(r: dict[str, Any]) -> Row:
+    frac, per_save = r["async_blocked_fraction"], r["async_blocked_steps_per_save"]
+    return (f"blocked {frac:.2%} of loop time (sync {r['sync_blocked_fraction']:.0%}), {per_save:.2f} steps per "
+            f"save, {r['checkpoint_mb']:.0f} MB every {r['checkpoint_every']} steps", frac,
+            frac <= 0.01 and per_save <= 1)
+
+
+def _p3(r: dict[str, Any]) -> Row:
+    ratio = r["p3_ratio"]
+    return (f"{r['checkpoint_save_MBps']:.0f} vs {r['raw_put_MBps']:.0f} MB/s; restore "
+            f"{r['restore_read_verify_s'] + r['restore_load_s']:.2f} s", ratio, ratio >= 0.9)
+
+
+def _p4(r: dict[str, Any]) -> Row:
+    total, detect = r["total_median_s"], r["detect_median_s"]
+    return (f"{total:.1f} s median (max {r['total_max_s']:.1f}), detect {detect:.2f} s, {r['runs']} runs", None,
+            total <= 30 and detect <= 5)
+
+
+def _p5(r: dict[str, Any]) -> Row:
+    ratio = r["ratio"]
+    return (f"{r['dist_samples_per_s']:.0f} vs {r['single_samples_per_s']:.0f} samples/s", ratio, ratio >= 0.95)
+
+
+def _p6(r: dict[str, Any]) -> Row:
+    ratio = r["ratio_to_raw_copy"]
+    return (f"{r['shard_mb_per_s']:.1f} vs {r['raw_copy_mb_per_s']:.1f} MB/s ({r['source_mb']:.0f} MB CSV); "
+            f"validate {r['validate_rows_per_s']} rows/s", ratio, ratio >= 0.5)
+
+
+def _p7(r: dict[str, Any]) -> Row:
+    worst = r["worst_median_s"]
+    files = ", ".join(f"{name} {f['median_s']:.2f} s" for name, f in r["files"].items())
+    heavy = ", ".join(r["heavy"]) or "none"
+    return (f"{files}; heavy modules: {heavy}", None, worst <= 0.5 and not r["heavy"])
+
+
+def _p8(r: dict[str, Any]) -> Row:
+    ratio = r["ratio_to_fastest"]
+    return (f"{r['chosen']} ÷ fastest ({r['fastest']})", ratio, None)
+
+
+def _compression(r: dict[str, Any]) -> Row:
+    ratio = r["bytes_ratio"]
+    return (f"{r['compressed_bytes_per_step']:.0f} vs {r['plain_bytes_per_step']:.0f} bytes pushed per step; "
+            f"throughput ×{r['throughput_ratio']:.2f}", ratio, None)
+
+
+BENCHES = (
+    Bench("P1", "trainer throughput ÷ bare Gluon loop (same model, data, kvstore, cluster)", "≥ 0.98",
+          "trainer_throughput.py", ("--quick",), (), 1200, _p1),
+    Bench("P2", "training time blocked by async checkpointing (ResNet-18, params + states)",
+          "≤ 1 %, ≤ 1 step per save", "checkpoint_overhead.py", (), ("--full",), 1800, _p2),
+    Bench("P3", "checkpoint upload ÷ raw boto3 put of the same bytes", "≥ 0.9",
+          "checkpoint_overhead.py", (), ("--full",), 1800, _p3),
+    Bench("P4", "kill -9 of a worker → first step after the Airflow retry resumed",
+          "≤ 30 s, detect ≤ 5 s", "recovery.py", ("--runs", "1"), ("--runs", "3"), 1800, _p4),
+    Bench("P5", "2-worker dist_sync aggregate ÷ single process, same 2 cores", "≥ 0.95",
+          "trainer_throughput.py", ("--quick",), (), 1200, _p5),
+    Bench("P6", "sharding S3 → S3 ÷ raw copy of the source", "≥ 0.5",
+          "shard_throughput.py", ("--quick",), (), 3600, _p6),
+    Bench("P7", "DAG file parse time once Airflow is loaded", "≤ 0.5 s, nothing heavy",
+          "parse_time.py", ("3",), ("10",), 600, _p7),
+    Bench("P8", "price of correctness: chosen kvstore mode ÷ fastest mode (digits job)", "reported",
+          "kvstore_modes.py", ("--epochs", "5"), (), 1800, _p8),
+    Bench("C1", "2-bit gradient compression: bytes pushed per step, compressed ÷ plain", "≈ 1/16",
+          "compression.py", ("--quick",), (), 1200, _compression),
+)
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    load = os.getloadavg()[0]
+    gpu = "a GPU device" if os.path.exists("/dev/nvidia0") else "no GPU"
+    return (f"{os.cpu_count()} CPU cores ({model}), {mem_gib:.0f} GiB RAM, {gpu}, {platform.system()} "
+            f"{platform.release()}, Python {platform.python_version()}; load average {load:.1f} at start")
+
+
+def run_one(bench: Bench, full: bool, cache: dict[tuple[str, ...], dict[str, Any]]) -> dict[str, Any]:
+    """Run a benchmark script (once per distinct command: P2 and P3 share one) and summarise it."""
+    cmd = bench.command(full)
+    key = tuple(cmd)
+    if key not in cache:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
+            out_path = fh.name
+        started = time.monotonic()
+        try:
+            proc = subprocess.run([sys.executable, *cmd, "--json", out_path], cwd=REPO, capture_output=True,
+                                  text=True, timeout=bench.timeout_s, env={**os.environ, "PYTHONPATH": REPO})
+            if proc.returncode != 0:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                cache[key] = {"error": f"exit {proc.returncode}: {' / '.join(tail)}"}
+            else:
+                with open(out_path) as fh:
+                    cache[key] = {"result": json.load(fh)}
+        except subprocess.TimeoutExpired:
+            cache[key] = {"error": f"timed out after {bench.timeout_s} s"}
+        except (OSError, ValueError) as exc:
+            cache[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            cache[key]["seconds"] = time.monotonic() - started
+            if os.path.exists(out_path):
+                os.unlink(out_path)
+    got = cache[key]
+    row: dict[str, Any] = {"id": bench.id, "measure": bench.measure, "goal": bench.goal,
+                           "command": " ".join(cmd), "date": dt.date.today().isoformat(),
+                           "seconds": round(got["seconds"], 1)}
+    if "error" in got:
+        row.update(figure=f"not measured: {got['error']}", ratio=None, met=None)
+    else:
+        try:
+            figure, ratio, met = bench.summarise(got["result"])
+            row.update(figure=figure, ratio=ratio, met=met, raw=got["result"])
+        except (KeyError, TypeError, ValueError) as exc:
+            row.update(figure=f"not summarised: {type(exc).__name__}: {exc}", ratio=None, met=None)
+    return row
+
+
+def table(rows: list[dict[str, Any]], header: str) -> str:
+    lines = [BEGIN, "", header, "",
+             "| # | measure | goal | figure | ratio | met | date | command |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "—" if r["ratio"] is None else f"{r['ratio']:.3g}"
+        met = {True: "yes", False: "**no**", None: "—"}[r["met"]]
+        lines.append(f"| {r['id']} | {r['measure']} | {r['goal']} | {r['figure']} | {ratio} | {met} | {r['date']} "
+                     f"| `{r['command']}` |")
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def write_readme(block: str) -> None:
+    with open(README) as fh:
+        text = fh.read()
+    if BEGIN in text and END in text:
+        before, rest = text.split(BEGIN, 1)
+        after = rest.split(END, 1)[1]
+        text = before + block + after
+    else:  # first report: after the title and the introduction paragraph
+        head, sep, tail = text.partition("\n\n## ")
+        text = head + "\n\n" + block + "\n" + sep + tail
+    with open(README, "w") as fh:
+        fh.write(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--full", action="store_true", help="long settings (hours on 2 cores)")
+    parser.add_argument("--only", default="", help="comma-separated ids, e.g. P2,P7")
+    parser.add_argument("--no-write", action="store_true", help="print the table, leave README.md alone")
+    args = parser.parse_args()
+    wanted = {x.strip() for x in args.only.split(",") if x.strip()}
+    unknown = wanted - {b.id for b in BENCHES}
+    if unknown:
+        parser.error(f"unknown benchmark ids {sorted(unknown)}; known: {[b.id for b in BENCHES]}")
+    header = (f"Report of `benchmarks/run{' --full' if args.full else ''}` ({'full' if args.full else 'quick'} "
+              f"mode), {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, on {machine()}. Each benchmark "
+              "ran on its own, one after another; ratios are side by side within one benchmark's run.")
+    cache: dict[tuple[str, ...], dict[str, Any]] = {}
+    rows = []
+    for bench in BENCHES:
+        if wanted and bench.id not in wanted:
+            continue
+        print(f"==> {bench.id}: {' '.join(bench.command(args.full))}", flush=True)
+        rows.append(run_one(bench, args.full, cache))
+        print(f"    {rows[-1]['figure']} (ratio {rows[-1]['ratio']}, met {rows[-1]['met']}, "
+              f"{rows[-1]['seconds']} s)", flush=True)
+    block = table(rows, header)
+    print(block)
+    if not args.no_write:
+        write_readme(block)
+        with open(RESULTS, "w") as fh:
+            json.dump({"header": header, "rows": rows}, fh, indent=2, default=str)
+    return 0 if all(r["met"] is not False and "raw" in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
