@@ -12,7 +12,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-MODELS = ("mlp", "lenet")
+MODELS = ("mlp", "lenet", "resnet18", "resnet50")
+# Models that see the features as an image: they need data.input_shape = (C, H, W).
+IMAGE_MODELS = ("lenet", "resnet18", "resnet50")
 OPTIMIZERS = ("sgd", "nag", "adam")
 # Every mode here has a reference test (tests/integration/test_kvstore_reference.py). The
 # device variants (device, dist_device_sync) pass it too, but a worker trains on one CPU
@@ -251,8 +253,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(0 <= self.seed < 2**31, f"seed must be in [0, 2**31), got {self.seed}")
-        _check(self.model.name != "lenet" or len(self.data.input_shape) == 3,
-               "model.name='lenet' needs data.input_shape=(channels, height, width)")
+        _check(self.model.name not in IMAGE_MODELS or len(self.data.input_shape) == 3,
+               f"model.name={self.model.name!r} needs data.input_shape=(channels, height, width)")
 
     @property
     def num_train_shards(self) -> int:
