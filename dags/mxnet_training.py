@@ -13,39 +13,15 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from airflow.sdk import CronTriggerTimetable, Param, dag, get_current_context, setup, task, teardown
+from airflow.sdk import CronTriggerTimetable, dag, get_current_context, setup, task, teardown
 
 from plugins import pipeline_tasks as tasks
+from plugins.params import training_params
 
 SCHEDULE = os.environ.get("MXPIPE_SCHEDULE", "0 3 * * *")
 RETRY_DELAY = timedelta(seconds=float(os.environ.get("MXPIPE_RETRY_DELAY_S", "30")))
 
-PARAMS = {
-    "dataset_uri": Param(os.environ.get("MXPIPE_DATASET_URI", "s3://mxpipe/datasets/digits/digits.csv"),
-                         type="string", pattern=r"^(s3://|/).+(\.(csv|csv\.gz|parquet|pq)|/)$",
-                         description="Source: a CSV/Parquet file, a glob of them, or a folder ending in '/' "
-                                     "(its table files, or images + labels.csv); s3:// URI or absolute path."),
-    "data_options": Param({}, type="object",
-                          description="Further data.* settings as JSON, e.g. {\"id_column\": \"uid\", "
-                                      "\"classes\": [0, 1], \"drift_action\": \"fail\"}."),
-    "label_column": Param("label", type="string", minLength=1, description="Name of the label column."),
-    "recipe": Param("digits", enum=["digits", "debug"], description="Named starting configuration."),
-    "model": Param("mlp", enum=["mlp", "lenet"], description="Network architecture."),
-    "epochs": Param(20, type="integer", minimum=1, maximum=1000, description="Training epochs."),
-    "batch_size": Param(32, type="integer", minimum=1, maximum=4096, description="Batch size per worker."),
-    "learning_rate": Param(0.002, type="number", exclusiveMinimum=0, maximum=10, description="Learning rate."),
-    "optimizer": Param("adam", enum=["adam", "sgd", "nag"], description="Optimizer (runs on the servers)."),
-    "num_workers": Param(2, type="integer", minimum=1, maximum=16, description="MXNet workers."),
-    "num_servers": Param(1, type="integer", minimum=1, maximum=8, description="Parameter servers."),
-    "kvstore": Param("dist_sync", enum=["dist_sync", "dist_async"], description="Parameter-server mode."),
-    "checkpoint_every_n_steps": Param(50, type="integer", minimum=1, maximum=1_000_000,
-                                      description="Checkpoint to S3 every N steps (and at each epoch end)."),
-    "registered_model_name": Param("digits-classifier", type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",
-                                   description="MLflow registered model to add a version to."),
-    "backend": Param("local", enum=["local", "hosts", "ec2"],
-                     description="Where the roles run: local processes, the hosts of MXPIPE_HOSTS_FILE "
-                                 "(SSH), or EC2 instances (MXPIPE_EC2_FILE)."),
-}
+PARAMS = training_params()
 
 
 def _ids() -> tuple[str, str, int]:
