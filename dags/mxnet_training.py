@@ -15,6 +15,7 @@ from datetime import timedelta
 
 from airflow.sdk import CronTriggerTimetable, dag, get_current_context, setup, task, teardown
 
+from plugins import callbacks
 from plugins import pipeline_tasks as tasks
 from plugins.params import training_params
 
@@ -36,7 +37,9 @@ def _ids() -> tuple[str, str, int]:
     max_active_runs=1,
     params=PARAMS,
     tags=["mxnet", "training"],
-    default_args={"retries": 0},
+    # A one-line summary (dag, task, attempt, why) of every failed or retried attempt.
+    default_args={"retries": 0, "on_failure_callback": callbacks.on_failure,
+                  "on_retry_callback": callbacks.on_retry},
     doc_md=__doc__,
 )
 def mxnet_training() -> None:
