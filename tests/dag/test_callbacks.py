@@ -1,24 +1,11 @@
 """The failure and retry callbacks are wired on every task of the training DAG and write one
 line naming the dag, task, attempt and cause."""
 import logging
-import os
 from types import SimpleNamespace
 
 import pytest
 
 pytestmark = pytest.mark.dag
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="module")
-def dag(tmp_path_factory):
-    os.environ.setdefault("AIRFLOW_HOME", str(tmp_path_factory.mktemp("airflow-home")))
-    from airflow.dag_processing.dagbag import DagBag
-
-    bag = DagBag(os.path.join(REPO, "dags"))
-    assert bag.import_errors == {}
-    return bag.dags["mxnet_training"]
 
 
 def test_every_task_has_both_callbacks(dag):
