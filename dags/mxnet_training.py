@@ -13,16 +13,31 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from airflow.sdk import CronTriggerTimetable, dag, get_current_context, setup, task, teardown
+from airflow.sdk import AssetOrTimeSchedule, CronTriggerTimetable, dag, get_current_context, setup, task, teardown
 
 from plugins import callbacks
+from plugins.assets import MODEL, SHARDS, SOURCE_DATASET
 from plugins import pipeline_tasks as tasks
 from plugins.params import training_params
 
 SCHEDULE = os.environ.get("MXPIPE_SCHEDULE", "0 3 * * *")
+# One active run unless configured: runs of one DAG share the dataset's shard cache.
+MAX_ACTIVE_RUNS = int(os.environ.get("MXPIPE_MAX_ACTIVE_RUNS", "1"))
 RETRY_DELAY = timedelta(seconds=float(os.environ.get("MXPIPE_RETRY_DELAY_S", "30")))
 
 PARAMS = training_params()
+
+
+def _schedule() -> AssetOrTimeSchedule | None:
+    """The cron, or an update of the source dataset Asset, whichever comes first."""
+    if SCHEDULE.lower() == "none":
+        return None
+    return AssetOrTimeSchedule(timetable=CronTriggerTimetable(SCHEDULE, timezone="UTC"), assets=[SOURCE_DATASET])
+
+
+def _emit(asset: object, extra: dict) -> None:
+    """Attach this run's concrete location to the asset event (the URI names the collection)."""
+    get_current_context()["outlet_events"][asset].extra = extra
 
 
 def _ids() -> tuple[str, str, int]:
@@ -32,9 +47,9 @@ def _ids() -> tuple[str, str, int]:
 
 @dag(
     dag_id="mxnet_training",
-    schedule=None if SCHEDULE.lower() == "none" else CronTriggerTimetable(SCHEDULE, timezone="UTC"),
+    schedule=_schedule(),
     catchup=False,
-    max_active_runs=1,
+    max_active_runs=MAX_ACTIVE_RUNS,
     params=PARAMS,
     tags=["mxnet", "training"],
     # A one-line summary (dag, task, attempt, why) of every failed or retried attempt.
@@ -43,10 +58,12 @@ def _ids() -> tuple[str, str, int]:
     doc_md=__doc__,
 )
 def mxnet_training() -> None:
-    @task
+    @task(outlets=[SHARDS])
     def shard(params: dict | None = None) -> dict:
         dag_id, run_id, _ = _ids()
-        return tasks.shard(params, dag_id, run_id)
+        out = tasks.shard(params, dag_id, run_id)
+        _emit(SHARDS, {"shards_prefix": out["shards_prefix"], "manifest_digest": out["manifest_digest"]})
+        return out
 
     # Airflow maps only over a task's whole return value: this hands the shard list over.
     @task
@@ -81,10 +98,13 @@ def mxnet_training() -> None:
     def release(cluster: dict) -> dict:
         return tasks.teardown(cluster)
 
-    @task(retries=2, retry_delay=RETRY_DELAY)
+    @task(retries=2, retry_delay=RETRY_DELAY, outlets=[MODEL])
     def register(shards: dict, trained: dict, validation: dict, params: dict | None = None) -> dict:
         dag_id, run_id, try_number = _ids()
-        return tasks.register(params, shards, trained, validation, dag_id, run_id, try_number)
+        out = tasks.register(params, shards, trained, validation, dag_id, run_id, try_number)
+        _emit(MODEL, {"name": out["registered_model_name"], "version": str(out["version"]),
+                      "run_url": out["run_url"]})
+        return out
 
     shards = shard()
     per_shard = validate_shard.partial(shards=shards).expand(shard_name=shard_names(shards))

@@ -8,12 +8,12 @@ config itself can judge (combinations, a warm-start run's checkpoints) fails in 
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from airflow.sdk import Param
 
 from infra.cluster import BACKEND_NAMES
+from plugins.assets import DEFAULT_MODEL_NAME, dataset_uri
 from training.config import KVSTORES, MODELS, OPTIMIZERS, recipe
 
 # s3:// URI (bucket 3–63 chars of [a-z0-9.-], then a key) or an absolute path; a table file, a
@@ -34,7 +34,7 @@ def training_params() -> dict[str, Param]:
     """The form of the training DAG, built from the config's own tuples and the recipe."""
     base = _defaults()
     return {
-        "dataset_uri": Param(os.environ.get("MXPIPE_DATASET_URI", "s3://mxpipe/datasets/digits/digits.csv"),
+        "dataset_uri": Param(dataset_uri(),
                              type="string", pattern=DATASET_URI_PATTERN,
                              description="Source: a CSV/Parquet file, a glob of them, or a folder ending in '/' "
                                          "(its table files, or images + labels.csv); s3://bucket/key or an "
@@ -62,7 +62,7 @@ def training_params() -> dict[str, Param]:
         "checkpoint_every_n_steps": Param(base.checkpoint.every_n_steps, type="integer", minimum=1,
                                           maximum=1_000_000,
                                           description="Checkpoint to S3 every N steps (and at each epoch end)."),
-        "registered_model_name": Param("digits-classifier", type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",
+        "registered_model_name": Param(DEFAULT_MODEL_NAME, type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",
                                        description="MLflow registered model to add a version to."),
         "backend": Param(base.cluster.backend, type="string", enum=list(BACKEND_NAMES),
                          description="Where the roles run: local processes, the hosts of MXPIPE_HOSTS_FILE "

@@ -13,13 +13,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 HEAVY = ("mxnet", "mlflow", "great_expectations", "pandas", "boto3", "sklearn", "s3fs")
 
 
-def test_parse_loads_nothing_heavy():
+@pytest.mark.parametrize("dag_file", ["mxnet_training.py", "dataset_landed.py"])
+def test_parse_loads_nothing_heavy(dag_file):
     """In a fresh interpreter, importing the DAG file loads none of the heavy packages.
     (Its parse time is measured in benchmarks/parse_time.py, not asserted here.)"""
     code = (
         "import sys, time, json, importlib.util\n"
         "import airflow.sdk\n"
-        f"spec = importlib.util.spec_from_file_location('dagfile', {os.path.join(REPO, 'dags', 'mxnet_training.py')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('dagfile', {os.path.join(REPO, 'dags', dag_file)!r})\n"
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
         f"print(json.dumps({{'heavy': [h for h in {HEAVY!r} if h in sys.modules]}}))\n"
     )
@@ -44,7 +45,11 @@ def test_structure(dag):
     assert tasks["train"].retries >= 2
     assert tasks["shard"].retries == 0 and tasks["validate"].retries == 0
     assert dag.max_active_runs == 1 and dag.catchup is False
-    assert type(dag.timetable).__name__ == "CronTriggerTimetable"
+    # The cron, or an update of the source dataset Asset.
+    assert type(dag.timetable).__name__ == "AssetOrTimeSchedule"
+    assert [a.name for a in dag.timetable.asset_condition.objects] == ["mxpipe.source_dataset"]
+    assert [o.name for o in tasks["shard"].outlets] == ["mxpipe.shards"]
+    assert [o.name for o in tasks["register"].outlets] == ["mxpipe.model"]
 
 
 @pytest.mark.parametrize("name,bad", [("num_workers", 0), ("num_workers", 17), ("epochs", 0),
