@@ -324,7 +324,7 @@ def register(params: dict[str, Any], shards: dict[str, Any], trained: dict[str, 
         result = log_model_run(
             tracking_uri=tracking_uri, experiment=EXPERIMENT, run_name=f"{dag_id}/{run_id}",
             tags={"airflow.dag_id": dag_id, "airflow.run_id": run_id, "airflow.try_number": str(try_number),
-                  "dataset.manifest_digest": shards["manifest_digest"]},
+                  "dataset.manifest_digest": shards["manifest_digest"], "mlflow.source.git.commit": git_sha()},
             params={"config": cfg.to_dict(), "config_digest": cfg.digest()},
             epoch_metrics=metrics["history"],
             final_metrics={"test_accuracy": evaluation["accuracy"], "global_step": metrics["global_step"],
@@ -336,6 +336,21 @@ def register(params: dict[str, Any], shards: dict[str, Any], trained: dict[str, 
     log.info("registered %s version %s (test accuracy %.4f): %s", result["registered_model_name"],
              result["version"], evaluation["accuracy"], result["run_url"])
     return {**result, "test_accuracy": evaluation["accuracy"]}
+
+
+def git_sha() -> str:
+    """The code version that trained the model: ``MXPIPE_GIT_SHA`` (set in images, which carry
+    no .git), else ``git rev-parse HEAD`` of this checkout, else "unknown"."""
+    import subprocess
+
+    if sha := os.environ.get("MXPIPE_GIT_SHA"):
+        return sha
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def _existing_run(tracking_uri: str, dag_id: str, run_id: str) -> str | None:

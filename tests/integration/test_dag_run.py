@@ -106,6 +106,8 @@ def test_full_run_with_a_killed_worker_resumes_and_registers(airflow_env, digits
     version = client.get_model_version_by_alias("digits-e2e", "challenger")
     run = client.get_run(version.run_id)
     assert run.data.tags["airflow.run_id"] == result["run_id"]
+    assert run.data.tags["airflow.dag_id"] == "mxnet_training" and run.data.tags["airflow.try_number"] == "1"
+    assert len(run.data.tags["mlflow.source.git.commit"]) == 40  # this checkout's HEAD
     assert 0 < run.data.metrics["resumed_from_step"] < 35
     assert run.data.metrics["test_accuracy"] > 0.85
     assert len(client.get_metric_history(run.info.run_id, "val_accuracy")) == 4
