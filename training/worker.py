@@ -109,6 +109,8 @@ def run(job: JobSpec) -> dict[str, Any]:
         global_step, history = ckpt.state["global_step"], ckpt.state["history"]
         if ckpt.state["num_workers"] != num_workers:
             start_step = _elastic_position(ckpt.state, num_workers, steps)
+    elif job.warm_start_prefix:
+        _warm_start(net, job.warm_start_prefix, cfg, ctx)
 
     global_batch = cfg.optim.batch_size * num_workers
     # Built after the parameters are final (fresh or restored) and before the first forward.
@@ -269,6 +271,16 @@ def _preempted(preemption: Preemption, cfg: Any, rank: int, global_step: int, wr
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_PREEMPTED)
+
+
+def _warm_start(net: Any, prefix: str, cfg: Any, ctx: Any) -> None:
+    """Initialise the parameters (only: epoch, step and optimizer state start fresh) from the
+    newest valid checkpoint under another run's prefix. Every worker loads the same bytes."""
+    ckpt = store_for(prefix, cfg.checkpoint).latest()
+    if ckpt is None:
+        raise ValueError(f"warm start: no valid checkpoint under {prefix}")
+    ckpt_state.load_params(net, ckpt.files[ckpt_state.PARAMS], ctx)
+    log.info("warm start: parameters from step %d of %s", ckpt.step, ckpt.uri)
 
 
 def resume_digest(cfg: Any) -> str:
