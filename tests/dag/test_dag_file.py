@@ -1,34 +1,17 @@
 """The DAG file: imports cleanly, stays light at parse time, and has the structure and policy
 the pipeline relies on (setup/teardown, retries on train only, params with bounds)."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.dag.parse_probe import parse_in_fresh_process
 
 pytestmark = pytest.mark.dag
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HEAVY = ("mxnet", "mlflow", "great_expectations", "pandas", "boto3", "sklearn", "s3fs")
 
-
-@pytest.mark.parametrize("dag_file", ["mxnet_training.py", "dataset_landed.py"])
+@pytest.mark.parametrize("dag_file", ["mxnet_training.py", "dataset_landed.py", "model_review.py"])
 def test_parse_loads_nothing_heavy(dag_file):
     """In a fresh interpreter, importing the DAG file loads none of the heavy packages.
     (Its parse time is measured in benchmarks/parse_time.py, not asserted here.)"""
-    code = (
-        "import sys, time, json, importlib.util\n"
-        "import airflow.sdk\n"
-        f"spec = importlib.util.spec_from_file_location('dagfile', {os.path.join(REPO, 'dags', dag_file)!r})\n"
-        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-        f"print(json.dumps({{'heavy': [h for h in {HEAVY!r} if h in sys.modules]}}))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": REPO})
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["heavy"] == []
+    assert parse_in_fresh_process(dag_file)["heavy"] == []
 
 
 def test_structure(dag):

@@ -1,0 +1,60 @@
+"""The review DAG file: light at parse time, scheduled on the model Asset, and wired so that
+Approve runs ``promote`` only and Reject runs ``reject`` only (the human wait itself is driven
+through the real Airflow API in tests/integration/test_review_stack.py)."""
+from datetime import timedelta
+
+import pytest
+
+from tests.dag.parse_probe import parse_in_fresh_process
+
+pytestmark = pytest.mark.dag
+
+PARSE_BUDGET_S = 0.5  # issue 7, P7: once Airflow's SDK is loaded
+
+
+@pytest.fixture(scope="module")
+def dag(dagbag):
+    return dagbag.dags["model_review"]
+
+
+def test_parse_loads_nothing_heavy_and_is_quick():
+    # Best of three: one slow run on a shared machine is load, not the file.
+    runs = [parse_in_fresh_process("model_review.py") for _ in range(3)]
+    assert runs[0]["heavy"] == []
+    assert min(r["seconds"] for r in runs) < PARSE_BUDGET_S, runs
+
+
+def test_scheduled_on_the_registered_model_asset(dag):
+    from plugins.review import model_asset
+
+    condition = dag.timetable.asset_condition
+    assert type(condition).__name__ == "AssetAny"
+    assert [a.uri for a in condition.objects] == [model_asset("digits-classifier").uri]
+    assert dag.catchup is False
+
+
+def test_structure_and_decision_wiring(dag):
+    tasks = {t.task_id: t for t in dag.tasks}
+    assert set(tasks) == {"resolve", "compare", "approval", "promote", "reject"}
+    approval = tasks["approval"]
+    assert type(approval).__name__ == "ApprovalOperator"
+    assert approval.response_timeout == timedelta(hours=72)
+    assert approval.execution_timeout is not None and approval.retries == 0
+    assert "comment" in approval.params
+    # ApprovalOperator skips its *direct* downstream on Reject: promote must be the only one.
+    assert approval.downstream_task_ids == {"promote"}
+    assert tasks["reject"].upstream_task_ids == {"promote"}
+    assert tasks["reject"].trigger_rule == "all_skipped"
+    assert {"resolve", "compare"} <= tasks["promote"].upstream_task_ids
+    assert all(t.execution_timeout is not None for t in tasks.values())
+
+
+@pytest.mark.parametrize("name,bad", [("model_name", "bad name!"), ("version", "v1"), ("version", 3),
+                                      ("shards_prefix", "relative/path")])
+def test_params_reject_bad_values(dag, name, bad):
+    from airflow.sdk.definitions.param import ParamsDict
+    from airflow.sdk.exceptions import ParamValidationError
+
+    params = ParamsDict(dag.params)
+    with pytest.raises(ParamValidationError):
+        params[name] = bad
