@@ -126,7 +126,8 @@ def r1(ctx: Context, trials: int, rng: random.Random) -> list[Trial]:
         kind = rng.choice(ROLES)
         victim = {"worker": f"worker-{rng.randrange(ctx.cfg.cluster.num_workers)}", "server": "server-0",
                   "scheduler": "scheduler"}[kind]
-        kill_step = rng.randint(every + 1, ctx.total_steps)
+        # Before the last step: a kill after the final checkpoint is R2's "final step" case.
+        kill_step = rng.randint(every + 1, ctx.total_steps - 1)
         killer = rng.randrange(ctx.cfg.cluster.num_workers)
         job, work = ctx.job(f"r1-{i}"), ctx.root / f"r1-{i}"
         first = cj.run_attempt(job, work, victim=victim, kill_step=kill_step, killer_rank=killer)
