@@ -9,8 +9,10 @@ Scenarios (``--scenarios R1,R2,R3``):
 - R2: checkpoint edge cases. ``torn``: rank 0 dies after a checkpoint's data files, before its
   manifest; ``corrupt``: the newest committed checkpoint gets flipped bytes before the retry;
   ``final``: a finished run is run again (its newest checkpoint is the final step).
-- R3: the S3 server is stopped mid-run (after the first checkpoint) and restarted on the same
-  ports and data folder ``--outage-s`` later; the job must carry on and finish.
+- R3 (``benchmarks/chaos_outage.py``): the S3 server's process group is SIGKILLed at an exact
+  training step and restarted on the same ports and data folder ``--outage-s`` later; the job
+  must train through the outage, retry the failed upload, lose no checkpoint and finish with
+  the parameters of an uninterrupted run.
 
 Checks per trial: finished; resumed from the newest checkpoint that verifies (never a torn or
 corrupt one); final parameters within ``EXACT_ATOL`` of an uninterrupted reference run with the
@@ -27,11 +29,9 @@ import argparse
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,7 +46,6 @@ from training.config import TrainConfig, recipe  # noqa: E402
 
 EXACT_ATOL = 1e-6
 ROLES = ("worker", "server", "scheduler")
-OUTAGE_WAIT_S = 300.0  # bound on waiting for R3's job to reach its first checkpoint
 
 
 @dataclass
@@ -137,7 +136,7 @@ def r1(ctx: Context, trials: int, rng: random.Random) -> list[Trial]:
         _resume_checks(ctx, job, first, retry, facts, trial)
         trial.details.update({"victim": victim, "kill_step": kill_step, "killer_rank": killer})
         out.append(trial)
-        _echo(trial)
+        echo(trial)
     return out
 
 
@@ -159,7 +158,7 @@ def r2(ctx: Context) -> list[Trial]:
         "previous one chosen": facts["latest_valid"] == 2 * every})
     _resume_checks(ctx, job, first, retry, facts, trial)
     out.append(trial)
-    _echo(trial)
+    echo(trial)
 
     job, work = ctx.job("r2-corrupt", **sync), ctx.root / "r2-corrupt"
     first = cj.run_attempt(job, work, victim="worker-1", kill_step=torn_step + every // 2, killer_rank=0)
@@ -174,7 +173,7 @@ def r2(ctx: Context) -> list[Trial]:
         "corrupt one skipped (logged)": bool(retry.lines("skipping checkpoint"))})
     _resume_checks(ctx, job, first, retry, facts, trial)
     out.append(trial)
-    _echo(trial)
+    echo(trial)
 
     # Run the finished job once more: its newest checkpoint is the final step (the train task
     # died after the job, or register failed and the whole DAG run was cleared).
@@ -190,112 +189,14 @@ def r2(ctx: Context) -> list[Trial]:
         <= EXACT_ATOL}, max_abs_diff=cj.max_abs_diff(params, ctx.reference),
         details={"error": (again.failed or "")[-2000:] or None, "attempt_s": round(again.seconds, 2)})
     out.append(trial)
-    _echo(trial)
+    echo(trial)
     return out
-
-
-def r3(stack: cj.ChaosStack, root: Path, cfg: TrainConfig, outage_s: float, copies: int = 20) -> Trial:
-    """S3 down for ``outage_s`` mid-run, then back on the same ports and data folder.
-
-    The dataset is ``copies`` jittered copies of digits (about 400 steps an epoch), so that the
-    job is still training when the outage starts and ends. The outage starts once the first
-    checkpoint is committed; it is counted from the moment the server's process group is gone
-    (a graceful stop takes seconds, while it still answers) to the moment its restart begins.
-    """
-    shards = _shard(stack, cfg, f"r3-digits-x{copies}", copies)
-    job = cj.job_for(cfg.replace(optim={"epochs": 2}, cluster={"stall_timeout_s": 300.0}), shards,
-                     f"s3://{stack.bucket}/chaos/r3")
-    work = root / "r3"
-    outage: dict[str, float] = {}
-    errors: list[BaseException] = []
-
-    def cut() -> None:
-        try:
-            events = work / "attempt-0" / "events.jsonl"
-            deadline = time.monotonic() + OUTAGE_WAIT_S
-            while time.monotonic() < deadline:
-                if events.exists() and "checkpoint committed: step" in events.read_text():
-                    break
-                time.sleep(0.2)
-            else:
-                raise TimeoutError("R3: no checkpoint committed before the outage was due")
-            outage["stop"] = time.time()
-            stack.stop()
-            outage["down"] = time.time()
-            time.sleep(outage_s)
-            outage["restart"] = time.time()
-            stack.start()
-            outage["back"] = time.time()
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
-
-    cutter = threading.Thread(target=cut, name="s3-outage", daemon=True)
-    cutter.start()
-    run = cj.run_attempt(job, work)
-    cutter.join(timeout=OUTAGE_WAIT_S + outage_s + 300)
-    return _r3_trial(job, run, outage, errors, outage_s)
-
-
-_STEP = re.compile(r"(?:global_step=|at step |committed: step )(\d+)")
-
-
-def _r3_trial(job: Any, run: cj.Attempt, outage: dict[str, float], errors: list[BaseException],
-              outage_s: float) -> Trial:
-    down, restart, back = outage.get("down", 0.0), outage.get("restart", 0.0), outage.get("back", float("inf"))
-    failed_uploads = {int(e["text"].split("upload at step ")[1].split()[0]) for e in run.lines("upload at step ")}
-    committed = {int(e["text"].split("committed: step ")[1].split()[0]): e["t"]
-                 for e in run.lines("checkpoint committed: step ")}
-    steps = [(e["t"], int(m.group(1))) for e in run.events if e["event"] == "line" and (m := _STEP.search(e["text"]))]
-    before = max((s for t, s in steps if t <= down), default=None)
-    during = [s for t, s in steps if down < t < restart]
-    facts = cj.store_facts(job) if not errors else {"committed": [], "torn": [], "latest_valid": None}
-    verified = all(_verifies(job, s) for s in facts["committed"])
-    stats = next((e["text"] for e in reversed(run.lines("checkpoint stats: "))), "")
-    after = [t for t in committed.values() if t >= back]
-    trial = Trial("R3", f"S3 stopped {outage_s:.0f}s mid-run", {
-        "outage happened mid-run": not errors and "back" in outage and before is not None and bool(after),
-        "training went on while S3 was down": before is not None and max(during, default=-1) > before,
-        "nothing committed while S3 was down": not [t for t in committed.values() if down < t < restart],
-        "job finished": run.failed is None,
-        "an upload failed and was retried": bool(failed_uploads),
-        "every retried upload committed": bool(failed_uploads) and failed_uploads <= set(committed),
-        "no checkpoint given up": "'failed': 0" in stats,
-        "final checkpoint committed": bool(facts["committed"]) and facts["latest_valid"] == facts["committed"][0]
-        and _final_step(job) == facts["committed"][0],
-        "every kept checkpoint verifies": verified and not facts["torn"],
-        "no orphan process": not run.orphans,
-    }, recovery_s=(min(after) - back) if after else None)
-    trial.details.update({"outage": outage, "outage_s": restart - down if restart else None,
-                          "step_at_outage": before, "last_step_during_outage": max(during, default=None),
-                          "failed_uploads": sorted(failed_uploads), "stats": stats,
-                          "retry_lines": [e["text"][-120:] for e in run.lines("retrying in")],
-                          "store": facts, "errors": [repr(e) for e in errors],
-                          "error": (run.failed or "")[-2000:] or None, "attempt_s": round(run.seconds, 2)})
-    _echo(trial)
-    return trial
-
-
-def _verifies(job: Any, step: int) -> bool:
-    from training.checkpoint import store_for
-
-    try:
-        store_for(job.checkpoint_prefix, job.config.checkpoint).load(step)
-        return True
-    except Exception:  # noqa: BLE001 - a checkpoint that does not load does not verify
-        return False
-
-
-def _final_step(job: Any) -> int | None:
-    try:
-        return int(json.loads(storage.get_bytes(job.metrics_uri))["global_step"])
-    except Exception:  # noqa: BLE001 - no metrics: the job did not finish
-        return None
 
 
 # -- setup, table, CLI ------------------------------------------------------------------------------
 
 
-def _shard(stack: cj.ChaosStack, cfg: TrainConfig, name: str, copies: int) -> str:
+def shard_copies(stack: cj.ChaosStack, cfg: TrainConfig, name: str, copies: int) -> str:
     from data_checks.shard import shard_dataset
 
     base = f"s3://{stack.bucket}/chaos-data/{name}"
@@ -317,7 +218,7 @@ def run(root: Path, scenarios: list[str], trials: int, seed: int, outage_s: floa
     try:
         with stack.environment():
             cfg = base_config()
-            shards = _shard(stack, cfg, "digits", 1)
+            shards = shard_copies(stack, cfg, "digits", 1)
             ref_job = cj.job_for(cfg, shards, f"s3://{stack.bucket}/chaos/reference")
             ref = cj.run_attempt(ref_job, root / "reference")
             if ref.failed:
@@ -330,7 +231,9 @@ def run(root: Path, scenarios: list[str], trials: int, seed: int, outage_s: floa
             if "R2" in scenarios:
                 results += r2(ctx)
             if "R3" in scenarios:
-                results.append(r3(stack, root, cfg, outage_s, r3_copies))
+                from benchmarks.chaos_outage import r3  # it builds on this module's Trial
+
+                results.append(r3(stack, root, cfg, outage_s, r3_copies, reference=True))
     finally:
         stack.stop()
     return {"seed": seed, "trials": [asdict(t) | {"passed": t.passed} for t in results],
@@ -362,7 +265,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _echo(trial: Trial) -> None:
+def echo(trial: Trial) -> None:
     bad = [k for k, ok in trial.checks.items() if not ok]
     print(f"{trial.scenario} {trial.name}: {'PASS' if trial.passed else 'FAIL ' + ', '.join(bad)}"
           f" recovery={_fmt(trial.recovery_s, '.2f')}s diff={_fmt(trial.max_abs_diff, '.3g')}", flush=True)

@@ -2,7 +2,7 @@
 
 Enums come from the authoritative tuples in ``training.config`` (and ``infra.cluster``), so a
 model or optimizer added there appears in the form without touching this file; defaults come
-from the ``digits`` recipe. Both modules are stdlib-only, so a DAG file importing this stays
+from the ``digits`` recipe. These modules are stdlib-only, so a DAG file importing this stays
 light at parse time. The form rejects a bad value when the run is triggered; what only the
 config itself can judge (combinations, a warm-start run's checkpoints) fails in the first task.
 """
@@ -15,12 +15,14 @@ from airflow.sdk import Param
 from infra.cluster import BACKEND_NAMES
 from plugins.assets import DEFAULT_MODEL_NAME, dataset_uri
 from training.config import KVSTORES, MODELS, OPTIMIZERS, recipe
+from training.warm_start import MODEL_URI_PATTERN
 
 # s3:// URI (bucket 3–63 chars of [a-z0-9.-], then a key) or an absolute path; a table file, a
 # glob of them, or a folder ending in "/".
 DATASET_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/|/)[^\s]*(\.(csv|csv\.gz|parquet|pq)|/)$"
-# Empty (train from scratch) or an Airflow run id of this DAG.
-WARM_START_PATTERN = r"^$|^[A-Za-z0-9_.:+~-]{1,250}$"
+# Empty (train from scratch), an Airflow run id of this DAG, or a registered model version:
+# models:/<name>/<version> or models:/<name>@<alias>.
+WARM_START_PATTERN = r"^$|^[A-Za-z0-9_.:+~-]{1,250}$|" + MODEL_URI_PATTERN
 RECIPES = ("digits", "debug")
 # Form-level caps: tighter than TrainConfig's hard limits, they keep a manual run on a sane scale.
 MAX_WORKERS, MAX_SERVERS = 16, 8
@@ -72,6 +74,7 @@ def training_params() -> dict[str, Param]:
                                            "launch template's."),
         "warm_start": Param("", type="string", pattern=WARM_START_PATTERN,
                             description="Initialise the model from the newest valid checkpoint of another run "
-                                        "of this DAG (its run id); empty = from scratch. A retry of this run "
-                                        "still resumes its own checkpoints first."),
+                                        "of this DAG (its run id), or from a registered version "
+                                        "(models:/<name>/<version> or models:/<name>@<alias>); empty = from "
+                                        "scratch. A retry of this run still resumes its own checkpoints first."),
     }

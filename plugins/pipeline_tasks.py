@@ -113,26 +113,48 @@ def shard(params: dict[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
 def warm_start_checkpoint(params: dict[str, Any], dag_id: str, run_id: str, cfg: Any) -> dict[str, Any] | None:
     """The ``warm_start`` run's newest valid checkpoint as ``{"run_id", "prefix", "step"}``, or None.
 
-    Only an explicitly named run is used: a new DAG run never picks up another run's checkpoints
-    by itself. A missing run, or one with no checkpoint that verifies, fails without a retry.
+    ``warm_start`` is a run id of this DAG, or a registered version (``models:/name/3``,
+    ``models:/name@alias``: its training run, from the version's tags, ``training.warm_start``;
+    the result then also names the version). Only an explicitly named run is used: a new DAG
+    run never picks up another run's checkpoints by itself. A missing run, model, version or
+    alias, or one with no checkpoint that verifies, fails without a retry.
     """
     from training.checkpoint import CorruptCheckpoint, store_for
+    from training.warm_start import is_model_uri
 
     source = (params.get("warm_start") or "").strip()
     if not source:
         return None
-    if source == run_id:
+    model = _warm_start_model(source) if is_model_uri(source) else None
+    source_dag, source_run = (model.dag_id, model.run_id) if model else (dag_id, source)
+    if (source_dag, source_run) == (dag_id, run_id):
         raise _fail(f"warm_start {source!r} is this run itself; a retry resumes its own checkpoints anyway")
-    prefix = run_paths(dag_id, source).checkpoints
+    prefix = run_paths(source_dag, source_run).checkpoints
     try:
         ckpt = store_for(prefix, cfg.checkpoint).latest()
     except CorruptCheckpoint as exc:
         raise _fail(f"warm_start {source!r}: no valid checkpoint under {prefix}: {exc}") from exc
     if ckpt is None:
-        raise _fail(f"warm_start {source!r}: no run of {dag_id} with a committed checkpoint under {prefix} "
+        raise _fail(f"warm_start {source!r}: no run of {source_dag} with a committed checkpoint under {prefix} "
                     "(is the run id right?)")
+    if model and model.step is not None and ckpt.step != model.step:
+        # The worker loads the newest checkpoint under the prefix: it must be the version's.
+        raise _fail(f"warm_start {source!r}: the newest valid checkpoint of run {source_run} is step {ckpt.step}, "
+                    f"but version {model.version} was logged at step {model.step}")
     log.info("warm start from %s step %d (%s)", source, ckpt.step, prefix)
-    return {"run_id": source, "prefix": prefix, "step": ckpt.step}
+    return {"run_id": source_run, "prefix": prefix, "step": ckpt.step, **(model.as_dict() if model else {})}
+
+
+def _warm_start_model(source: str) -> Any:
+    """The registered version ``source`` names; a missing one fails without a retry."""
+    import mlflow
+
+    from training.warm_start import WarmStartError, resolve_model
+
+    try:
+        return resolve_model(source, os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri())
+    except WarmStartError as exc:
+        raise _fail(str(exc)) from exc
 
 
 def validate_shard(params: dict[str, Any], shards: dict[str, Any], shard_name: str, dag_id: str,
