@@ -91,3 +91,37 @@ def sync_now(trainer: Any, batch_size: int) -> None:
     kv = trainer._kvstore
     log.info("kvstore %s initialised (optimizer on the %s)", kv.type if kv else None,
              "servers" if trainer._update_on_kvstore else "workers")
+
+
+def with_gradient_compression(kv: Any, threshold: float) -> Any:
+    """``kv`` with MXNet's 2-bit gradient compression, as a store gluon's Trainer can use.
+
+    MXNet 1.9.1 compresses pushes, but its ``PushPull`` refuses a compressing store
+    (``kvstore_dist.h``: "Compression not supported with PushPull", measured here in both
+    placements), and gluon's Trainer only calls ``pushpull``. This view sends the same traffic
+    as push then pull, MXNet's own compressed path (the Module API's): the push quantises the
+    gradient (residual kept per key), and the pull returns the servers' sum (optimizer on the
+    workers) or the updated weight (on the servers). The order holds without a barrier: the
+    compressed push's engine operation holds the key's communication buffer, which the pull
+    writes, and a dist_sync server answers a push only once every worker's push is summed.
+    """
+    mx = import_mxnet()
+    kv.set_gradient_compression({"type": "2bit", "threshold": threshold})
+
+    class PushThenPull(mx.kv.KVStore):
+        def __init__(self) -> None:  # shares the handle; the base object owns (and frees) it
+            self.handle = kv.handle
+            self._base = kv
+            self._updater = None
+            self._updater_func = None
+            self._str_updater_func = None
+            self._is_p3 = False
+
+        def __del__(self) -> None:
+            pass
+
+        def pushpull(self, key, value, out=None, priority=0):  # type: ignore[no-untyped-def]
+            self.push(key, value, priority)
+            self.pull(key, value if out is None else out, priority)
+
+    return PushThenPull()
