@@ -13,39 +13,31 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from airflow.sdk import CronTriggerTimetable, Param, dag, get_current_context, setup, task, teardown
+from airflow.sdk import AssetOrTimeSchedule, CronTriggerTimetable, dag, get_current_context, setup, task, teardown
 
+from plugins import callbacks
+from plugins.assets import MODEL, SHARDS, SOURCE_DATASET
 from plugins import pipeline_tasks as tasks
+from plugins.params import training_params
 
 SCHEDULE = os.environ.get("MXPIPE_SCHEDULE", "0 3 * * *")
+# One active run unless configured: runs of one DAG share the dataset's shard cache.
+MAX_ACTIVE_RUNS = int(os.environ.get("MXPIPE_MAX_ACTIVE_RUNS", "1"))
 RETRY_DELAY = timedelta(seconds=float(os.environ.get("MXPIPE_RETRY_DELAY_S", "30")))
 
-PARAMS = {
-    "dataset_uri": Param(os.environ.get("MXPIPE_DATASET_URI", "s3://mxpipe/datasets/digits/digits.csv"),
-                         type="string", pattern=r"^(s3://|/).+(\.(csv|csv\.gz|parquet|pq)|/)$",
-                         description="Source: a CSV/Parquet file, a glob of them, or a folder ending in '/' "
-                                     "(its table files, or images + labels.csv); s3:// URI or absolute path."),
-    "data_options": Param({}, type="object",
-                          description="Further data.* settings as JSON, e.g. {\"id_column\": \"uid\", "
-                                      "\"classes\": [0, 1], \"drift_action\": \"fail\"}."),
-    "label_column": Param("label", type="string", minLength=1, description="Name of the label column."),
-    "recipe": Param("digits", enum=["digits", "debug"], description="Named starting configuration."),
-    "model": Param("mlp", enum=["mlp", "lenet"], description="Network architecture."),
-    "epochs": Param(20, type="integer", minimum=1, maximum=1000, description="Training epochs."),
-    "batch_size": Param(32, type="integer", minimum=1, maximum=4096, description="Batch size per worker."),
-    "learning_rate": Param(0.002, type="number", exclusiveMinimum=0, maximum=10, description="Learning rate."),
-    "optimizer": Param("adam", enum=["adam", "sgd", "nag"], description="Optimizer (runs on the servers)."),
-    "num_workers": Param(2, type="integer", minimum=1, maximum=16, description="MXNet workers."),
-    "num_servers": Param(1, type="integer", minimum=1, maximum=8, description="Parameter servers."),
-    "kvstore": Param("dist_sync", enum=["dist_sync", "dist_async"], description="Parameter-server mode."),
-    "checkpoint_every_n_steps": Param(50, type="integer", minimum=1, maximum=1_000_000,
-                                      description="Checkpoint to S3 every N steps (and at each epoch end)."),
-    "registered_model_name": Param("digits-classifier", type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",
-                                   description="MLflow registered model to add a version to."),
-    "backend": Param("local", enum=["local", "hosts", "ec2"],
-                     description="Where the roles run: local processes, the hosts of MXPIPE_HOSTS_FILE "
-                                 "(SSH), or EC2 instances (MXPIPE_EC2_FILE)."),
-}
+PARAMS = training_params()
+
+
+def _schedule() -> AssetOrTimeSchedule | None:
+    """The cron, or an update of the source dataset Asset, whichever comes first."""
+    if SCHEDULE.lower() == "none":
+        return None
+    return AssetOrTimeSchedule(timetable=CronTriggerTimetable(SCHEDULE, timezone="UTC"), assets=[SOURCE_DATASET])
+
+
+def _emit(asset: object, extra: dict) -> None:
+    """Attach this run's concrete location to the asset event (the URI names the collection)."""
+    get_current_context()["outlet_events"][asset].extra = extra
 
 
 def _ids() -> tuple[str, str, int]:
@@ -55,19 +47,23 @@ def _ids() -> tuple[str, str, int]:
 
 @dag(
     dag_id="mxnet_training",
-    schedule=None if SCHEDULE.lower() == "none" else CronTriggerTimetable(SCHEDULE, timezone="UTC"),
+    schedule=_schedule(),
     catchup=False,
-    max_active_runs=1,
+    max_active_runs=MAX_ACTIVE_RUNS,
     params=PARAMS,
     tags=["mxnet", "training"],
-    default_args={"retries": 0},
+    # A one-line summary (dag, task, attempt, why) of every failed or retried attempt.
+    default_args={"retries": 0, "on_failure_callback": callbacks.on_failure,
+                  "on_retry_callback": callbacks.on_retry},
     doc_md=__doc__,
 )
 def mxnet_training() -> None:
-    @task
+    @task(outlets=[SHARDS])
     def shard(params: dict | None = None) -> dict:
         dag_id, run_id, _ = _ids()
-        return tasks.shard(params, dag_id, run_id)
+        out = tasks.shard(params, dag_id, run_id)
+        _emit(SHARDS, {"shards_prefix": out["shards_prefix"], "manifest_digest": out["manifest_digest"]})
+        return out
 
     # Airflow maps only over a task's whole return value: this hands the shard list over.
     @task
@@ -102,10 +98,13 @@ def mxnet_training() -> None:
     def release(cluster: dict) -> dict:
         return tasks.teardown(cluster)
 
-    @task(retries=2, retry_delay=RETRY_DELAY)
+    @task(retries=2, retry_delay=RETRY_DELAY, outlets=[MODEL])
     def register(shards: dict, trained: dict, validation: dict, params: dict | None = None) -> dict:
         dag_id, run_id, try_number = _ids()
-        return tasks.register(params, shards, trained, validation, dag_id, run_id, try_number)
+        out = tasks.register(params, shards, trained, validation, dag_id, run_id, try_number)
+        _emit(MODEL, {"name": out["registered_model_name"], "version": str(out["version"]),
+                      "run_url": out["run_url"]})
+        return out
 
     shards = shard()
     per_shard = validate_shard.partial(shards=shards).expand(shard_name=shard_names(shards))

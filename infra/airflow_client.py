@@ -110,6 +110,22 @@ class AirflowClient:
             states[key] = ti.get("state")
         return dict(sorted(states.items()))
 
+    # -- human in the loop (ApprovalOperator & co.) -----------------------------------------
+
+    def _hitl_path(self, dag_id: str, run_id: str, task_id: str, map_index: int) -> str:
+        return f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/{map_index}/hitlDetails"
+
+    def hitl_detail(self, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> dict[str, Any] | None:
+        """The request a HITL task wrote (subject, body, options, params), or ``None`` before it exists."""
+        resp = self.request("GET", self._hitl_path(dag_id, run_id, task_id, map_index), ok=(200, 404))
+        return resp.json() if resp.status_code == 200 else None
+
+    def respond(self, dag_id: str, run_id: str, task_id: str, options: list[str],
+                params_input: Mapping[str, Any] | None = None, map_index: int = -1) -> dict[str, Any]:
+        """Answer a waiting HITL task (what a reviewer's click in the UI sends); 409 if already answered."""
+        body = {"chosen_options": list(options), "params_input": dict(params_input or {})}
+        return self.request("PATCH", self._hitl_path(dag_id, run_id, task_id, map_index), json=body).json()
+
     def _paged(self, path: str, key: str) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
         while True:
@@ -218,6 +234,25 @@ def wait_for_dag_run(base_url: str, dag_id: str, run_id: str, timeout_s: float =
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{dag_id} run {run_id} still {state} after {timeout_s:.0f}s; "
                                    f"tasks: {last}")
+            time.sleep(poll_s)
+
+
+def wait_for_task_state(base_url: str, dag_id: str, run_id: str, task_id: str, wanted: str,
+                        timeout_s: float = 300.0, poll_s: float = 2.0) -> None:
+    """Poll until ``task_id`` is in state ``wanted`` (e.g. ``awaiting_input``); fail early if the run ends."""
+    deadline = time.monotonic() + timeout_s
+    with AirflowClient(base_url) as client:
+        while True:
+            states = client.task_states(dag_id, run_id)
+            if states.get(task_id) == wanted:
+                return
+            run_state = client.dag_run(dag_id, run_id)["state"]
+            if run_state in TERMINAL_RUN_STATES:
+                raise AirflowAPIError(f"{dag_id} run {run_id} ended {run_state} before {task_id} was "
+                                      f"{wanted}; tasks: {states}")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{task_id} of {dag_id} run {run_id} not {wanted} after {timeout_s:.0f}s; "
+                                   f"tasks: {states}")
             time.sleep(poll_s)
 
 

@@ -89,6 +89,8 @@ def shard(params: dict[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
 
     cfg = resolve_config(params)
     paths = run_paths(dag_id, run_id)
+    # Checked before anything is written or provisioned: a typo in the run id fails at once.
+    warm = warm_start_checkpoint(params, dag_id, run_id, cfg)
     storage.put_bytes(storage.join(paths.config, "train_config.json"), cfg.to_json().encode())
     root = dataset_root(cfg.data.source_uri)
     try:
@@ -105,7 +107,32 @@ def shard(params: dict[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
             "rows": {k: v["count"] for k, v in splits.items()},
             "shard_names": [s["name"] for s in manifest["shards"]],
             "fingerprint": manifest["source_fingerprint"], "reused": reused, "dataset_root": root,
-            "previous_manifest_uri": pointer["manifest_uri"] if pointer else None}
+            "previous_manifest_uri": pointer["manifest_uri"] if pointer else None, "warm_start": warm}
+
+
+def warm_start_checkpoint(params: dict[str, Any], dag_id: str, run_id: str, cfg: Any) -> dict[str, Any] | None:
+    """The ``warm_start`` run's newest valid checkpoint as ``{"run_id", "prefix", "step"}``, or None.
+
+    Only an explicitly named run is used: a new DAG run never picks up another run's checkpoints
+    by itself. A missing run, or one with no checkpoint that verifies, fails without a retry.
+    """
+    from training.checkpoint import CorruptCheckpoint, store_for
+
+    source = (params.get("warm_start") or "").strip()
+    if not source:
+        return None
+    if source == run_id:
+        raise _fail(f"warm_start {source!r} is this run itself; a retry resumes its own checkpoints anyway")
+    prefix = run_paths(dag_id, source).checkpoints
+    try:
+        ckpt = store_for(prefix, cfg.checkpoint).latest()
+    except CorruptCheckpoint as exc:
+        raise _fail(f"warm_start {source!r}: no valid checkpoint under {prefix}: {exc}") from exc
+    if ckpt is None:
+        raise _fail(f"warm_start {source!r}: no run of {dag_id} with a committed checkpoint under {prefix} "
+                    "(is the run id right?)")
+    log.info("warm start from %s step %d (%s)", source, ckpt.step, prefix)
+    return {"run_id": source, "prefix": prefix, "step": ckpt.step}
 
 
 def validate_shard(params: dict[str, Any], shards: dict[str, Any], shard_name: str, dag_id: str,
@@ -186,7 +213,7 @@ def cluster_spec(params: dict[str, Any], dag_id: str, run_id: str) -> Any:
     return ClusterSpec(run_tag=f"{dag_id}--{run_id}", workers=cfg.cluster.num_workers,
                        servers=cfg.cluster.num_servers, backend=backend,
                        devices_per_worker=int(options.get("devices_per_worker", 0)),
-                       instance_type=str(options.get("instance_type", "")), image=str(options.get("image", "")),
+                       instance_type=str(params.get("instance_type") or options.get("instance_type", "")), image=str(options.get("image", "")),
                        ttl_s=float(os.environ.get("MXPIPE_CLUSTER_TTL_S", 6 * 3600)), options=options)
 
 
@@ -238,7 +265,8 @@ def train(params: dict[str, Any], cluster: dict[str, Any], shards: dict[str, Any
     paths = run_paths(dag_id, run_id)
     job = JobSpec(config=cfg, shards_prefix=shards["shards_prefix"], checkpoint_prefix=paths.checkpoints,
                   model_prefix=paths.model, metrics_uri=storage.join(paths.metrics, "train.json"),
-                  run_name=f"{dag_id}/{run_id}")
+                  run_name=f"{dag_id}/{run_id}",
+                  warm_start_prefix=(shards.get("warm_start") or {}).get("prefix", ""))
     job_uri = storage.join(paths.config, "job.json")
     job.save(job_uri)
     committed = CheckpointStore(paths.checkpoints, keep=cfg.checkpoint.keep).committed_steps()
@@ -296,7 +324,7 @@ def register(params: dict[str, Any], shards: dict[str, Any], trained: dict[str, 
         result = log_model_run(
             tracking_uri=tracking_uri, experiment=EXPERIMENT, run_name=f"{dag_id}/{run_id}",
             tags={"airflow.dag_id": dag_id, "airflow.run_id": run_id, "airflow.try_number": str(try_number),
-                  "dataset.manifest_digest": shards["manifest_digest"]},
+                  "dataset.manifest_digest": shards["manifest_digest"], "mlflow.source.git.commit": git_sha()},
             params={"config": cfg.to_dict(), "config_digest": cfg.digest()},
             epoch_metrics=metrics["history"],
             final_metrics={"test_accuracy": evaluation["accuracy"], "global_step": metrics["global_step"],
@@ -308,6 +336,21 @@ def register(params: dict[str, Any], shards: dict[str, Any], trained: dict[str, 
     log.info("registered %s version %s (test accuracy %.4f): %s", result["registered_model_name"],
              result["version"], evaluation["accuracy"], result["run_url"])
     return {**result, "test_accuracy": evaluation["accuracy"]}
+
+
+def git_sha() -> str:
+    """The code version that trained the model: ``MXPIPE_GIT_SHA`` (set in images, which carry
+    no .git), else ``git rev-parse HEAD`` of this checkout, else "unknown"."""
+    import subprocess
+
+    if sha := os.environ.get("MXPIPE_GIT_SHA"):
+        return sha
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def _existing_run(tracking_uri: str, dag_id: str, run_id: str) -> str | None:

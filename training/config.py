@@ -12,7 +12,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-MODELS = ("mlp", "lenet")
+MODELS = ("mlp", "lenet", "resnet18", "resnet50")
+# Models that see the features as an image: they need data.input_shape = (C, H, W).
+IMAGE_MODELS = ("lenet", "resnet18", "resnet50")
 # MXNet 1.9 optimizer registry names (mx.optimizer.Optimizer.opt_registry).
 OPTIMIZERS = ("sgd", "nag", "adam", "adagrad", "adadelta", "rmsprop", "lamb")
 # "constant", or one of mx.lr_scheduler's MultiFactor ("step"), Cosine, Poly; each with linear warmup.
@@ -324,8 +326,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(0 <= self.seed < 2**31, f"seed must be in [0, 2**31), got {self.seed}")
-        _check(self.model.name != "lenet" or len(self.data.input_shape) == 3,
-               "model.name='lenet' needs data.input_shape=(channels, height, width)")
+        _check(self.model.name not in IMAGE_MODELS or len(self.data.input_shape) == 3,
+               f"model.name={self.model.name!r} needs data.input_shape=(channels, height, width)")
         devices, batch = self.cluster.devices_per_worker, self.optim.batch_size
         _check(batch % devices == 0, f"optim.batch_size={batch} must be divisible by cluster.devices_per_worker="
                                      f"{devices}: every context gets an equal slice of each batch")

@@ -5,6 +5,12 @@ Off unless ``MXPIPE_FAULT_KILL_STEP`` / ``_HANG_STEP`` / ``_TERM_STEP`` / ``_KIL
 is set. ``MXPIPE_FAULT_KILL_RANK`` picks the worker
 (default 1). With ``MXPIPE_FAULT_ONCE_FILE`` the fault fires only if that file does not exist,
 and creates it, so the retry of the same job runs clean.
+
+``MXPIPE_FAULT_KILL_PID_FILE``: the kill at ``MXPIPE_FAULT_KILL_STEP`` goes to the pid written
+in that file instead of the worker itself, so a chaos run can ``kill -9`` any role (a server,
+the scheduler) at an exact training step; the worker is only the clock. A missing or
+unreadable file means no kill (the once-file is then not created, and the harness sees that
+the fault never fired).
 """
 from __future__ import annotations
 
@@ -16,14 +22,17 @@ def maybe_kill(global_step: int, rank: int) -> None:
     target = os.environ.get("MXPIPE_FAULT_KILL_STEP")
     if not target or global_step != int(target) or rank != int(os.environ.get("MXPIPE_FAULT_KILL_RANK", "1")):
         return
-    once = os.environ.get("MXPIPE_FAULT_ONCE_FILE")
-    if once:
+    pid = os.getpid()
+    pid_file = os.environ.get("MXPIPE_FAULT_KILL_PID_FILE")
+    if pid_file:
         try:
-            with open(once, "x"):
-                pass
-        except FileExistsError:
+            with open(pid_file) as fh:
+                pid = int(fh.read().strip())
+        except (OSError, ValueError):
             return
-    os.kill(os.getpid(), signal.SIGKILL)
+    if not _once():
+        return
+    os.kill(pid, signal.SIGKILL)
 
 
 def maybe_hang(global_step: int, rank: int) -> None:

@@ -28,6 +28,9 @@ class JobSpec:
     model_prefix: str
     metrics_uri: str
     run_name: str = "job"
+    # Warm start: another run's checkpoint folder; its newest valid checkpoint's parameters
+    # initialise the model only when this job's own prefix has no checkpoint yet.
+    warm_start_prefix: str = ""
 
     def to_json(self) -> str:
         raw = asdict(self)

@@ -6,6 +6,11 @@ from typing import Any
 from common.mx import import_mxnet
 from training.config import TrainConfig
 
+# gluon.model_zoo.vision ResNets by config name → depth. Version 1 (post-activation, He et al.
+# 2015), the same network the checkpoint benchmark trains.
+RESNETS = {"resnet18": 18, "resnet50": 50}
+RESNET_VERSION = 1
+
 
 def build_model(cfg: TrainConfig, num_classes: int) -> Any:
     """A HybridBlock mapping float32 ``[batch, num_features]`` to logits ``[batch, num_classes]``.
@@ -30,6 +35,13 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Any:
             net.add(nn.Flatten())
             for width in cfg.model.hidden:
                 net.add(nn.Dense(width, activation="relu"))
+        elif cfg.model.name in RESNETS:
+            # From scratch (no pretrained download: training machines need no internet). The
+            # zoo's net ends in its own Dense(classes); model.hidden and dropout do not apply.
+            net.add(_Reshape(cfg.data.input_shape))
+            net.add(mx.gluon.model_zoo.vision.get_resnet(RESNET_VERSION, RESNETS[cfg.model.name],
+                                                         classes=num_classes, pretrained=False))
+            return net
         net.add(nn.Dense(num_classes))
     return net
 

@@ -1,43 +1,17 @@
 """The DAG file: imports cleanly, stays light at parse time, and has the structure and policy
 the pipeline relies on (setup/teardown, retries on train only, params with bounds)."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.dag.parse_probe import parse_in_fresh_process
 
 pytestmark = pytest.mark.dag
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HEAVY = ("mxnet", "mlflow", "great_expectations", "pandas", "boto3", "sklearn", "s3fs")
 
-
-@pytest.fixture(scope="module")
-def dag(tmp_path_factory):
-    os.environ.setdefault("AIRFLOW_HOME", str(tmp_path_factory.mktemp("airflow-home")))
-    from airflow.dag_processing.dagbag import DagBag
-
-    bag = DagBag(os.path.join(REPO, "dags"))
-    assert bag.import_errors == {}
-    return bag.dags["mxnet_training"]
-
-
-def test_parse_loads_nothing_heavy():
+@pytest.mark.parametrize("dag_file", ["mxnet_training.py", "dataset_landed.py", "model_review.py"])
+def test_parse_loads_nothing_heavy(dag_file):
     """In a fresh interpreter, importing the DAG file loads none of the heavy packages.
     (Its parse time is measured in benchmarks/parse_time.py, not asserted here.)"""
-    code = (
-        "import sys, time, json, importlib.util\n"
-        "import airflow.sdk\n"
-        f"spec = importlib.util.spec_from_file_location('dagfile', {os.path.join(REPO, 'dags', 'mxnet_training.py')!r})\n"
-        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-        f"print(json.dumps({{'heavy': [h for h in {HEAVY!r} if h in sys.modules]}}))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": REPO})
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["heavy"] == []
+    assert parse_in_fresh_process(dag_file)["heavy"] == []
 
 
 def test_structure(dag):
@@ -54,7 +28,11 @@ def test_structure(dag):
     assert tasks["train"].retries >= 2
     assert tasks["shard"].retries == 0 and tasks["validate"].retries == 0
     assert dag.max_active_runs == 1 and dag.catchup is False
-    assert type(dag.timetable).__name__ == "CronTriggerTimetable"
+    # The cron, or an update of the source dataset Asset.
+    assert type(dag.timetable).__name__ == "AssetOrTimeSchedule"
+    assert [a.name for a in dag.timetable.asset_condition.objects] == ["mxpipe.source_dataset"]
+    assert [o.name for o in tasks["shard"].outlets] == ["mxpipe.shards"]
+    assert [o.name for o in tasks["register"].outlets] == ["mxpipe.model"]
 
 
 @pytest.mark.parametrize("name,bad", [("num_workers", 0), ("num_workers", 17), ("epochs", 0),
@@ -76,3 +54,19 @@ def test_params_defaults_resolve_to_a_valid_config(dag):
     cfg = resolve_config(values)
     assert cfg.cluster.num_workers == 2 and cfg.cluster.num_servers == 1
     assert cfg.cluster.kvstore == "dist_sync"
+
+
+def test_form_enums_and_defaults_follow_training_config(dag):
+    """Models and optimizers come from training.config's tuples, defaults from the recipe."""
+    from training.config import MODELS, OPTIMIZERS, recipe
+
+    schema = {k: dag.params.get_param(k).schema for k in dag.params}
+    assert schema["model"]["enum"] == list(MODELS) and schema["optimizer"]["enum"] == list(OPTIMIZERS)
+    base = recipe("digits")
+    assert dag.params["epochs"] == base.optim.epochs and dag.params["learning_rate"] == base.optim.learning_rate
+    for name in ("dataset_uri", "label_column", "model", "epochs", "batch_size", "optimizer", "learning_rate",
+                 "num_workers", "num_servers", "kvstore", "backend", "instance_type", "warm_start",
+                 "checkpoint_every_n_steps"):
+        assert dag.params.get_param(name).description, name
+        assert "type" in schema[name], name
+    assert dag.params["warm_start"] == ""  # a new run never starts from another run unless asked

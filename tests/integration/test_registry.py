@@ -29,6 +29,9 @@ from training.registry import (
     log_model_run,
 )
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tiny_model import blobs, train_and_export  # noqa: E402
+
 pytestmark = pytest.mark.integration
 
 CLASSES = ["cat", "dog", "eel"]
@@ -39,36 +42,9 @@ SUBPROCESS_TIMEOUT_S = 240
 
 def _train_and_export(model_dir: str) -> tuple[np.ndarray, np.ndarray]:
     """A few Adam steps on three Gaussian blobs; returns held-out (X, y as class values)."""
-    from training.pyfunc_model import _import_mxnet
-
-    mx = _import_mxnet()
-    from mxnet import autograd, gluon
-
-    rng = np.random.RandomState(7)
-    centers = rng.randn(len(CLASSES), NUM_FEATURES) * 4
-    yi = rng.randint(0, len(CLASSES), 900)
-    X = (centers[yi] + rng.randn(len(yi), NUM_FEATURES)).astype(np.float32)
-    train, test = slice(0, 600), slice(600, None)
-    mx.random.seed(7)
-    net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Dense(16, activation="relu"), gluon.nn.Dense(len(CLASSES)))
-    net.initialize(mx.init.Xavier())
-    net.hybridize()
-    trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 0.05})
-    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    Xt, yt = X[train], yi[train]
-    for _ in range(80):
-        idx = rng.randint(0, len(yt), 64)
-        with autograd.record():
-            loss = loss_fn(net(mx.nd.array(Xt[idx])), mx.nd.array(yt[idx]))
-        loss.backward()
-        trainer.step(len(idx))
-    os.makedirs(model_dir, exist_ok=True)
-    net.export(os.path.join(model_dir, "model"), epoch=0)
-    meta = {"feature_columns": FEATURES, "classes": CLASSES, "input_shape": [], "num_features": NUM_FEATURES}
-    with open(os.path.join(model_dir, "model_meta.json"), "w") as f:
-        json.dump(meta, f)
-    return X[test], np.asarray(CLASSES)[yi[test]]
+    X, yi = blobs(len(CLASSES), NUM_FEATURES, 900)
+    train_and_export(model_dir, X[:600], yi[:600], CLASSES, FEATURES)
+    return X[600:], np.asarray(CLASSES)[yi[600:]]
 
 
 def _call_kwargs(tracking_uri: str, model_dir: str, name: str, example: pd.DataFrame, extra: str) -> dict:

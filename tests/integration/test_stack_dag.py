@@ -1,10 +1,15 @@
 """The project's DAG on the real Airflow stack (api-server, scheduler, dag-processor, triggerer,
 LocalExecutor, SQLite), exactly as ``make demo`` runs it: triggered over the REST API, run by
 the scheduler, against real SeaweedFS and MLflow servers from the fixtures."""
+import os
+import sys
+
 import pytest
 from common import storage
-from infra import services
-from infra.airflow_client import AirflowAPIError, AirflowClient, trigger_dag_run, wait_for_dag, wait_for_dag_run
+from infra.airflow_client import AirflowAPIError, AirflowClient, trigger_dag_run, wait_for_dag_run
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from airflow_stack import airflow_stack  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -13,18 +18,9 @@ DAG_ID = "mxnet_training"
 
 @pytest.fixture(scope="module")
 def stack(s3_server, mlflow_server, tmp_path_factory):
-    home = tmp_path_factory.mktemp("stack-home")
-    cfg = services.StackConfig.with_free_ports(home)
-    client_env = {**s3_server.env, "MLFLOW_TRACKING_URI": mlflow_server.tracking_uri,
-                  "MXPIPE_HOME": str(home), "MXPIPE_SCHEDULE": "none", "MXPIPE_RETRY_DELAY_S": "1"}
-    handles = services.start_airflow(cfg, client_env=client_env)
-    try:
-        wait_for_dag(cfg.airflow_url, DAG_ID, timeout_s=180, dag_file="mxnet_training.py")
+    with airflow_stack(tmp_path_factory.mktemp("stack-home"), s3_server, mlflow_server,
+                       {DAG_ID: "mxnet_training.py"}) as cfg:
         yield cfg
-    finally:
-        assert services.stop_airflow(handles)
-        for handle in handles:
-            assert services.group_processes(handle.pgid) == [], handle.name
 
 
 def _dataset(bucket, csv):

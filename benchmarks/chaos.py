@@ -1,0 +1,394 @@
+"""Chaos harness: real local-backend ``dist_sync`` jobs (2 workers, 1 server, the debug recipe,
+optimizer on the workers so resume is exact) against a SeaweedFS S3 server started here.
+
+Scenarios (``--scenarios R1,R2,R3``):
+
+- R1: ``--trials`` randomized trials (``--seed``). Each kills (SIGKILL) a random role (a worker,
+  the server or the scheduler) right after a random step past the first checkpoint; the
+  supervisor tears the job down; a retry over the same run prefix resumes and finishes.
+- R2: checkpoint edge cases. ``torn``: rank 0 dies after a checkpoint's data files, before its
+  manifest; ``corrupt``: the newest committed checkpoint gets flipped bytes before the retry;
+  ``final``: a finished run is run again (its newest checkpoint is the final step).
+- R3: the S3 server is stopped mid-run (after the first checkpoint) and restarted on the same
+  ports and data folder ``--outage-s`` later; the job must carry on and finish.
+
+Checks per trial: finished; resumed from the newest checkpoint that verifies (never a torn or
+corrupt one); final parameters within ``EXACT_ATOL`` of an uninterrupted reference run with the
+same seed; no role process left (every process on the machine scanned for the attempt's tag).
+Recovery time: from the fault (its once-file) to the worker's ``first step after resume done``
+line; for R3 from the restart of S3 to the next committed checkpoint.
+
+    .venv/bin/python benchmarks/chaos.py [--quick] [--trials N] [--seed S] [--soak]
+        [--scenarios R1,R2,R3] [--outage-s S] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks import chaos_jobs as cj  # noqa: E402
+from common import storage  # noqa: E402
+from training.config import TrainConfig, recipe  # noqa: E402
+
+EXACT_ATOL = 1e-6
+ROLES = ("worker", "server", "scheduler")
+OUTAGE_WAIT_S = 300.0  # bound on waiting for R3's job to reach its first checkpoint
+
+
+@dataclass
+class Trial:
+    scenario: str
+    name: str
+    checks: dict[str, bool]
+    recovery_s: float | None = None
+    max_abs_diff: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(self.checks.values())
+
+
+@dataclass
+class Context:
+    stack: cj.ChaosStack
+    root: Path
+    cfg: TrainConfig
+    shards: str
+    reference: dict[str, Any]
+    total_steps: int
+
+    def job(self, name: str, **overrides: Any) -> Any:
+        cfg = self.cfg.replace(**overrides) if overrides else self.cfg
+        return cj.job_for(cfg, self.shards, f"s3://{self.stack.bucket}/chaos/{name}")
+
+
+def _resume_checks(ctx: Context, job: Any, first: cj.Attempt, retry: cj.Attempt, facts: dict[str, Any],
+                   trial: Trial) -> None:
+    """The checks every kill-and-retry trial shares."""
+    trial.checks.update({
+        "fault fired": first.fault_at is not None,
+        "first attempt failed": first.failed is not None,
+        "retry finished": retry.failed is None,
+        "resumed from newest valid": retry.resumed_step() == facts["latest_valid"],
+        "no partial checkpoint chosen": retry.resumed_step() is None or retry.resumed_step() in facts["committed"],
+        "no orphan process": not first.orphans and not retry.orphans,
+    })
+    if retry.failed is None:
+        step, params = cj.final_params(job)
+        trial.max_abs_diff = cj.max_abs_diff(params, ctx.reference)
+        trial.checks["finished at the last step"] = step == ctx.total_steps
+        trial.checks[f"params within {EXACT_ATOL:g}"] = trial.max_abs_diff <= EXACT_ATOL
+    done = retry.first_time("first step after resume done")
+    if first.fault_at is not None and done is not None:
+        trial.recovery_s = done - first.fault_at
+        trial.details["recovery_terms_s"] = _terms(first, retry, done)
+    trial.details.update({"resumed_step": retry.resumed_step(), "store_before_retry": facts,
+                          "first_error": (first.failed or "").splitlines()[0][:200],
+                          "retry_error": (retry.failed or "")[-2000:] or None,
+                          "orphans": first.orphans + retry.orphans,
+                          "attempt_s": [round(first.seconds, 2), round(retry.seconds, 2)]})
+
+
+def _terms(first: cj.Attempt, retry: cj.Attempt, done: float) -> dict[str, float | None]:
+    """Where the recovery time went: detect, teardown, between attempts, cluster start, restore."""
+    def at(att: cj.Attempt, event: str) -> float | None:
+        return next((e["t"] for e in att.events if e["event"] == event), None)
+
+    marks = {"detect": at(first, "role_failed"), "teardown": at(first, "roles_stopped"),
+             "between_attempts": at(retry, "job_start"), "cluster_start": retry.first_time("started (kvstore="),
+             "restore_and_first_step": done}
+    out, prev = {}, first.fault_at
+    for name, t in marks.items():
+        out[name] = None if t is None or prev is None else round(t - prev, 3)
+        prev = t if t is not None else prev
+    return out
+
+
+def r1(ctx: Context, trials: int, rng: random.Random) -> list[Trial]:
+    out = []
+    every = ctx.cfg.checkpoint.every_n_steps
+    for i in range(trials):
+        kind = rng.choice(ROLES)
+        victim = {"worker": f"worker-{rng.randrange(ctx.cfg.cluster.num_workers)}", "server": "server-0",
+                  "scheduler": "scheduler"}[kind]
+        # Before the last step: a kill after the final checkpoint is R2's "final step" case.
+        kill_step = rng.randint(every + 1, ctx.total_steps - 1)
+        killer = rng.randrange(ctx.cfg.cluster.num_workers)
+        job, work = ctx.job(f"r1-{i}"), ctx.root / f"r1-{i}"
+        first = cj.run_attempt(job, work, victim=victim, kill_step=kill_step, killer_rank=killer)
+        facts = cj.store_facts(job)
+        retry = cj.run_attempt(job, work, victim=victim, kill_step=kill_step, killer_rank=killer)
+        trial = Trial("R1", f"kill -9 {victim} at step {kill_step}", {})
+        _resume_checks(ctx, job, first, retry, facts, trial)
+        trial.details.update({"victim": victim, "kill_step": kill_step, "killer_rank": killer})
+        out.append(trial)
+        _echo(trial)
+    return out
+
+
+def r2(ctx: Context) -> list[Trial]:
+    # Synchronous writes: every checkpoint on the cadence is attempted (async may skip one
+    # while another uploads), so the torn and the corrupted steps are known in advance.
+    sync = {"checkpoint": {"async_upload": False}}
+    every = ctx.cfg.checkpoint.every_n_steps
+    torn_step = 3 * every
+    out = []
+
+    job, work = ctx.job("r2-torn", **sync), ctx.root / "r2-torn"
+    env = {"MXPIPE_FAULT_KILL_IN_UPLOAD_STEP": str(torn_step)}
+    first = cj.run_attempt(job, work, env=env)
+    facts = cj.store_facts(job)
+    retry = cj.run_attempt(job, work, env=env)
+    trial = Trial("R2", f"torn checkpoint at step {torn_step}", {
+        "torn folder left (data, no manifest)": torn_step in facts["torn"],
+        "previous one chosen": facts["latest_valid"] == 2 * every})
+    _resume_checks(ctx, job, first, retry, facts, trial)
+    out.append(trial)
+    _echo(trial)
+
+    job, work = ctx.job("r2-corrupt", **sync), ctx.root / "r2-corrupt"
+    first = cj.run_attempt(job, work, victim="worker-1", kill_step=torn_step + every // 2, killer_rank=0)
+    newest = cj.store_facts(job)["committed"][:1]
+    if newest:
+        cj.flip_bytes(job, newest[0])
+    facts = cj.store_facts(job)
+    retry = cj.run_attempt(job, work)
+    trial = Trial("R2", f"corrupt checkpoint at step {newest[0] if newest else '?'}", {
+        "newest committed was corrupted": newest == [torn_step],
+        "previous one chosen": facts["latest_valid"] == 2 * every,
+        "corrupt one skipped (logged)": bool(retry.lines("skipping checkpoint"))})
+    _resume_checks(ctx, job, first, retry, facts, trial)
+    out.append(trial)
+    _echo(trial)
+
+    # Run the finished job once more: its newest checkpoint is the final step (the train task
+    # died after the job, or register failed and the whole DAG run was cleared).
+    again = cj.run_attempt(job, work)
+    step, params = cj.final_params(job)
+    trial = Trial("R2", "rerun of a finished run (resume at the final step)", {
+        "finished": again.failed is None,
+        "resumed at the final step": again.resumed_step() == ctx.total_steps and
+        bool(again.lines("nothing left to train")),
+        "no new step trained": not again.lines("first step after resume done"),
+        "no orphan process": not again.orphans,
+        f"params within {EXACT_ATOL:g}": step == ctx.total_steps and cj.max_abs_diff(params, ctx.reference)
+        <= EXACT_ATOL}, max_abs_diff=cj.max_abs_diff(params, ctx.reference),
+        details={"error": (again.failed or "")[-2000:] or None, "attempt_s": round(again.seconds, 2)})
+    out.append(trial)
+    _echo(trial)
+    return out
+
+
+def r3(stack: cj.ChaosStack, root: Path, cfg: TrainConfig, outage_s: float, copies: int = 20) -> Trial:
+    """S3 down for ``outage_s`` mid-run, then back on the same ports and data folder.
+
+    The dataset is ``copies`` jittered copies of digits (about 400 steps an epoch), so that the
+    job is still training when the outage starts and ends. The outage starts once the first
+    checkpoint is committed; it is counted from the moment the server's process group is gone
+    (a graceful stop takes seconds, while it still answers) to the moment its restart begins.
+    """
+    shards = _shard(stack, cfg, f"r3-digits-x{copies}", copies)
+    job = cj.job_for(cfg.replace(optim={"epochs": 2}, cluster={"stall_timeout_s": 300.0}), shards,
+                     f"s3://{stack.bucket}/chaos/r3")
+    work = root / "r3"
+    outage: dict[str, float] = {}
+    errors: list[BaseException] = []
+
+    def cut() -> None:
+        try:
+            events = work / "attempt-0" / "events.jsonl"
+            deadline = time.monotonic() + OUTAGE_WAIT_S
+            while time.monotonic() < deadline:
+                if events.exists() and "checkpoint committed: step" in events.read_text():
+                    break
+                time.sleep(0.2)
+            else:
+                raise TimeoutError("R3: no checkpoint committed before the outage was due")
+            outage["stop"] = time.time()
+            stack.stop()
+            outage["down"] = time.time()
+            time.sleep(outage_s)
+            outage["restart"] = time.time()
+            stack.start()
+            outage["back"] = time.time()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    cutter = threading.Thread(target=cut, name="s3-outage", daemon=True)
+    cutter.start()
+    run = cj.run_attempt(job, work)
+    cutter.join(timeout=OUTAGE_WAIT_S + outage_s + 300)
+    return _r3_trial(job, run, outage, errors, outage_s)
+
+
+_STEP = re.compile(r"(?:global_step=|at step |committed: step )(\d+)")
+
+
+def _r3_trial(job: Any, run: cj.Attempt, outage: dict[str, float], errors: list[BaseException],
+              outage_s: float) -> Trial:
+    down, restart, back = outage.get("down", 0.0), outage.get("restart", 0.0), outage.get("back", float("inf"))
+    failed_uploads = {int(e["text"].split("upload at step ")[1].split()[0]) for e in run.lines("upload at step ")}
+    committed = {int(e["text"].split("committed: step ")[1].split()[0]): e["t"]
+                 for e in run.lines("checkpoint committed: step ")}
+    steps = [(e["t"], int(m.group(1))) for e in run.events if e["event"] == "line" and (m := _STEP.search(e["text"]))]
+    before = max((s for t, s in steps if t <= down), default=None)
+    during = [s for t, s in steps if down < t < restart]
+    facts = cj.store_facts(job) if not errors else {"committed": [], "torn": [], "latest_valid": None}
+    verified = all(_verifies(job, s) for s in facts["committed"])
+    stats = next((e["text"] for e in reversed(run.lines("checkpoint stats: "))), "")
+    after = [t for t in committed.values() if t >= back]
+    trial = Trial("R3", f"S3 stopped {outage_s:.0f}s mid-run", {
+        "outage happened mid-run": not errors and "back" in outage and before is not None and bool(after),
+        "training went on while S3 was down": before is not None and max(during, default=-1) > before,
+        "nothing committed while S3 was down": not [t for t in committed.values() if down < t < restart],
+        "job finished": run.failed is None,
+        "an upload failed and was retried": bool(failed_uploads),
+        "every retried upload committed": bool(failed_uploads) and failed_uploads <= set(committed),
+        "no checkpoint given up": "'failed': 0" in stats,
+        "final checkpoint committed": bool(facts["committed"]) and facts["latest_valid"] == facts["committed"][0]
+        and _final_step(job) == facts["committed"][0],
+        "every kept checkpoint verifies": verified and not facts["torn"],
+        "no orphan process": not run.orphans,
+    }, recovery_s=(min(after) - back) if after else None)
+    trial.details.update({"outage": outage, "outage_s": restart - down if restart else None,
+                          "step_at_outage": before, "last_step_during_outage": max(during, default=None),
+                          "failed_uploads": sorted(failed_uploads), "stats": stats,
+                          "retry_lines": [e["text"][-120:] for e in run.lines("retrying in")],
+                          "store": facts, "errors": [repr(e) for e in errors],
+                          "error": (run.failed or "")[-2000:] or None, "attempt_s": round(run.seconds, 2)})
+    _echo(trial)
+    return trial
+
+
+def _verifies(job: Any, step: int) -> bool:
+    from training.checkpoint import store_for
+
+    try:
+        store_for(job.checkpoint_prefix, job.config.checkpoint).load(step)
+        return True
+    except Exception:  # noqa: BLE001 - a checkpoint that does not load does not verify
+        return False
+
+
+def _final_step(job: Any) -> int | None:
+    try:
+        return int(json.loads(storage.get_bytes(job.metrics_uri))["global_step"])
+    except Exception:  # noqa: BLE001 - no metrics: the job did not finish
+        return None
+
+
+# -- setup, table, CLI ------------------------------------------------------------------------------
+
+
+def _shard(stack: cj.ChaosStack, cfg: TrainConfig, name: str, copies: int) -> str:
+    from data_checks.shard import shard_dataset
+
+    base = f"s3://{stack.bucket}/chaos-data/{name}"
+    storage.put_bytes(storage.join(base, "digits.csv"), cj.digits_table(copies))
+    shard_dataset(cfg.replace(data={"source_uri": storage.join(base, "digits.csv")}), storage.join(base, "shards"))
+    return storage.join(base, "shards")
+
+
+def base_config() -> TrainConfig:
+    """The debug recipe, 2 workers + 1 server, optimizer on the workers (exact resume)."""
+    return recipe("debug").replace(cluster={"num_workers": 2, "num_servers": 1, "kvstore": "dist_sync",
+                                            "optimizer_on": "workers", "job_timeout_s": 900.0})
+
+
+def run(root: Path, scenarios: list[str], trials: int, seed: int, outage_s: float, r3_copies: int = 20) -> dict:
+    stack = cj.ChaosStack(root)
+    stack.start()
+    results: list[Trial] = []
+    try:
+        with stack.environment():
+            cfg = base_config()
+            shards = _shard(stack, cfg, "digits", 1)
+            ref_job = cj.job_for(cfg, shards, f"s3://{stack.bucket}/chaos/reference")
+            ref = cj.run_attempt(ref_job, root / "reference")
+            if ref.failed:
+                raise RuntimeError(f"the reference run failed:\n{ref.failed}")
+            total, params = cj.final_params(ref_job)
+            ctx = Context(stack, root, cfg, shards, params, total)
+            print(f"reference: {total} steps in {ref.seconds:.1f}s", flush=True)
+            if "R1" in scenarios:
+                results += r1(ctx, trials, random.Random(seed))
+            if "R2" in scenarios:
+                results += r2(ctx)
+            if "R3" in scenarios:
+                results.append(r3(stack, root, cfg, outage_s, r3_copies))
+    finally:
+        stack.stop()
+    return {"seed": seed, "trials": [asdict(t) | {"passed": t.passed} for t in results],
+            "rows": summarize(results), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def summarize(results: list[Trial]) -> list[dict[str, Any]]:
+    rows = []
+    for name in dict.fromkeys(t.scenario for t in results):
+        group = [t for t in results if t.scenario == name]
+        rec = [t.recovery_s for t in group if t.recovery_s is not None]
+        diffs = [t.max_abs_diff for t in group if t.max_abs_diff is not None]
+        rows.append({"scenario": name, "trials": len(group), "passed": sum(t.passed for t in group),
+                     "median_recovery_s": statistics.median(rec) if rec else None,
+                     "worst_recovery_s": max(rec) if rec else None, "max_abs_diff": max(diffs) if diffs else None})
+    return rows
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| scenario | trials | passed | median recovery s | worst recovery s | max abs diff |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['scenario']} | {r['trials']} | {r['passed']} | {_fmt(r['median_recovery_s'], '.2f')} | "
+                     f"{_fmt(r['worst_recovery_s'], '.2f')} | {_fmt(r['max_abs_diff'], '.3g')} |")
+    return "\n".join(lines)
+
+
+def _echo(trial: Trial) -> None:
+    bad = [k for k, ok in trial.checks.items() if not ok]
+    print(f"{trial.scenario} {trial.name}: {'PASS' if trial.passed else 'FAIL ' + ', '.join(bad)}"
+          f" recovery={_fmt(trial.recovery_s, '.2f')}s diff={_fmt(trial.max_abs_diff, '.3g')}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scenarios", default="R1,R2,R3")
+    parser.add_argument("--trials", type=int, default=None, help="R1 trials (default 4; --quick 2; --soak 25)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="CI size: 2 R1 trials, a 10 s S3 outage")
+    parser.add_argument("--soak", action="store_true", help="a long setting: 25 R1 trials")
+    parser.add_argument("--outage-s", type=float, default=None, help="R3 outage (default 30; --quick 10)")
+    parser.add_argument("--json", help="write every trial and the table to this file")
+    args = parser.parse_args(argv)
+    trials = args.trials or (25 if args.soak else 2 if args.quick else 4)
+    outage = args.outage_s if args.outage_s is not None else (10.0 if args.quick else 30.0)
+    scenarios = [s.strip().upper() for s in args.scenarios.split(",") if s.strip()]
+    with tempfile.TemporaryDirectory(prefix="mxpipe-chaos-") as tmp:
+        report = run(Path(tmp), scenarios, trials, args.seed, outage)
+    print("\n" + table(report["rows"]))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2, default=str)
+    return 0 if all(t["passed"] for t in report["trials"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Model review: champion vs challenger on the same held-out set, then a human decision.
+
+resolve → compare (both versions scored through mlflow.pyfunc on the challenger's test split;
+the comparison goes to an MLflow review run and the task log) → approval (Airflow's
+ApprovalOperator; the comparison is its body) → promote (on Approve: the ``champion`` alias
+moves to the version) / reject (on Reject: the version is tagged ``review=rejected`` with the
+reviewer's comment; the aliases stay).
+
+Triggered by the Asset ``x-mlflow://models/<name>`` (``plugins.review.model_asset``) of each model in ``MXPIPE_REVIEW_MODELS``
+(default ``digits-classifier``): the training DAG's ``register`` task must declare that Asset
+as an outlet and set ``extra={"registered_model_name": ..., "version": ...}`` on its event.
+Or by hand, with the Params below. No answer within ``MXPIPE_REVIEW_TIMEOUT_H`` hours (default
+72) fails the approval task and changes nothing; a new manual run asks again.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+from airflow.providers.standard.operators.hitl import ApprovalOperator
+from airflow.sdk import AssetAny, Param, dag, get_current_context, task
+
+from plugins import review as tasks
+
+RESPONSE_TIMEOUT = timedelta(hours=float(os.environ.get("MXPIPE_REVIEW_TIMEOUT_H", "72")))
+
+PARAMS = {
+    "model_name": Param(tasks.review_models()[0], type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",
+                        description="Registered model to review (ignored when an Asset event names one)."),
+    "version": Param("", type="string", pattern=r"^[0-9]*$",
+                     description="Version to review; empty: the version with alias 'challenger'."),
+    "shards_prefix": Param("", type="string", pattern=r"^(|(s3://|/).+)$",
+                           description="Test data (a shards prefix); empty: the version's "
+                                       "'dataset.shards_prefix' tag."),
+}
+
+
+def _ids() -> tuple[str, str]:
+    ctx = get_current_context()
+    return ctx["dag"].dag_id, ctx["run_id"]
+
+
+@dag(
+    dag_id="model_review",
+    schedule=AssetAny(*(tasks.model_asset(name) for name in tasks.review_models())),
+    catchup=False,
+    # Reviews may wait for days; a few can wait side by side, each for its own version.
+    max_active_runs=3,
+    params=PARAMS,
+    tags=["mxnet", "mlflow", "review"],
+    default_args={"retries": 1, "retry_delay": timedelta(seconds=30)},
+    doc_md=__doc__,
+)
+def model_review() -> None:
+    # A bad name/version fails at once (AirflowFailException); the retry is for MLflow hiccups.
+    @task(execution_timeout=timedelta(minutes=5))
+    def resolve(params: dict | None = None) -> dict:
+        return tasks.resolve(params, get_current_context().get("triggering_asset_events"))
+
+    @task(execution_timeout=timedelta(minutes=30))
+    def compare(target: dict) -> dict:
+        return tasks.compare(target, *_ids())
+
+    approval = ApprovalOperator(
+        task_id="approval",
+        subject="Promote {{ ti.xcom_pull(task_ids='resolve')['name'] }} version "
+                "{{ ti.xcom_pull(task_ids='resolve')['challenger'] }} to champion?",
+        body="{{ ti.xcom_pull(task_ids='compare')['markdown'] }}",
+        params={"comment": Param("", type="string", description="Why (kept as a tag on the version).")},
+        response_timeout=RESPONSE_TIMEOUT,
+        # Bounds the write of the request, not the human wait (response_timeout does that).
+        execution_timeout=timedelta(minutes=5),
+        retries=0,  # a retry would ask again: a timeout is an answer ("not now")
+    )
+
+    @task(execution_timeout=timedelta(minutes=5))
+    def promote(target: dict, reviewed: dict, decision: dict) -> dict:
+        return tasks.apply_approval(target, reviewed, decision)
+
+    # The operator skips its direct downstream (promote) on Reject. This task hangs off promote
+    # with all_skipped, so it runs exactly then; its inputs are pulled, not passed, because an
+    # XCom argument would make resolve/compare/approval upstreams and they never skip.
+    @task(trigger_rule="all_skipped", execution_timeout=timedelta(minutes=5))
+    def reject() -> dict:
+        ti = get_current_context()["ti"]
+        return tasks.apply_rejection(ti.xcom_pull(task_ids="resolve"), ti.xcom_pull(task_ids="compare"),
+                                     ti.xcom_pull(task_ids="approval"))
+
+    target = resolve()
+    reviewed = compare(target)
+    reviewed >> approval
+    promote(target, reviewed, approval.output) >> reject()
+
+
+model_review()

@@ -1,0 +1,55 @@
+"""Airflow Assets of the training pipeline, for lineage and data-aware scheduling.
+
+``source_dataset`` is the table the retraining DAG reads (``MXPIPE_DATASET_URI``); a DAG that
+lands new data there declares it as an outlet (see ``dags/dataset_landed.py``), and that
+triggers a retraining run. ``shards`` and ``model`` are what a training run produces; their
+static URIs (``x-mxpipe://…``, see ``_uri``) name the collection, and each run attaches its concrete location (shards prefix,
+manifest digest, model version) as the asset event's ``extra``. Read from the environment once,
+at parse time: stdlib only.
+"""
+from __future__ import annotations
+
+import os
+
+from airflow.sdk import Asset
+
+from plugins.pipeline_tasks import artifact_root
+
+DEFAULT_DATASET_URI = "s3://mxpipe/datasets/digits/digits.csv"
+DEFAULT_MODEL_NAME = "digits-classifier"
+
+
+def _uri(kind: str, location: str) -> str:
+    """``x-mxpipe://{kind}/{location without scheme}``.
+
+    An "x-" scheme is one Airflow does not normalise: an ``s3://`` (or any provider-known)
+    asset URI makes Airflow load every provider's URI handlers at parse time, and the Amazon
+    one imports boto3 (measured: a parse-time import the DAG files must not have).
+    """
+    return f"x-mxpipe://{kind}/{location.split('://', 1)[-1].lstrip('/')}"
+
+
+def dataset_uri() -> str:
+    return os.environ.get("MXPIPE_DATASET_URI", DEFAULT_DATASET_URI)
+
+
+SOURCE_DATASET = Asset(name="mxpipe.source_dataset", uri=_uri("dataset", dataset_uri()), group="dataset")
+SHARDS = Asset(name="mxpipe.shards", uri=_uri("shards", artifact_root().rstrip("/") + "/datasets"), group="dataset")
+MODEL = Asset(name="mxpipe.model", uri=_uri("model", DEFAULT_MODEL_NAME), group="model")
+
+
+def check_landed(uri: str) -> dict[str, object]:
+    """What a "dataset landed" event carries: the source exists (a folder or glob: some file
+    under it does), with its URI, so the retraining run it triggers has something to read."""
+    from common import storage
+
+    if "*" in uri or uri.endswith("/"):
+        base = uri.split("*", 1)[0].rsplit("/", 1)[0]
+        found = next(iter(storage.list_uris(base)), None) is not None
+    else:
+        found = storage.exists(uri)
+    if not found:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException(f"dataset landed: nothing at {uri}; no asset event is emitted")
+    return {"dataset_uri": uri}
