@@ -107,6 +107,7 @@ def with_gradient_compression(kv: Any, threshold: float) -> Any:
     """
     mx = import_mxnet()
     kv.set_gradient_compression({"type": "2bit", "threshold": threshold})
+    log.info("2-bit gradient compression on (threshold %g): pushes go out quantised, pulls in full", threshold)
 
     class PushThenPull(mx.kv.KVStore):
         def __init__(self) -> None:  # shares the handle; the base object owns (and frees) it

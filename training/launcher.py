@@ -126,7 +126,7 @@ def launch_for(cfg: TrainConfig, job_uri: str, env: Mapping[str, str] | None = N
     """The ``JobLaunch`` of a config: its cluster shape and per-role thread bound."""
     c = cfg.cluster
     return JobLaunch(job_uri=job_uri, num_workers=c.num_workers, num_servers=c.num_servers,
-                     threads_per_role=c.threads_per_role, env=dict(env or {}))
+                     threads_per_role=c.threads_per_role, env=dict(env or {}), distributed=c.distributed)
 
 
 def _describe_exit(code: int) -> str:
@@ -200,7 +200,10 @@ class Supervisor:
         c = self.cfg.cluster
         self.events("job_start", job_uri=job_uri)
         where = type(self.cluster).__name__ if self.cluster is not None else f"{self.host}:{self.port}"
-        log.info("starting job: 1 scheduler, %d servers, %d workers on %s", c.num_servers, c.num_workers, where)
+        if c.distributed:
+            log.info("starting job: 1 scheduler, %d servers, %d workers on %s", c.num_servers, c.num_workers, where)
+        else:
+            log.info("starting job: 1 worker, kvstore %s (no scheduler or servers) on %s", c.kvstore, where)
         orderly = True
         try:
             if self.cluster is not None:

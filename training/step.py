@@ -8,7 +8,7 @@
   ``'add'``, so k forward/backward passes sum into the gradient buffers; then one
   ``trainer.step`` (one push per parameter, one optimizer update) and the buffers are zeroed.
   ``trainer.step`` is told the samples of all k micro-batches, so the update equals one batch
-  of k·b (tests/integration/test_engine.py).
+  of k·b (tests/integration/test_engine_modes.py).
 - Mixed precision (``optim.precision='fp16'``, GPU only): ``mxnet.contrib.amp`` scales the loss
   (dynamic loss scaling) before backward. The config refuses it on CPU; untested here.
 - The loss stays on the device until the step's end: one host sync per optimizer step, which
@@ -69,6 +69,8 @@ class StepRunner:
         self.batch_size, self.k, self.global_batch = batch_size, accumulate_steps, global_batch
         self.use_amp = use_amp
         self.params = [p for p in net.collect_params().values() if p.grad_req != "null"]
+        # What a job reports (and the accumulation test checks): k micro-batches per push.
+        self.micro_batches = self.optimizer_steps = 0
 
     def __call__(self, X: np.ndarray, y: np.ndarray, idx: np.ndarray) -> float:
         """Train on rows ``idx`` (k·b of them); returns the mean loss over them."""
@@ -83,7 +85,9 @@ class StepRunner:
             self._backward(losses)
             part_sum = mx.nd.add_n(*[loss.sum().as_in_context(self.ctxs[0]) for loss in losses])
             total = part_sum if total is None else total + part_sum
+            self.micro_batches += 1
         self.trainer.step(self.global_batch)
+        self.optimizer_steps += 1
         if self.k > 1:
             for p in self.params:
                 p.zero_grad()  # an engine write, ordered after the push that reads the gradient

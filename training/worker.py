@@ -212,7 +212,12 @@ def run(job: JobSpec) -> dict[str, Any]:
             _preempted(preemption, cfg, rank, global_step, writer, None)
 
     result = {"global_step": global_step, "epochs": cfg.optim.epochs, "history": history,
-              "num_workers": num_workers, **meter.totals(time.monotonic())}
+              "num_workers": num_workers, **meter.totals(time.monotonic()),
+              # This attempt's counts: one trainer.step (one push per parameter) per k micro-batches;
+              # the worker-side optimizer's update count (None when it runs on the servers).
+              "micro_batches": train_step.micro_batches, "optimizer_steps": train_step.optimizer_steps,
+              "optimizer_updates": (int(trainer._optimizer.num_update)
+                                    if cfg.cluster.optimizer_placement == "workers" else None)}
     if writer is not None:
         waited = time.monotonic()
         writer.close()

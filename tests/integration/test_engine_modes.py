@@ -1,0 +1,202 @@
+"""The training engine's modes in real jobs: every kvstore mode, several CPU contexts per worker,
+the optimizers, an LR schedule with warmup across a resume, gradient accumulation, 2-bit
+compression, and the per-epoch progress line.
+
+Each job is the real ``python -m training worker`` under the project's Supervisor (scheduler +
+servers + workers as local processes for the ``dist_*`` modes), reading digits shards from and
+checkpointing to a real S3 server (SeaweedFS). Jobs are kept tiny (MLP with 32 hidden units,
+2 epochs of about 20 steps) so the file runs in a few minutes on 2 cores. What the modes compute
+against a single-process reference is ``test_kvstore_reference.py``; here the question is
+whether the engine itself runs, trains and counts right in each mode.
+"""
+import json
+import logging
+import math
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from common import storage
+from data_checks.shard import shard_dataset
+from training.config import OPTIMIZERS, recipe
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from local_jobs import make_job, run_job  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+# Rows of the digits train split (70 % of 1,797) spread over 2 shards.
+PROGRESS = re.compile(r"epoch (\d+) done: step=(\d+) loss=([\d.]+) samples/s=(\d+) \(all workers (\d+)\) "
+                      r"eta=(\d+)s")
+
+
+@pytest.fixture(scope="module")
+def shards(s3_server, digits_csv):
+    bucket = f"s3://{s3_server.bucket}/test-engine-{os.getpid()}"
+    source = storage.join(bucket, "digits.csv")
+    storage.put_bytes(source, digits_csv)
+    cfg = recipe("debug", source).replace(optim={"epochs": 2})
+    manifest = shard_dataset(cfg, storage.join(bucket, "shards"))
+    return cfg, storage.join(bucket, "shards"), manifest
+
+
+def _train(shards, s3_prefix, tmp_path, caplog, env=None, **overrides):
+    cfg, prefix, _ = shards
+    job = make_job(cfg, prefix, s3_prefix, **overrides)
+    caplog.set_level(logging.INFO, logger="training.launcher")
+    spawner = run_job(job, s3_prefix, tmp_path, env=env)
+    metrics = json.loads(storage.get_bytes(job.metrics_uri))
+    return job, metrics, [r.name for r in spawner.records]
+
+
+def _assert_trains(metrics, min_accuracy=0.5):
+    losses = [h["train_loss"] for h in metrics["history"]]
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0], losses
+    assert metrics["history"][-1]["val_accuracy"] > min_accuracy, metrics["history"][-1]
+
+
+def _steps_per_epoch(manifest, workers, rows_per_step):
+    shares = [sum(s["count"] for i, s in enumerate(x for x in manifest["shards"] if x["split"] == "train")
+                  if i % workers == r) for r in range(workers)]
+    return math.ceil(max(shares) / rows_per_step)
+
+
+MODES = [
+    # kvstore, workers, servers, contexts per worker, optimizer
+    ("local", 1, 1, 1, "sgd"),
+    ("device", 1, 1, 2, "nag"),
+    ("dist_sync", 2, 2, 1, "adam"),
+    ("dist_async", 2, 1, 1, "rmsprop"),
+    ("dist_device_sync", 2, 1, 2, "adagrad"),
+]
+
+
+@pytest.mark.parametrize("kvstore,workers,servers,contexts,optimizer", MODES,
+                         ids=[f"{m[0]}-w{m[1]}-s{m[2]}-c{m[3]}-{m[4]}" for m in MODES])
+def test_every_kvstore_mode_trains(shards, s3_prefix, tmp_path, caplog, kvstore, workers, servers, contexts,
+                                   optimizer):
+    lr = {"sgd": 0.01, "nag": 0.01, "adagrad": 0.05}.get(optimizer, 0.005)
+    job, metrics, roles = _train(shards, s3_prefix, tmp_path, caplog,
+                                 cluster={"kvstore": kvstore, "num_workers": workers, "num_servers": servers,
+                                          "devices_per_worker": contexts},
+                                 optim={"optimizer": optimizer, "learning_rate": lr})
+    _assert_trains(metrics)
+    workers_started = [r for r in roles if r.startswith("worker-")]
+    assert len(workers_started) == workers
+    if kvstore in ("local", "device"):
+        assert roles == ["worker-0"], f"a single-process kvstore needs no scheduler or servers: {roles}"
+    else:
+        assert roles[:1 + servers] == ["scheduler"] + [f"server-{i}" for i in range(servers)]
+    contexts_logged = re.findall(r"worker 0/\d+ started \(kvstore=(\w+)\).*contexts \[(.*)\]", caplog.text)
+    assert contexts_logged and contexts_logged[0][0] == kvstore
+    assert contexts_logged[0][1] == ", ".join(f"cpu({i})" for i in range(contexts))
+    # The per-epoch progress line: step, loss, samples/s (this worker and all), ETA.
+    lines = PROGRESS.findall(caplog.text)
+    assert sorted(int(m[0]) for m in lines) == sorted([0, 1] * workers), caplog.text[-3000:]
+    assert all(int(m[3]) > 0 and int(m[4]) >= int(m[3]) for m in lines), lines
+    steps = _steps_per_epoch(shards[2], workers, 32)
+    assert metrics["global_step"] == 2 * steps
+    last = [m for m in lines if m[0] == "1"]
+    assert all(int(m[1]) == 2 * steps and m[5] == "0" for m in last), last  # the last epoch: nothing left
+
+
+def test_every_optimizer_takes_a_training_step():
+    """All seven optimizers through the engine's own trainer path (optim.optimizer_params +
+    kvstore_sync.make_trainer + step.StepRunner) on a local kvstore, in this process: the loss
+    of a fixed batch falls over a few steps. One dist job per optimizer would add minutes for
+    no new code path (the distributed runs above use five of them)."""
+    from common.mx import import_mxnet
+    from training.kvstore_sync import make_trainer
+    from training.optim import optimizer_params
+    from training.step import StepRunner, prepare
+
+    mx = import_mxnet()
+    rng = np.random.RandomState(0)
+    X = rng.randn(64, 8).astype(np.float32)
+    y = (X[:, 0] > 0).astype(np.float32)
+    idx = np.arange(64)
+    base = recipe("debug").replace(cluster={"kvstore": "local", "num_workers": 1})
+    rates = {"sgd": 0.1, "nag": 0.1, "adagrad": 0.1, "adadelta": 1.0, "rmsprop": 0.01, "adam": 0.01, "lamb": 0.01}
+    assert set(rates) == set(OPTIMIZERS)
+    for name in OPTIMIZERS:
+        cfg = base.replace(optim={"optimizer": name, "learning_rate": rates[name], "batch_size": 32,
+                                  "accumulate_steps": 2, "weight_decay": 1e-4})
+        mx.random.seed(1)
+        net = mx.gluon.nn.Dense(2, in_units=8)
+        net.initialize(mx.init.Xavier())
+        trainer = make_trainer(net.collect_params(), name, optimizer_params(cfg, 1, 10, 0),
+                               mx.kv.create("local"), "workers", batch_size=cfg.global_batch(1))
+        prepare(net, trainer, 2, use_amp=False)
+        step = StepRunner(net, trainer, mx.gluon.loss.SoftmaxCrossEntropyLoss(), [mx.cpu()], batch_size=32,
+                          accumulate_steps=2, global_batch=64)
+        losses = [step(X, y, idx) for _ in range(8)]
+        assert losses[-1] < losses[0], (name, losses)
+        assert (step.micro_batches, step.optimizer_steps, trainer._optimizer.num_update) == (16, 8, 8), name
+
+
+def _lr_at(step, *, peak, warmup, total, final=0.0):
+    """MXNet's linear warmup then cosine (mx.lr_scheduler.CosineScheduler), written out."""
+    if step < warmup:
+        return peak * step / warmup
+    if step <= total:
+        return final + (peak - final) * (1 + math.cos(math.pi * (step - warmup) / (total - warmup))) / 2
+    return final
+
+
+def test_warmup_cosine_schedule_follows_the_global_step_across_a_resume(shards, s3_prefix, tmp_path, caplog):
+    """Warmup longer than the first epoch, cosine after; a kill mid-epoch 1 and the retry's
+    resume from an earlier checkpoint. The rate recorded at every epoch end (what the next step
+    uses) must be the schedule's value at that global step, whether the epoch ran before or
+    after the resume; the optimizer's update count must equal the global step."""
+    from training.launcher import JobFailed
+
+    cfg, prefix, manifest = shards
+    steps = _steps_per_epoch(manifest, 2, 32)
+    total, warmup, peak = 3 * steps, steps + steps // 2, 0.01
+    overrides = {"optim": {"epochs": 3, "learning_rate": peak, "lr_schedule": "cosine", "warmup_steps": warmup},
+                 "checkpoint": {"every_n_steps": 5}}
+    job = make_job(cfg, prefix, s3_prefix, **overrides)
+    kill_at = steps + 7
+    fault = {"MXPIPE_FAULT_KILL_STEP": str(kill_at), "MXPIPE_FAULT_KILL_RANK": "1",
+             "MXPIPE_FAULT_ONCE_FILE": str(tmp_path / "fault-fired")}
+    caplog.set_level(logging.INFO, logger="training.launcher")
+    with pytest.raises(JobFailed):
+        run_job(job, s3_prefix, tmp_path, env=fault)
+    run_job(job, s3_prefix, tmp_path, env=fault)
+    resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", caplog.text)]
+    assert resumed and 0 < resumed[0] < kill_at, caplog.text[-3000:]
+    assert "first step after resume done" in caplog.text
+    metrics = json.loads(storage.get_bytes(job.metrics_uri))
+    history = metrics["history"]
+    assert [h["global_step"] for h in history] == [steps, 2 * steps, 3 * steps]
+    for h in history:
+        assert h["learning_rate"] == pytest.approx(_lr_at(h["global_step"], peak=peak, warmup=warmup, total=total),
+                                                   rel=1e-5, abs=1e-9), h
+    assert history[0]["learning_rate"] < peak  # the first epoch ended inside the warmup
+    assert metrics["optimizer_updates"] == 3 * steps
+    _assert_trains(metrics)
+
+
+def test_accumulation_pushes_once_per_k_micro_batches(shards, s3_prefix, tmp_path, caplog):
+    """k=2 micro-batches of 16 per optimizer step on 2 dist_sync workers: the job takes as many
+    optimizer steps (trainer.step = one pushpull per parameter through the servers) as a job
+    with batch 32, twice as many micro-batches, and the optimizer counts one update per step."""
+    cfg, _, manifest = shards
+    job, metrics, _ = _train(shards, s3_prefix, tmp_path, caplog,
+                             optim={"batch_size": 16, "accumulate_steps": 2, "optimizer": "lamb",
+                                    "learning_rate": 0.01})
+    steps = _steps_per_epoch(manifest, 2, 32)
+    assert metrics["global_step"] == metrics["optimizer_steps"] == metrics["optimizer_updates"] == 2 * steps
+    assert metrics["micro_batches"] == 2 * metrics["optimizer_steps"]
+    _assert_trains(metrics)
+
+
+def test_two_bit_compression_on_dist_sync_trains(shards, s3_prefix, tmp_path, caplog):
+    job, metrics, _ = _train(shards, s3_prefix, tmp_path, caplog,
+                             cluster={"gradient_compression": "2bit", "compression_threshold": 0.5})
+    _assert_trains(metrics)
+    assert len(re.findall(r"2-bit gradient compression on \(threshold 0.5\)", caplog.text)) == 2
