@@ -31,6 +31,9 @@ GRADIENT_COMPRESSIONS = ("none", "2bit")
 COMPRESSION_KVSTORES = ("dist_sync",)
 DEVICE_TYPES = ("cpu", "gpu")
 PRECISIONS = ("fp32", "fp16")
+# "replicated": every context of a worker holds the whole model and a slice of the batch;
+# "split": the model's blocks are split over the contexts (model parallelism, training.placement).
+PLACEMENTS = ("replicated", "split")
 # Where the optimizer runs: on the parameter servers (gluon update_on_kvstore=True) or on every
 # worker after the gradients are summed through the servers (update_on_kvstore=False).
 OPTIMIZER_PLACEMENTS = ("servers", "workers")
@@ -117,9 +120,14 @@ class ModelConfig:
     name: str = "mlp"
     hidden: tuple[int, ...] = (128, 64)
     dropout: float = 0.0
+    # Model parallelism inside a worker: "split" puts contiguous stages of the model's blocks on
+    # the worker's cluster.devices_per_worker contexts, one stage each (data parallelism across
+    # workers stays: hybrid). See training/placement.py for what MXNet 1.9 gluon allows.
+    placement: str = "replicated"
 
     def __post_init__(self) -> None:
         _check(self.name in MODELS, f"model.name must be one of {MODELS}, got {self.name!r}")
+        _check(self.placement in PLACEMENTS, f"model.placement must be one of {PLACEMENTS}, got {self.placement!r}")
         _check(all(h > 0 for h in self.hidden), f"model.hidden sizes must be positive, got {self.hidden}")
         _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
 
@@ -329,11 +337,18 @@ class TrainConfig:
         _check(self.model.name not in IMAGE_MODELS or len(self.data.input_shape) == 3,
                f"model.name={self.model.name!r} needs data.input_shape=(channels, height, width)")
         devices, batch = self.cluster.devices_per_worker, self.optim.batch_size
-        _check(batch % devices == 0, f"optim.batch_size={batch} must be divisible by cluster.devices_per_worker="
+        _check(batch % devices == 0 or self.model.placement == "split", f"optim.batch_size={batch} must be divisible by cluster.devices_per_worker="
                                      f"{devices}: every context gets an equal slice of each batch")
         _check(self.optim.precision != "fp16" or self.cluster.device == "gpu",
                "optim.precision='fp16' needs cluster.device='gpu': mxnet.contrib.amp runs float16 on GPU "
                "contexts only; on CPU use precision='fp32'")
+        if self.model.placement == "split":
+            _check(self.cluster.devices_per_worker >= 2,
+                   "model.placement='split' needs cluster.devices_per_worker >= 2 (one stage per context)")
+            _check(self.cluster.optimizer_placement == "workers",
+                   "model.placement='split' needs the optimizer on the workers (cluster.optimizer_on='workers' "
+                   "or 'auto' with a sync kvstore): every stage's Trainer would send its own optimizer to the servers")
+            _check(self.optim.precision == "fp32", "model.placement='split' is fp32 only (AMP with split is untested)")
         workers = self.cluster.num_workers
         _check(self.num_train_shards >= workers,
                f"data.num_shards={self.num_train_shards} cannot be spread over cluster.num_workers={workers}: "

@@ -47,6 +47,7 @@ from training.kvstore_sync import make_trainer, with_gradient_compression
 from training.metrics import ThroughputMeter
 from training.model import build_model
 from training.optim import learning_rate_at, optimizer_params, reposition
+from training.placement import SplitNet, make_split_trainer
 from training.step import NaNLossError, StepRunner, contexts, init_amp, prepare
 
 __all__ = ["NaNLossError", "run", "evaluate", "resume_digest"]
@@ -91,10 +92,15 @@ def run(job: JobSpec) -> dict[str, Any]:
     mx.random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     use_amp = init_amp(cfg)
+    split = cfg.model.placement == "split"
     net = build_model(cfg, manifest["num_classes"])
+    if split:  # model parallel: stage i's parameters on ctxs[i] only; the batch enters on ctxs[0]
+        net = SplitNet(net, ctxs)
     net.initialize(mx.init.Xavier(), ctx=ctxs)
     net(mx.nd.zeros((1, manifest["num_features"]), ctx=ctx))  # materialise deferred shapes before any load
     net.hybridize()
+    if split:
+        log.info("model split over %d contexts: %s", len(ctxs), net.describe())
 
     store = store_for(job.checkpoint_prefix, cfg.checkpoint)
     ckpt = store.latest()
@@ -113,9 +119,14 @@ def run(job: JobSpec) -> dict[str, Any]:
     if cfg.cluster.gradient_compression == "2bit":
         kv = with_gradient_compression(kv, cfg.cluster.compression_threshold)
     # Built after the parameters are final (fresh or restored) and before the first forward.
-    trainer = make_trainer(net.collect_params(), cfg.optim.optimizer,
-                           optimizer_params(cfg, num_workers, steps, global_step), kv,
-                           cfg.cluster.optimizer_placement, batch_size=global_batch)
+    if split:
+        trainer = make_split_trainer(net, cfg.optim.optimizer,
+                                     lambda: optimizer_params(cfg, num_workers, steps, global_step), kv,
+                                     batch_size=global_batch)
+    else:
+        trainer = make_trainer(net.collect_params(), cfg.optim.optimizer,
+                               optimizer_params(cfg, num_workers, steps, global_step), kv,
+                               cfg.cluster.optimizer_placement, batch_size=global_batch)
     if ckpt is not None:
         restored = ckpt_state.load_states(trainer, ckpt.files.get(ckpt_state.STATES), ckpt.uri)
         if restored:
@@ -123,9 +134,10 @@ def run(job: JobSpec) -> dict[str, Any]:
         log.info("resumed from step %d (epoch %d, step %d in epoch); optimizer state %s", global_step, epoch,
                  start_step, "restored" if restored else "restarts from zero")
     elif not ckpt_state.saves_optimizer_state(trainer) and rank == 0:
-        log.warning("optimizer on the servers: checkpoints hold no optimizer state, a resume restarts it from zero")
+        where = "model split over contexts" if split else "optimizer on the servers"
+        log.warning("%s: checkpoints hold no optimizer state, a resume restarts it from zero", where)
     prepare(net, trainer, cfg.optim.accumulate_steps, use_amp)
-    train_step = StepRunner(net, trainer, mx.gluon.loss.SoftmaxCrossEntropyLoss(), ctxs,
+    train_step = StepRunner(net, trainer, mx.gluon.loss.SoftmaxCrossEntropyLoss(), ctxs[:1] if split else ctxs,
                             batch_size=cfg.optim.batch_size, accumulate_steps=cfg.optim.accumulate_steps,
                             global_batch=global_batch, use_amp=use_amp)
     order = data.EpochOrder(len(y), steps, step_rows, cfg.seed, rank)
@@ -302,6 +314,8 @@ def resume_digest(cfg: Any) -> str:
     retention, encryption, timeouts or (elastic) the cluster size."""
     raw = cfg.to_dict()
     raw.pop("checkpoint")
+    if raw["model"]["placement"] == "replicated":  # left out when default: older checkpoints still match
+        raw["model"].pop("placement")
     cluster = raw.pop("cluster")
     raw["cluster"] = {"kvstore": cluster["kvstore"], "optimizer_on": cfg.cluster.optimizer_placement}
     if cluster["gradient_compression"] != "none":  # left out when off: older checkpoints still match

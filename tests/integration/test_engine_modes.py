@@ -233,3 +233,20 @@ def test_two_bit_pushes_carry_mxnets_quantisation(tmp_path):
             for r in range(2):
                 np.testing.assert_array_equal(got[r][f"k{key}-s{step}"], expected, err_msg=f"key {key} step {step}")
         assert np.count_nonzero(expected) > 0  # the probe's gradients do cross the threshold
+
+
+def test_model_split_over_contexts_with_data_parallel_workers(shards, s3_prefix, tmp_path, caplog):
+    """Hybrid parallelism: 2 dist_sync workers (data parallel through the servers), each holding
+    the MLP split over cpu(0) and cpu(1) (model parallel: each layer's parameters on one context
+    only). It trains, both workers report the split, and the exported model is one network."""
+    job, metrics, roles = _train(shards, s3_prefix, tmp_path, caplog, model={"placement": "split"},
+                                 cluster={"devices_per_worker": 2})
+    _assert_trains(metrics)
+    splits = re.findall(r"model split over 2 contexts: (.*)", caplog.text)
+    assert len(splits) == 2, caplog.text[-3000:]
+    stage0, stage1 = splits[0].split(" | ")
+    assert stage0.startswith("cpu(0): ") and "@cpu(1)" not in stage0
+    assert stage1.startswith("cpu(1): ") and "@cpu(0)" not in stage1
+    assert metrics["optimizer_updates"] == metrics["global_step"]
+    names = sorted(u.rsplit("/", 1)[1] for u in storage.list_uris(job.model_prefix))
+    assert names == ["model-0000.params", "model-symbol.json", "model_meta.json"]

@@ -110,3 +110,38 @@ def test_train_shards_default_to_one_per_worker():
     cfg = recipe("debug").replace(cluster={"num_workers": 3})
     assert cfg.num_train_shards == 3
     assert cfg.replace(data={"num_shards": 6}).num_train_shards == 6
+
+
+# The "Bad input" list, each through from_dict (what the CLI, the DAG and every role
+# read a config with): a ConfigError naming the field, before any process is started.
+BAD_INPUT = [
+    ({"optim": {"optimizer": "adamax"}}, r"optim\.optimizer must be one of"),
+    ({"model": {"name": "vgg16"}}, r"model\.name must be one of"),
+    ({"cluster": {"kvstore": "nccl"}}, r"cluster\.kvstore must be one of"),
+    ({"cluster": {"num_workers": 0}}, r"cluster\.num_workers must be in \[1, 256\]"),
+    ({"cluster": {"num_servers": 0}}, r"cluster\.num_servers must be in \[1, 64\]"),
+    ({"optim": {"batch_size": 30}, "cluster": {"devices_per_worker": 4}}, r"must be divisible by cluster\.devices"),
+    ({"optim": {"accumulate_steps": 0}}, r"optim\.accumulate_steps must be in \[1, 1024\]"),
+    ({"optim": {"precision": "fp16"}}, r"needs cluster\.device='gpu'"),
+    ({"cluster": {"num_workers": 3}, "data": {"num_shards": 2}}, r"data\.num_shards=2 cannot be spread"),
+    ({"cluster": {"num_workers": 4}, "data": {"shards_per_worker": 0}}, r"data\.shards_per_worker must be >= 1"),
+    ({"model": {"placement": "pipeline"}}, r"model\.placement must be one of"),
+    ({"model": {"placement": "split"}}, r"needs cluster\.devices_per_worker >= 2"),
+    ({"model": {"placement": "split"}, "cluster": {"devices_per_worker": 2, "optimizer_on": "servers"}},
+     r"needs the optimizer on the workers"),
+]
+
+
+@pytest.mark.parametrize("raw,needle", BAD_INPUT, ids=[n.split(" ")[0].replace("\\", "") for _, n in BAD_INPUT])
+def test_bad_input_fails_at_config_construction(raw, needle):
+    base = recipe("debug", "s3://b/d.csv").to_dict()
+    for section, values in raw.items():
+        base[section] = {**base[section], **values}
+    with pytest.raises(ConfigError, match=needle):
+        TrainConfig.from_dict(base)
+
+
+def test_split_placement_is_a_valid_config():
+    cfg = recipe("debug").replace(model={"placement": "split"}, cluster={"devices_per_worker": 2},
+                                  optim={"batch_size": 31})
+    assert cfg.model.placement == "split"  # the batch is not sliced over the contexts: any size
