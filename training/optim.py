@@ -76,7 +76,11 @@ def optimizer_params(cfg: TrainConfig, num_workers: int, steps_per_epoch: int, g
 
 
 def learning_rate_at(trainer: Any) -> float:
-    """The rate the optimizer applies at its current update count (what the next step uses)."""
+    """The rate of the latest update: the schedule at the current update count.
+
+    MXNet's optimizer increments its count and then asks the scheduler, so update ``g`` (1-based)
+    runs at ``scheduler(g)``; the next step will use ``scheduler(g + 1)``.
+    """
     opt = trainer._optimizer
     if opt.lr_scheduler is None:
         return float(opt.lr)

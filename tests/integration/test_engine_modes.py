@@ -250,3 +250,42 @@ def test_model_split_over_contexts_with_data_parallel_workers(shards, s3_prefix,
     assert metrics["optimizer_updates"] == metrics["global_step"]
     names = sorted(u.rsplit("/", 1)[1] for u in storage.list_uris(job.model_prefix))
     assert names == ["model-0000.params", "model-symbol.json", "model_meta.json"]
+
+
+def test_learning_rate_follows_warmup_then_cosine_at_every_step():
+    """Step by step, in this process: the rate the engine's optimizer applied at each update
+    (learning_rate_at after the step) is the written-out schedule at that global step, also for
+    a trainer rebuilt at a later step (what a resume does) and with accumulation (k=2 micro-
+    batches still count as one step)."""
+    from common.mx import import_mxnet
+    from training.kvstore_sync import make_trainer
+    from training.optim import learning_rate_at, optimizer_params
+    from training.step import StepRunner, prepare
+
+    mx = import_mxnet()
+    steps_per_epoch, epochs, warmup, peak = 4, 3, 5, 0.02
+    cfg = recipe("debug").replace(cluster={"kvstore": "local", "num_workers": 1},
+                                  optim={"optimizer": "sgd", "learning_rate": peak, "epochs": epochs,
+                                         "lr_schedule": "cosine", "warmup_steps": warmup, "batch_size": 8,
+                                         "accumulate_steps": 2})
+    total = steps_per_epoch * epochs
+    rng = np.random.RandomState(0)
+    X, y = rng.randn(16, 4).astype(np.float32), rng.randint(0, 2, 16).astype(np.float32)
+
+    def run_from(start: int) -> list[float]:
+        net = mx.gluon.nn.Dense(2, in_units=4)
+        net.initialize()
+        trainer = make_trainer(net.collect_params(), "sgd", optimizer_params(cfg, 1, steps_per_epoch, start),
+                               mx.kv.create("local"), "workers", batch_size=16)
+        prepare(net, trainer, 2, use_amp=False)
+        step = StepRunner(net, trainer, mx.gluon.loss.SoftmaxCrossEntropyLoss(), [mx.cpu()], batch_size=8,
+                          accumulate_steps=2, global_batch=16)
+        seen = []
+        for _ in range(start, total):
+            step(X, y, np.arange(16))
+            seen.append(learning_rate_at(trainer))
+        return seen
+
+    expected = [_lr_at(g + 1, peak=peak, warmup=warmup, total=total) for g in range(total)]
+    assert run_from(0) == pytest.approx(expected, rel=1e-5, abs=1e-9)
+    assert run_from(7) == pytest.approx(expected[7:], rel=1e-5, abs=1e-9)
