@@ -289,3 +289,58 @@ def test_learning_rate_follows_warmup_then_cosine_at_every_step():
     expected = [_lr_at(g + 1, peak=peak, warmup=warmup, total=total) for g in range(total)]
     assert run_from(0) == pytest.approx(expected, rel=1e-5, abs=1e-9)
     assert run_from(7) == pytest.approx(expected[7:], rel=1e-5, abs=1e-9)
+
+
+def test_split_model_computes_what_the_unsplit_model_computes():
+    """Reference for model.placement='split', in this process on a local kvstore: an MLP split
+    over cpu(0)/cpu(1) with per-stage trainers, started from the same parameters as the same
+    MLP on one context, ends 6 Adam steps (k=2 accumulation) with the same parameters up to
+    float32 noise; and each stage's parameters exist on its own context only."""
+    from common.mx import import_mxnet
+    from training.kvstore_sync import make_trainer
+    from training.model import build_model
+    from training.optim import optimizer_params
+    from training.placement import SplitNet, make_split_trainer
+    from training.step import StepRunner, prepare
+
+    mx = import_mxnet()
+    cfg = recipe("debug").replace(cluster={"kvstore": "local", "num_workers": 1, "devices_per_worker": 2},
+                                  model={"hidden": (16, 8), "placement": "split"},
+                                  optim={"batch_size": 8, "accumulate_steps": 2, "learning_rate": 0.01})
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+    rng = np.random.RandomState(3)
+    X, y = rng.randn(16, 6).astype(np.float32), rng.randint(0, 3, 16).astype(np.float32)
+
+    def trained(split: bool) -> dict[str, np.ndarray]:
+        mx.random.seed(5)
+        net = build_model(cfg, 3)
+        if split:
+            net = SplitNet(net, ctxs)
+        net.initialize(mx.init.Xavier(), ctx=ctxs if split else ctxs[:1])
+        net(mx.nd.zeros((1, 6)))
+        init = np.random.RandomState(9)
+        for p in net.collect_params().values():  # the same start for both, whatever the init order
+            p.set_data(mx.nd.array(init.standard_normal(p.shape) * 0.3))
+        params = lambda: optimizer_params(cfg, 1, 10, 0)  # noqa: E731
+        if split:
+            assert [{str(c) for p in stage for c in p.list_ctx()} for stage in net.stage_params()] == \
+                [{"cpu(0)"}, {"cpu(1)"}]
+            trainer = make_split_trainer(net, "adam", params, mx.kv.create("local"), batch_size=16)
+        else:
+            trainer = make_trainer(net.collect_params(), "adam", params(), mx.kv.create("local"), "workers",
+                                   batch_size=16)
+        prepare(net, trainer, 2, use_amp=False)
+        step = StepRunner(net, trainer, mx.gluon.loss.SoftmaxCrossEntropyLoss(), ctxs[:1], batch_size=8,
+                          accumulate_steps=2, global_batch=16)
+        start = {name: p.list_data()[0].asnumpy() for name, p in net._collect_params_with_prefix().items()}
+        for _ in range(6):
+            step(X, y, np.arange(16))
+        end = {name: p.list_data()[0].asnumpy() for name, p in net._collect_params_with_prefix().items()}
+        return start, end
+
+    (start, plain), (start_split, split) = trained(False), trained(True)
+    assert plain.keys() == split.keys() and len(plain) == 6
+    for name in plain:
+        np.testing.assert_array_equal(start_split[name], start[name])
+        assert np.abs(plain[name] - start[name]).max() > 1e-3, name  # it did train
+        np.testing.assert_allclose(split[name], plain[name], rtol=1e-5, atol=1e-6, err_msg=name)
