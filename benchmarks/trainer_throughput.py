@@ -11,7 +11,7 @@ so that a step is compute (tens of ms), not Python overhead.
   1 worker with 2 threads) ÷ a bare Gluon loop over the same rows, model, optimizer, kvstore
   and threads in a process of its own (``--bare-child``). Both report their steady state: the
   median over epochs after the first of samples / loop time per epoch (the worker's epoch
-  record ``samples_per_s``; the bare loop times the same way, with one ``waitall`` at the end of
+  record ``samples_per_s_total``; the bare loop times the same way, with one ``waitall`` at the end of
   each epoch and no per-step sync, the fastest a plain loop gets).
 - P5: a 2-worker ``dist_sync`` job (1 server, 1 thread per role, optimizer on the workers,
   the pipeline's default) ÷ the single-process job above, on the same 2 cores. Aggregate =

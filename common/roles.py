@@ -81,9 +81,15 @@ class JobLaunch:
     # Extra variables for every role (on top of the cluster's base environment).
     env: Mapping[str, str] = field(default_factory=dict)
     knobs: PsLiteKnobs = field(default_factory=PsLiteKnobs)
+    # False for the single-process kvstores (local, device): the job is its one worker. A
+    # scheduler and servers started anyway would wait for workers that never join (measured:
+    # the supervisor's 30 s drain, then a kill, after every local job).
+    distributed: bool = True
 
     def roles(self) -> list[Role]:
         """Scheduler first, then servers, then workers: the order ps-lite expects them to join."""
+        if not self.distributed:
+            return [Role(f"{WORKER}-{i}", WORKER, i) for i in range(self.num_workers)]
         return ([Role(SCHEDULER, SCHEDULER, 0)]
                 + [Role(f"server-{i}", SERVER, i) for i in range(self.num_servers)]
                 + [Role(f"worker-{i}", WORKER, i) for i in range(self.num_workers)])
@@ -106,16 +112,21 @@ def role_env(launch: JobLaunch, kind: str, *, node_host: str, root_uri: str, roo
     if "PS_VERBOSE" in base:  # an explicit PS_VERBOSE of the caller wins (debugging a job)
         env["PS_VERBOSE"] = base["PS_VERBOSE"]
     env.update({
+        "OMP_NUM_THREADS": threads,
+        "MXNET_CPU_WORKER_NTHREADS": threads,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (repo_root, base.get("PYTHONPATH", "")) if p),
+    })
+    if not launch.distributed:
+        # No ps-lite: a worker with DMLC_* inherited would still look like a member of a job.
+        return {k: v for k, v in env.items() if not k.startswith("DMLC_")}
+    env.update({
         "DMLC_ROLE": kind,
         "DMLC_PS_ROOT_URI": root_uri,
         "DMLC_PS_ROOT_PORT": str(root_port),
         "DMLC_NUM_SERVER": str(launch.num_servers),
         "DMLC_NUM_WORKER": str(launch.num_workers),
         "DMLC_NODE_HOST": node_host,
-        "OMP_NUM_THREADS": threads,
-        "MXNET_CPU_WORKER_NTHREADS": threads,
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (repo_root, base.get("PYTHONPATH", "")) if p),
     })
     return env
 

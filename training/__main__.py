@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 
@@ -27,6 +29,9 @@ def _worker(job_uri: str) -> int:
     from training.worker import NaNLossError, run
 
     log = logging.getLogger("training.worker")
+    # The supervisor sends SIGUSR1 to a stalled local worker before stopping it: every thread's
+    # Python stack goes to the role's output, so a stall report says where the worker waited.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         run(JobSpec.load(job_uri))
     except (ConfigError, DataError, ValueError) as exc:

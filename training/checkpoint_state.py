@@ -117,7 +117,10 @@ def saves_optimizer_state(trainer: Any) -> bool:
 
 def snapshot(net: Any, trainer: Any, step: int, state: dict[str, Any]) -> Snapshot:
     """Queue copies of the parameters and optimizer state; returns without waiting for them."""
-    params = {name: p.data().copyto(p.data().context) for name, p in net._collect_params_with_prefix().items()}
+    # The first context's replica: every context holds the same values after a step, and
+    # ``p.data()`` without a context only works on the current (CPU) context.
+    params = {name: p.list_data()[0].copyto(p.list_data()[0].context)
+              for name, p in net._collect_params_with_prefix().items()}
     states, optimizer = None, None
     if saves_optimizer_state(trainer):
         updater = trainer._updaters[0]

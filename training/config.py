@@ -15,11 +15,25 @@ from typing import Any
 MODELS = ("mlp", "lenet", "resnet18", "resnet50")
 # Models that see the features as an image: they need data.input_shape = (C, H, W).
 IMAGE_MODELS = ("lenet", "resnet18", "resnet50")
-OPTIMIZERS = ("sgd", "nag", "adam")
-# Every mode here has a reference test (tests/integration/test_kvstore_reference.py). The
-# device variants (device, dist_device_sync) pass it too, but a worker trains on one CPU
-# context, where they are the same as local / dist_sync, so they are not offered.
-KVSTORES = ("local", "dist_sync", "dist_async")
+# MXNet 1.9 optimizer registry names (mx.optimizer.Optimizer.opt_registry).
+OPTIMIZERS = ("sgd", "nag", "adam", "adagrad", "adadelta", "rmsprop", "lamb")
+# "constant", or one of mx.lr_scheduler's MultiFactor ("step"), Cosine, Poly; each with linear warmup.
+LR_SCHEDULES = ("constant", "step", "cosine", "poly")
+# "linear": learning_rate x global_batch / base_batch (Goyal et al.); "none": as written.
+LR_SCALINGS = ("none", "linear")
+# Every mode here has a reference test (tests/integration/test_kvstore_reference.py), with
+# several CPU contexts per worker for the device variants and local/device.
+KVSTORES = ("local", "device", "dist_sync", "dist_device_sync", "dist_async")
+# Gradient compression on the kvstore's pushes (MXNet's 2-bit quantisation with error feedback).
+GRADIENT_COMPRESSIONS = ("none", "2bit")
+# Kvstores whose compressed pushes have a reference test; MXNet itself refuses "local"
+# ("Gradient compression is not supported for this type of kvstore").
+COMPRESSION_KVSTORES = ("dist_sync",)
+DEVICE_TYPES = ("cpu", "gpu")
+PRECISIONS = ("fp32", "fp16")
+# "replicated": every context of a worker holds the whole model and a slice of the batch;
+# "split": the model's blocks are split over the contexts (model parallelism, training.placement).
+PLACEMENTS = ("replicated", "split")
 # Where the optimizer runs: on the parameter servers (gluon update_on_kvstore=True) or on every
 # worker after the gradients are summed through the servers (update_on_kvstore=False).
 OPTIMIZER_PLACEMENTS = ("servers", "workers")
@@ -106,9 +120,14 @@ class ModelConfig:
     name: str = "mlp"
     hidden: tuple[int, ...] = (128, 64)
     dropout: float = 0.0
+    # Model parallelism inside a worker: "split" puts contiguous stages of the model's blocks on
+    # the worker's cluster.devices_per_worker contexts, one stage each (data parallelism across
+    # workers stays: hybrid). See training/placement.py for what MXNet 1.9 gluon allows.
+    placement: str = "replicated"
 
     def __post_init__(self) -> None:
         _check(self.name in MODELS, f"model.name must be one of {MODELS}, got {self.name!r}")
+        _check(self.placement in PLACEMENTS, f"model.placement must be one of {PLACEMENTS}, got {self.placement!r}")
         _check(all(h > 0 for h in self.hidden), f"model.hidden sizes must be positive, got {self.hidden}")
         _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
 
@@ -119,9 +138,30 @@ class OptimConfig:
     learning_rate: float = 0.002
     momentum: float = 0.9
     weight_decay: float = 0.0
-    # Per-worker batch; the global batch is batch_size * num_workers.
+    # Per-worker batch of one forward/backward (a micro-batch when accumulate_steps > 1); one
+    # optimizer step consumes batch_size * accumulate_steps samples per worker, so the global
+    # batch is batch_size * accumulate_steps * num_workers (``TrainConfig.global_batch``).
     batch_size: int = 32
     epochs: int = 20
+    # Gradient accumulation: k forward/backward passes add into the gradients (grad_req='add'),
+    # then one kvstore push and one optimizer step.
+    accumulate_steps: int = 1
+    # Learning rate over optimizer steps (not micro-batches). Warmup rises linearly from 0 to
+    # the (scaled) learning rate over ``warmup_steps``. "step" multiplies by lr_decay_factor at
+    # the start of each epoch in lr_decay_epochs; "cosine" and "poly" (power poly_power) decay
+    # to final_lr at the last step. The position is a function of the global step, so a
+    # resumed job continues the same curve (training.optim).
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    lr_decay_epochs: tuple[int, ...] = ()
+    lr_decay_factor: float = 0.1
+    final_lr: float = 0.0
+    poly_power: float = 2.0
+    lr_scaling: str = "none"
+    base_batch: int = 32
+    # "fp16" runs forward/backward through mxnet.contrib.amp (dynamic loss scaling) and needs
+    # GPU contexts; untested here, where there is no GPU.
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         _check(self.optimizer in OPTIMIZERS, f"optim.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
@@ -130,6 +170,24 @@ class OptimConfig:
         _check(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         _check(1 <= self.batch_size <= 65536, f"optim.batch_size must be in [1, 65536], got {self.batch_size}")
         _check(1 <= self.epochs <= 10000, f"optim.epochs must be in [1, 10000], got {self.epochs}")
+        _check(1 <= self.accumulate_steps <= 1024,
+               f"optim.accumulate_steps must be in [1, 1024], got {self.accumulate_steps}")
+        _check(self.lr_schedule in LR_SCHEDULES,
+               f"optim.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        _check(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        decay = self.lr_decay_epochs
+        _check((self.lr_schedule == "step") == bool(decay),
+               "optim.lr_decay_epochs must be given exactly when optim.lr_schedule='step'")
+        _check(all(0 < e < self.epochs for e in decay) and list(decay) == sorted(set(decay)),
+               f"optim.lr_decay_epochs must be increasing epochs in [1, {self.epochs - 1}], got {decay}")
+        _check(0 < self.lr_decay_factor < 1, f"optim.lr_decay_factor must be in (0, 1), got {self.lr_decay_factor}")
+        _check(0 <= self.final_lr < self.learning_rate,
+               f"optim.final_lr must be in [0, learning_rate), got {self.final_lr}")
+        _check(self.poly_power > 0, f"optim.poly_power must be > 0, got {self.poly_power}")
+        _check(self.lr_scaling in LR_SCALINGS,
+               f"optim.lr_scaling must be one of {LR_SCALINGS}, got {self.lr_scaling!r}")
+        _check(self.base_batch >= 1, f"optim.base_batch must be >= 1, got {self.base_batch}")
+        _check(self.precision in PRECISIONS, f"optim.precision must be one of {PRECISIONS}, got {self.precision!r}")
 
 
 def unsafe_combination(kvstore: str, optimizer_on: str) -> str | None:
@@ -164,20 +222,43 @@ class ClusterConfig:
     # only the kvstore of a config stays valid) means "servers" for dist_async, the only
     # placement it has, and "workers" otherwise; ``optimizer_placement`` resolves it.
     optimizer_on: str = "auto"
+    # Contexts per worker: the batch is split evenly over [cpu(0) .. cpu(n-1)] (or gpu(i)) and
+    # their gradients are summed by the kvstore before the push.
+    device: str = "cpu"
+    devices_per_worker: int = 1
+    # 2-bit compression of every push (values become -t, 0, +t; the rest is carried to the next
+    # push). Only where the reference test covers it (COMPRESSION_KVSTORES).
+    gradient_compression: str = "none"
+    compression_threshold: float = 0.5
 
     def __post_init__(self) -> None:
         _check(self.backend in BACKENDS, f"cluster.backend must be one of {BACKENDS}, got {self.backend!r}")
         _check(self.kvstore in KVSTORES, f"cluster.kvstore must be one of {KVSTORES}, got {self.kvstore!r}")
         _check(1 <= self.num_workers <= 256, f"cluster.num_workers must be in [1, 256], got {self.num_workers}")
         _check(1 <= self.num_servers <= 64, f"cluster.num_servers must be in [1, 64], got {self.num_servers}")
-        _check(self.kvstore != "local" or self.num_workers == 1,
-               "cluster.kvstore='local' runs a single process: set cluster.num_workers=1")
         for name in ("start_timeout_s", "stall_timeout_s", "job_timeout_s"):
             _check(getattr(self, name) > 0, f"cluster.{name} must be > 0")
         _check(self.threads_per_role >= 1, "cluster.threads_per_role must be >= 1")
         _check(self.optimizer_on == "auto" or self.optimizer_on in OPTIMIZER_PLACEMENTS,
                f"cluster.optimizer_on must be 'auto' or one of {OPTIMIZER_PLACEMENTS}, "
                f"got {self.optimizer_on!r}")
+        _check(self.device in DEVICE_TYPES, f"cluster.device must be one of {DEVICE_TYPES}, got {self.device!r}")
+        _check(1 <= self.devices_per_worker <= 16,
+               f"cluster.devices_per_worker must be in [1, 16], got {self.devices_per_worker}")
+        _check(self.kvstore not in ("local", "device") or self.num_workers == 1,
+               f"cluster.kvstore={self.kvstore!r} runs a single process: set cluster.num_workers=1")
+        _check(self.kvstore != "dist_async" or self.devices_per_worker == 1,
+               "cluster.kvstore='dist_async' is tested with one context per worker only: "
+               "set cluster.devices_per_worker=1")
+        _check(self.gradient_compression in GRADIENT_COMPRESSIONS,
+               f"cluster.gradient_compression must be one of {GRADIENT_COMPRESSIONS}, "
+               f"got {self.gradient_compression!r}")
+        _check(self.gradient_compression == "none" or self.kvstore in COMPRESSION_KVSTORES,
+               f"cluster.gradient_compression='2bit' needs cluster.kvstore in {COMPRESSION_KVSTORES}, got "
+               f"{self.kvstore!r}: MXNet compresses only the pushes of a distributed kvstore (it refuses "
+               "'local'), and only dist_sync has a reference test here")
+        _check(self.compression_threshold > 0,
+               f"cluster.compression_threshold must be > 0, got {self.compression_threshold}")
         reason = unsafe_combination(self.kvstore, self.optimizer_placement)
         _check(reason is None, f"cluster.kvstore={self.kvstore!r} with cluster.optimizer_on="
                                f"{self.optimizer_on!r} is refused: {reason}")
@@ -255,10 +336,41 @@ class TrainConfig:
         _check(0 <= self.seed < 2**31, f"seed must be in [0, 2**31), got {self.seed}")
         _check(self.model.name not in IMAGE_MODELS or len(self.data.input_shape) == 3,
                f"model.name={self.model.name!r} needs data.input_shape=(channels, height, width)")
+        devices, batch = self.cluster.devices_per_worker, self.optim.batch_size
+        _check(batch % devices == 0 or self.model.placement == "split", f"optim.batch_size={batch} must be divisible by cluster.devices_per_worker="
+                                     f"{devices}: every context gets an equal slice of each batch")
+        _check(self.optim.precision != "fp16" or self.cluster.device == "gpu",
+               "optim.precision='fp16' needs cluster.device='gpu': mxnet.contrib.amp runs float16 on GPU "
+               "contexts only; on CPU use precision='fp32'")
+        if self.model.placement == "split":
+            _check(self.cluster.devices_per_worker >= 2,
+                   "model.placement='split' needs cluster.devices_per_worker >= 2 (one stage per context)")
+            _check(self.cluster.optimizer_placement == "workers",
+                   "model.placement='split' needs the optimizer on the workers (cluster.optimizer_on='workers' "
+                   "or 'auto' with a sync kvstore): every stage's Trainer would send its own optimizer to the servers")
+            _check(self.optim.precision == "fp32", "model.placement='split' is fp32 only (AMP with split is untested)")
+        workers = self.cluster.num_workers
+        _check(self.num_train_shards >= workers,
+               f"data.num_shards={self.num_train_shards} cannot be spread over cluster.num_workers={workers}: "
+               "every worker needs at least one train shard")
+        lr = self.effective_learning_rate(workers)
+        _check(lr <= 10, f"the scaled learning rate {lr:g} (optim.lr_scaling='linear', global batch "
+                         f"{self.global_batch(workers)}, base_batch {self.optim.base_batch}) must be <= 10")
 
     @property
     def num_train_shards(self) -> int:
         return self.data.num_shards or self.cluster.num_workers * self.data.shards_per_worker
+
+    def global_batch(self, num_workers: int) -> int:
+        """Samples per optimizer step over the whole job."""
+        return self.optim.batch_size * self.optim.accumulate_steps * num_workers
+
+    def effective_learning_rate(self, num_workers: int) -> float:
+        """The peak learning rate the optimizer gets: scaled by global batch / base batch if asked."""
+        o = self.optim
+        if o.lr_scaling == "linear":
+            return o.learning_rate * self.global_batch(num_workers) / o.base_batch
+        return o.learning_rate
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -91,3 +91,75 @@ def sync_now(trainer: Any, batch_size: int) -> None:
     kv = trainer._kvstore
     log.info("kvstore %s initialised (optimizer on the %s)", kv.type if kv else None,
              "servers" if trainer._update_on_kvstore else "workers")
+
+
+def with_gradient_compression(kv: Any, threshold: float) -> Any:
+    """``kv`` with MXNet's 2-bit gradient compression, as a store gluon's Trainer can use.
+
+    MXNet 1.9.1 compresses pushes, but its ``PushPull`` refuses a compressing store
+    (``kvstore_dist.h``: "Compression not supported with PushPull", measured here in both
+    placements), and gluon's Trainer only calls ``pushpull``. This view sends the same traffic
+    as push then pull, MXNet's own compressed path (the Module API's): the push quantises the
+    gradient (residual kept per key), and the pull returns the servers' sum (optimizer on the
+    workers) or the updated weight (on the servers). The order holds without a barrier: the
+    compressed push's engine operation holds the key's communication buffer, which the pull
+    writes, and a dist_sync server answers a push only once every worker's push is summed.
+    """
+    kv.set_gradient_compression({"type": "2bit", "threshold": threshold})
+    log.info("2-bit gradient compression on (threshold %g): pushes go out quantised, pulls in full", threshold)
+
+    class PushThenPull(_view_class(kv)):  # type: ignore[misc]
+        def pushpull(self, key, value, out=None, priority=0):  # type: ignore[no-untyped-def]
+            self.push(key, value, priority)
+            self.pull(key, value if out is None else out, priority)
+
+    return PushThenPull()
+
+
+def with_key_offset(kv: Any, offset: int) -> Any:
+    """``kv`` with every key shifted by ``offset``: several gluon Trainers on one kvstore.
+
+    A Trainer numbers its parameters' keys from 0, and one process has one distributed kvstore,
+    so the per-stage trainers of a split model (``training.placement``) would share keys. The
+    view forwards to ``kv``'s own methods, so it composes with ``with_gradient_compression``.
+    """
+
+    def shift(key: Any) -> Any:
+        return [k + offset for k in key] if isinstance(key, (list, tuple)) else key + offset
+
+    class KeyOffset(_view_class(kv)):  # type: ignore[misc]
+        def init(self, key, value):  # type: ignore[no-untyped-def]
+            return kv.init(shift(key), value)
+
+        def push(self, key, value, priority=0):  # type: ignore[no-untyped-def]
+            return kv.push(shift(key), value, priority)
+
+        def pull(self, key, out=None, priority=0, ignore_sparse=True):  # type: ignore[no-untyped-def]
+            return kv.pull(shift(key), out, priority, ignore_sparse)
+
+        def pushpull(self, key, value, out=None, priority=0):  # type: ignore[no-untyped-def]
+            return kv.pushpull(shift(key), value, out, priority)
+
+        def broadcast(self, key, value, out, priority=0):  # type: ignore[no-untyped-def]
+            return kv.broadcast(shift(key), value, out, priority)
+
+    return KeyOffset()
+
+
+def _view_class(kv: Any) -> type:
+    """A KVStore class whose instances share ``kv``'s handle (``kv`` owns and frees it)."""
+    mx = import_mxnet()
+
+    class View(mx.kv.KVStore):
+        def __init__(self) -> None:
+            self.handle = kv.handle
+            self._base = kv
+            self._updater = None
+            self._updater_func = None
+            self._str_updater_func = None
+            self._is_p3 = False
+
+        def __del__(self) -> None:
+            pass
+
+    return View

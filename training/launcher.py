@@ -53,6 +53,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # How long the scheduler and servers get to exit on their own once every worker succeeded.
 DRAIN_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
+# How long a stalled worker's stack dump gets to reach the log before the job is stopped.
+STACK_DUMP_WAIT_S = 1.0
 # After a role died or stalled the others are blocked inside ps-lite, where a SIGTERM handler
 # (the worker's emergency checkpoint) never gets to run: a long grace would only add to the
 # recovery time, so they get this much before SIGKILL.
@@ -126,7 +128,7 @@ def launch_for(cfg: TrainConfig, job_uri: str, env: Mapping[str, str] | None = N
     """The ``JobLaunch`` of a config: its cluster shape and per-role thread bound."""
     c = cfg.cluster
     return JobLaunch(job_uri=job_uri, num_workers=c.num_workers, num_servers=c.num_servers,
-                     threads_per_role=c.threads_per_role, env=dict(env or {}))
+                     threads_per_role=c.threads_per_role, env=dict(env or {}), distributed=c.distributed)
 
 
 def _describe_exit(code: int) -> str:
@@ -200,7 +202,10 @@ class Supervisor:
         c = self.cfg.cluster
         self.events("job_start", job_uri=job_uri)
         where = type(self.cluster).__name__ if self.cluster is not None else f"{self.host}:{self.port}"
-        log.info("starting job: 1 scheduler, %d servers, %d workers on %s", c.num_servers, c.num_workers, where)
+        if c.distributed:
+            log.info("starting job: 1 scheduler, %d servers, %d workers on %s", c.num_servers, c.num_workers, where)
+        else:
+            log.info("starting job: 1 worker, kvstore %s (no scheduler or servers) on %s", c.kvstore, where)
         orderly = True
         try:
             if self.cluster is not None:
@@ -274,7 +279,26 @@ class Supervisor:
                 limit = c.stall_timeout_s if w.seen_output else c.start_timeout_s
                 if w.handle.poll() is None and now - w.last_output > limit:
                     what = "stalled: no output" if w.seen_output else "did not start: no output"
+                    self._dump_stacks(workers)
                     self._fail(w, f"{w.name} on {w.host} {what} for {limit:.0f}s", None)
+
+    def _dump_stacks(self, roles: Sequence[_Role]) -> None:
+        """Ask every live local worker for its Python stacks (faulthandler on SIGUSR1, installed
+        by ``python -m training worker``), so a stall report shows where each one waited: in a
+        dist_sync stall the others wait in ps-lite for the one that stopped."""
+        if self.spawner is None:
+            return  # a remote role's local process is its transport's client, not the worker
+        sent = False
+        for role in roles:
+            proc = getattr(role.handle, "proc", None)
+            if proc is not None and proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGUSR1)
+                    sent = True
+                except OSError:
+                    pass
+        if sent:
+            time.sleep(STACK_DUMP_WAIT_S)
 
     def _drain(self) -> None:
         deadline = time.monotonic() + DRAIN_TIMEOUT_S

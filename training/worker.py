@@ -17,13 +17,16 @@ resumed job computes the same parameters as an uninterrupted one
 restarts from zero (logged). Checkpoints are written in the background
 (``training.checkpoint_async``); SIGTERM makes rank 0 write an emergency checkpoint and every
 worker exit with ``EXIT_PREEMPTED`` (retryable).
+
+What one optimizer step does (contexts, gradient accumulation, AMP) is ``training.step``; the
+optimizer and its learning-rate schedule, positioned at the resumed global step, are
+``training.optim``. ``global_step`` counts optimizer steps (one push each).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -40,34 +43,25 @@ from training import data, faults
 from training.checkpoint import store_for
 from training.checkpoint_async import Checkpointer
 from training.job import EXIT_PREEMPTED, JobSpec
-from training.kvstore_sync import make_trainer
+from training.kvstore_sync import make_trainer, with_gradient_compression
+from training.metrics import ThroughputMeter
 from training.model import build_model
+from training.optim import learning_rate_at, optimizer_params, reposition
+from training.placement import SplitNet, make_split_trainer
+from training.step import NaNLossError, StepRunner, contexts, init_amp, prepare
+
+__all__ = ["NaNLossError", "run", "evaluate", "resume_digest"]
 
 log = logging.getLogger(__name__)
 
-PROGRESS_EVERY_S = 5.0
 
-
-class NaNLossError(RuntimeError):
-    """The loss became NaN or infinite: a deterministic failure, retrying will not help."""
-
-
-def _optimizer_params(cfg: Any) -> dict[str, Any]:
-    # No rescale_grad: trainer.step(global_batch) sets it, and gluon multiplies the two (a
-    # rescale_grad of 1/global_batch here made the gradient scale 1/global_batch**2).
-    o = cfg.optim
-    params: dict[str, Any] = {"learning_rate": o.learning_rate, "wd": o.weight_decay}
-    if o.optimizer in ("sgd", "nag"):
-        params["momentum"] = o.momentum
-    return params
-
-
-def evaluate(net: Any, X: np.ndarray, y: np.ndarray, batch: int = 512) -> dict[str, float]:
+def evaluate(net: Any, X: np.ndarray, y: np.ndarray, batch: int = 512, ctx: Any = None) -> dict[str, float]:
     mx = import_mxnet()
+    ctx = ctx or mx.cpu()
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
     total_loss, correct = 0.0, 0
     for i in range(0, len(y), batch):
-        xb, yb = mx.nd.array(X[i:i + batch]), mx.nd.array(y[i:i + batch])
+        xb, yb = mx.nd.array(X[i:i + batch], ctx=ctx), mx.nd.array(y[i:i + batch], ctx=ctx)
         out = net(xb)
         total_loss += float(loss_fn(out, yb).sum().asscalar())
         correct += int((out.argmax(axis=1) == yb).sum().asscalar())
@@ -80,13 +74,16 @@ def run(job: JobSpec) -> dict[str, Any]:
     cfg = job.config
     kv = mx.kv.create(cfg.cluster.kvstore)
     rank, num_workers = kv.rank, kv.num_workers
-    ctx = mx.cpu()
-    log.info("worker %d/%d started (kvstore=%s) optimizer on the %s", rank, num_workers, cfg.cluster.kvstore,
-             cfg.cluster.optimizer_placement)
+    ctxs = contexts(cfg)
+    ctx = ctxs[0]
+    log.info("worker %d/%d started (kvstore=%s) optimizer on the %s; contexts %s", rank, num_workers,
+             cfg.cluster.kvstore, cfg.cluster.optimizer_placement, ctxs)
     preemption = Preemption.install()
 
     manifest = data.load_manifest(job.shards_prefix)
-    steps = data.steps_per_epoch(manifest, num_workers, cfg.optim.batch_size)
+    # One step consumes accumulate_steps micro-batches of batch_size rows on every worker.
+    step_rows = cfg.optim.batch_size * cfg.optim.accumulate_steps
+    steps = data.steps_per_epoch(manifest, num_workers, step_rows)
     with tempfile.TemporaryDirectory(prefix="mxpipe-shards-") as work_dir:
         X, y = data.fetch_split(manifest, job.shards_prefix, data.shards_for_rank(manifest, rank, num_workers), work_dir)
         val = [s for s in manifest["shards"] if s["split"] == "val"]
@@ -94,10 +91,16 @@ def run(job: JobSpec) -> dict[str, Any]:
 
     mx.random.seed(cfg.seed)
     np.random.seed(cfg.seed)
+    use_amp = init_amp(cfg)
+    split = cfg.model.placement == "split"
     net = build_model(cfg, manifest["num_classes"])
-    net.initialize(mx.init.Xavier(), ctx=ctx)
-    net(mx.nd.zeros((1, manifest["num_features"])))  # materialise deferred shapes before any load
+    if split:  # model parallel: stage i's parameters on ctxs[i] only; the batch enters on ctxs[0]
+        net = SplitNet(net, ctxs)
+    net.initialize(mx.init.Xavier(), ctx=ctxs)
+    net(mx.nd.zeros((1, manifest["num_features"]), ctx=ctx))  # materialise deferred shapes before any load
     net.hybridize()
+    if split:
+        log.info("model split over %d contexts: %s", len(ctxs), net.describe())
 
     store = store_for(job.checkpoint_prefix, cfg.checkpoint)
     ckpt = store.latest()
@@ -112,18 +115,32 @@ def run(job: JobSpec) -> dict[str, Any]:
     elif job.warm_start_prefix:
         _warm_start(net, job.warm_start_prefix, cfg, ctx)
 
-    global_batch = cfg.optim.batch_size * num_workers
+    global_batch = cfg.global_batch(num_workers)
+    if cfg.cluster.gradient_compression == "2bit":
+        kv = with_gradient_compression(kv, cfg.cluster.compression_threshold)
     # Built after the parameters are final (fresh or restored) and before the first forward.
-    trainer = make_trainer(net.collect_params(), cfg.optim.optimizer, _optimizer_params(cfg), kv,
-                           cfg.cluster.optimizer_placement, batch_size=global_batch)
+    if split:
+        trainer = make_split_trainer(net, cfg.optim.optimizer,
+                                     lambda: optimizer_params(cfg, num_workers, steps, global_step), kv,
+                                     batch_size=global_batch)
+    else:
+        trainer = make_trainer(net.collect_params(), cfg.optim.optimizer,
+                               optimizer_params(cfg, num_workers, steps, global_step), kv,
+                               cfg.cluster.optimizer_placement, batch_size=global_batch)
     if ckpt is not None:
         restored = ckpt_state.load_states(trainer, ckpt.files.get(ckpt_state.STATES), ckpt.uri)
+        if restored:
+            reposition(trainer, cfg, num_workers, steps, global_step)
         log.info("resumed from step %d (epoch %d, step %d in epoch); optimizer state %s", global_step, epoch,
                  start_step, "restored" if restored else "restarts from zero")
     elif not ckpt_state.saves_optimizer_state(trainer) and rank == 0:
-        log.warning("optimizer on the servers: checkpoints hold no optimizer state, a resume restarts it from zero")
-    loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
-    order = data.EpochOrder(len(y), steps, cfg.optim.batch_size, cfg.seed, rank)
+        where = "model split over contexts" if split else "optimizer on the servers"
+        log.warning("%s: checkpoints hold no optimizer state, a resume restarts it from zero", where)
+    prepare(net, trainer, cfg.optim.accumulate_steps, use_amp)
+    train_step = StepRunner(net, trainer, mx.gluon.loss.SoftmaxCrossEntropyLoss(), ctxs[:1] if split else ctxs,
+                            batch_size=cfg.optim.batch_size, accumulate_steps=cfg.optim.accumulate_steps,
+                            global_batch=global_batch, use_amp=use_amp)
+    order = data.EpochOrder(len(y), steps, step_rows, cfg.seed, rank)
 
     writer = None
     if rank == 0:
@@ -150,31 +167,27 @@ def run(job: JobSpec) -> dict[str, Any]:
         writer.submit(snap, must=must, deadline=deadline)
         last_ckpt_t = time.monotonic()
 
-    started = last_log = time.monotonic()
-    samples_seen = 0
+    started = time.monotonic()
+    meter = ThroughputMeter(num_workers, started)
     resumed_from = global_step if ckpt is not None else None
     if ckpt is not None and epoch >= cfg.optim.epochs:
         # The previous attempt died after its final checkpoint (while exporting, or the task
         # was killed after the job): nothing is left to train, only the export is redone.
         log.info("resumed at the final step %d: nothing left to train, exporting again", global_step)
-        net(mx.nd.zeros((1, manifest["num_features"])))  # export needs one hybridized forward
+        net(mx.nd.zeros((1, manifest["num_features"]), ctx=ctx))  # export needs one hybridized forward
     while epoch < cfg.optim.epochs:
         epoch_loss, epoch_n = 0.0, 0
-        epoch_started = time.monotonic()
+        meter.start_epoch()
         for step, idx in order.batches(epoch, start_step):
             ckpt_state.reseed(cfg.seed, global_step, rank)  # same draws whether resumed here or not
-            xb, yb = mx.nd.array(X[idx], ctx=ctx), mx.nd.array(y[idx], ctx=ctx)
-            with mx.autograd.record():
-                loss = loss_fn(net(xb), yb)
-            loss.backward()
-            trainer.step(global_batch)
-            batch_loss = float(loss.mean().asscalar())
-            if not math.isfinite(batch_loss):
-                raise NaNLossError(f"loss is {batch_loss} at global step {global_step + 1} (epoch {epoch})")
+            try:
+                batch_loss = train_step(X, y, idx)
+            except NaNLossError as exc:
+                raise NaNLossError(f"{exc} at global step {global_step + 1} (epoch {epoch})") from None
             epoch_loss += batch_loss * len(idx)
             epoch_n += len(idx)
             global_step += 1
-            samples_seen += len(idx)
+            meter.count(len(idx))
             if resumed_from is not None and global_step == resumed_from + 1:
                 # The mark recovery time is measured to (benchmarks/chaos.py, recovery.py).
                 log.info("first step after resume done: global_step=%d (resumed from step %d)", global_step,
@@ -190,31 +203,33 @@ def run(job: JobSpec) -> dict[str, Any]:
                    or (cfg.checkpoint.every_n_seconds > 0 and now - last_ckpt_t >= cfg.checkpoint.every_n_seconds))
             if due and step + 1 < steps:
                 checkpoint(epoch, step + 1, must=False)
-            if now - last_log >= PROGRESS_EVERY_S:
-                rate = samples_seen / (now - started)
+            if meter.due(now):
                 remaining = (cfg.optim.epochs - epoch) * steps - (step + 1)
-                eta = remaining * len(idx) / rate if rate else float("nan")
-                log.info("progress epoch=%d step=%d/%d global_step=%d loss=%.4f samples/s=%.0f eta=%.0fs",
-                         epoch, step + 1, steps, global_step, batch_loss, rate, eta)
-                last_log = now
+                log.info("progress %s", meter.line(epoch, step + 1, steps, global_step, batch_loss, remaining,
+                                                   len(idx), now))
         # The loop's own rate (steps and periodic checkpoints; not the evaluation or epoch-end
         # checkpoint below): what throughput benchmarks compare in steady state.
-        loop_s = max(time.monotonic() - epoch_started, 1e-9)
         record = {"epoch": epoch, "train_loss": epoch_loss / max(epoch_n, 1), "global_step": global_step,
-                  "samples_per_s": epoch_n / loop_s, "samples_per_s_total": epoch_n * num_workers / loop_s,
-                  "step_time_s": loop_s * cfg.optim.batch_size / max(epoch_n, 1)}
+                  "learning_rate": learning_rate_at(trainer), **meter.epoch_metrics()}
         if rank == 0:
-            record.update({f"val_{k}": v for k, v in evaluate(net, Xv, yv).items()})
+            record.update({f"val_{k}": v for k, v in evaluate(net, Xv, yv, ctx=ctx).items()})
         history.append(record)
-        log.info("epoch %d done: %s", epoch, json.dumps(record))
+        remaining = (cfg.optim.epochs - epoch - 1) * steps
+        log.info("epoch %d done: step=%d loss=%.4f samples/s=%.0f (all workers %.0f) eta=%.0fs %s", epoch,
+                 global_step, record["train_loss"], record["samples_per_s_worker"], record["samples_per_s_total"],
+                 remaining * record["step_time_s"], json.dumps(record))
         epoch, start_step = epoch + 1, 0
         checkpoint(epoch, 0, must=True)
         if preemption.requested:
             _preempted(preemption, cfg, rank, global_step, writer, None)
 
-    elapsed = time.monotonic() - started
     result = {"global_step": global_step, "epochs": cfg.optim.epochs, "history": history,
-              "samples_per_s_worker": samples_seen / elapsed if elapsed else 0.0, "num_workers": num_workers}
+              "num_workers": num_workers, **meter.totals(time.monotonic()),
+              # This attempt's counts: one trainer.step (one push per parameter) per k micro-batches;
+              # the worker-side optimizer's update count (None when it runs on the servers).
+              "micro_batches": train_step.micro_batches, "optimizer_steps": train_step.optimizer_steps,
+              "optimizer_updates": (int(trainer._optimizer.num_update)
+                                    if cfg.cluster.optimizer_placement == "workers" else None)}
     if writer is not None:
         waited = time.monotonic()
         writer.close()
@@ -299,8 +314,13 @@ def resume_digest(cfg: Any) -> str:
     retention, encryption, timeouts or (elastic) the cluster size."""
     raw = cfg.to_dict()
     raw.pop("checkpoint")
+    if raw["model"]["placement"] == "replicated":  # left out when default: older checkpoints still match
+        raw["model"].pop("placement")
     cluster = raw.pop("cluster")
     raw["cluster"] = {"kvstore": cluster["kvstore"], "optimizer_on": cfg.cluster.optimizer_placement}
+    if cluster["gradient_compression"] != "none":  # left out when off: older checkpoints still match
+        raw["cluster"].update(gradient_compression=cluster["gradient_compression"],
+                              compression_threshold=cluster["compression_threshold"])
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
 
 

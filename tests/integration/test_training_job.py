@@ -67,10 +67,15 @@ def test_killed_worker_stops_the_job_and_the_retry_resumes(digits_shards, s3_pre
     assert [h["epoch"] for h in metrics["history"]] == [0, 1, 2]
 
 
-def test_stalled_worker_is_detected_and_every_role_stopped(digits_shards, s3_prefix, tmp_path):
+def test_stalled_worker_is_detected_and_every_role_stopped(digits_shards, s3_prefix, tmp_path, caplog):
     cfg, shards = digits_shards
     job = _job(cfg, shards, s3_prefix, cluster={"stall_timeout_s": 8.0})
+    caplog.set_level(logging.INFO, logger="training.launcher")
     with pytest.raises(JobFailed, match="stalled") as failed:
         _run(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_HANG_STEP": "5", "MXPIPE_FAULT_KILL_RANK": "0"})
     # It stalled after it had started training, not while starting up.
     assert "started (kvstore=dist_sync)" in str(failed.value)
+    # Before they were stopped, the workers dumped their Python stacks: rank 0 in the fault hook,
+    # the other waiting for the step's result.
+    assert re.search(r"\[worker-\d@[^]]+\] +File .*faults\.py\", line \d+ in maybe_hang", caplog.text), \
+        caplog.text[-3000:]

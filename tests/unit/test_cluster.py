@@ -106,6 +106,20 @@ def test_role_env_sets_the_ps_lite_variables_on_purpose():
     assert resend["PS_HEARTBEAT_TIMEOUT"] == "30"
 
 
+def test_a_single_process_kvstore_job_is_its_worker_without_ps_lite():
+    from training.config import recipe
+    from training.launcher import launch_for
+
+    cfg = recipe("debug").replace(cluster={"kvstore": "local", "num_workers": 1})
+    launch = launch_for(cfg, "s3://b/job.json")
+    assert [r.name for r in launch.roles()] == ["worker-0"]
+    env = role_env(launch, "worker", node_host="127.0.0.1", root_uri="127.0.0.1", root_port=9091,
+                   base={"PATH": "/bin", "DMLC_ROLE": "server"}, repo_root="/opt/mxpipe")
+    assert not [k for k in env if k.startswith("DMLC_")] and env["OMP_NUM_THREADS"] == "1"
+    assert [r.name for r in launch_for(recipe("debug"), "j").roles()] == ["scheduler", "server-0", "worker-0",
+                                                                          "worker-1"]
+
+
 def test_transport_command_lines():
     ssh = HostSpec(name="a", address="10.1.2.3", ssh_user="train", ssh_key="/k", ssh_port=2222)
     argv = host_argv(ssh, "echo hi")

@@ -14,7 +14,7 @@ from common import records
 from data_checks import DataError, DataValidationError
 from data_checks.shard import download_shard, shard_dataset
 from data_checks.validate import validate_shards
-from training.config import DataConfig, TrainConfig
+from training.config import ClusterConfig, DataConfig, TrainConfig
 
 pytestmark = pytest.mark.unit
 
@@ -37,8 +37,10 @@ def make_folder(root, n: int = 45, mode: str = "L", size: tuple[int, int] = (5, 
     return pixels
 
 
-def config(root, **data: object) -> TrainConfig:
-    return TrainConfig(data=DataConfig(source_uri=str(root) + "/", label_column="label", **data))
+def config(root, workers: int = 2, **data: object) -> TrainConfig:
+    # One shard feeds one worker only (the config refuses fewer train shards than workers).
+    return TrainConfig(cluster=ClusterConfig(num_workers=workers),
+                       data=DataConfig(source_uri=str(root) + "/", label_column="label", **data))
 
 
 def test_grey_images_become_scaled_chw_features_and_validate(tmp_path):
@@ -89,7 +91,7 @@ def test_a_file_listed_twice_is_a_duplicate_id(tmp_path):
     make_folder(tmp_path / "imgs", n=30)
     labels = tmp_path / "imgs" / "labels.csv"
     labels.write_text(labels.read_text() + "cat/img-000.png,cat\n")
-    cfg = config(tmp_path / "imgs", num_shards=1)
+    cfg = config(tmp_path / "imgs", num_shards=1, workers=1)
     shard_dataset(cfg, str(tmp_path / "shards"))
     with pytest.raises(DataValidationError, match=r"ids_unique_across_shards: 1 ids of column 'file' appear more "
                                                   r"than once .*source rows \[0, 30\]"):

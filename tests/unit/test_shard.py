@@ -19,7 +19,7 @@ from common import records, storage
 from data_checks import DataError
 from data_checks.assign import SplitBlock, expected_bounds
 from data_checks.shard import download_shard, load_manifest, manifest_digest, shard_content_addressed, shard_dataset
-from training.config import DataConfig, TrainConfig
+from training.config import ClusterConfig, DataConfig, TrainConfig
 
 pytestmark = pytest.mark.unit
 
@@ -33,8 +33,10 @@ def digits_frame() -> pd.DataFrame:
     return df
 
 
-def config(source: str, **data: object) -> TrainConfig:
-    return TrainConfig(data=DataConfig(source_uri=source, label_column="label", **data))
+def config(source: str, workers: int = 2, **data: object) -> TrainConfig:
+    # One shard feeds one worker only (the config refuses fewer train shards than workers).
+    return TrainConfig(cluster=ClusterConfig(num_workers=workers),
+                       data=DataConfig(source_uri=source, label_column="label", **data))
 
 
 def shas(manifest: dict) -> dict:
@@ -302,7 +304,7 @@ def test_declared_classes_order_and_id_column(tmp_path):
     frame = pd.DataFrame({"uid": [f"u{i}" for i in range(30)], "x": np.arange(30.0),
                           "label": ["b", "a", "c"] * 9 + ["zebra"] * 3})
     frame.to_csv(tmp_path / "t.csv", index=False)
-    cfg = config(str(tmp_path / "t.csv"), id_column="uid", classes=("c", "b", "a"), num_shards=1)
+    cfg = config(str(tmp_path / "t.csv"), id_column="uid", classes=("c", "b", "a"), num_shards=1, workers=1)
     manifest = shard_dataset(cfg, str(tmp_path / "out"))
     # Declared order first; a value outside the declared set is kept, after them, for validation to flag.
     assert manifest["classes"] == ["c", "b", "a", "zebra"] and manifest["declared_classes"] == ["c", "b", "a"]
