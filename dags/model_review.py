@@ -17,10 +17,10 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import AssetAny, Param, dag, get_current_context, task
 
 from plugins import review as tasks
+from plugins.approval import DECISION_KEY, RecordedApprovalOperator
 
 RESPONSE_TIMEOUT = timedelta(hours=float(os.environ.get("MXPIPE_REVIEW_TIMEOUT_H", "72")))
 
@@ -61,7 +61,7 @@ def model_review() -> None:
     def compare(target: dict) -> dict:
         return tasks.compare(target, *_ids())
 
-    approval = ApprovalOperator(
+    approval = RecordedApprovalOperator(
         task_id="approval",
         subject="Promote {{ ti.xcom_pull(task_ids='resolve')['name'] }} version "
                 "{{ ti.xcom_pull(task_ids='resolve')['challenger'] }} to champion?",
@@ -84,7 +84,7 @@ def model_review() -> None:
     def reject() -> dict:
         ti = get_current_context()["ti"]
         return tasks.apply_rejection(ti.xcom_pull(task_ids="resolve"), ti.xcom_pull(task_ids="compare"),
-                                     ti.xcom_pull(task_ids="approval"))
+                                     ti.xcom_pull(task_ids="approval", key=DECISION_KEY))
 
     target = resolve()
     reviewed = compare(target)
