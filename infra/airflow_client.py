@@ -281,12 +281,14 @@ def wait_for_task_state(base_url: str, dag_id: str, run_id: str, task_id: str, w
 
 
 def wait_for_new_run(base_url: str, dag_id: str, known: set[str], timeout_s: float = 180.0,
-                     poll_s: float = 2.0) -> dict[str, Any]:
-    """Wait until a run of ``dag_id`` whose id is not in ``known`` exists (e.g. asset-triggered)."""
+                     poll_s: float = 2.0, *, run_type: str | None = None) -> dict[str, Any]:
+    """Wait until a run of ``dag_id`` whose id is not in ``known`` (and, if given, of ``run_type``,
+    e.g. ``asset_triggered``) exists."""
     deadline = time.monotonic() + timeout_s
     with AirflowClient(base_url) as client:
         while True:
-            fresh = [r for r in client.dag_runs(dag_id) if r["dag_run_id"] not in known]
+            fresh = [r for r in client.dag_runs(dag_id) if r["dag_run_id"] not in known
+                     and (run_type is None or r["run_type"] == run_type)]
             if fresh:
                 return fresh[0]
             if time.monotonic() >= deadline:

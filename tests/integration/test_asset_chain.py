@@ -36,7 +36,7 @@ from infra.airflow_client import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from airflow_stack import airflow_stack  # noqa: E402
+from airflow_stack import airflow_stack, wait_until_parked  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 
@@ -65,7 +65,9 @@ def data(s3_server, digits_csv) -> dict:
 
 @pytest.fixture(scope="module")
 def stack(s3_server, mlflow_server, data, tmp_path_factory):
-    env = {"MXPIPE_DATASET_URI": data["landed"], "MXPIPE_MAX_ACTIVE_RUNS": "3", "MXPIPE_GX_DATA_DOCS": "0",
+    # A schedule is what makes the DAG asset-aware (MXPIPE_SCHEDULE=none drops both the cron and
+    # the Asset); this cron's next time is weeks away.
+    env = {"MXPIPE_SCHEDULE": "0 3 1 1 *", "MXPIPE_DATASET_URI": data["landed"], "MXPIPE_MAX_ACTIVE_RUNS": "3", "MXPIPE_GX_DATA_DOCS": "0",
            "MXPIPE_REVIEW_MODELS": DEFAULT_MODEL}
     with airflow_stack(tmp_path_factory.mktemp("chain-home"), s3_server, mlflow_server,
                        {TRAIN: "mxnet_training.py", LANDED: "dataset_landed.py", REVIEW: "model_review.py"},
@@ -91,7 +93,8 @@ def test_landed_data_trains_concurrently_registers_and_is_reviewed(stack, mlflow
                                               "num_workers": 1, "registered_model_name": f"chain-{k}"})
               for k in ("a", "b")}
     assert wait_for_dag_run(url, LANDED, landed, timeout_s=300, poll_s=3) == "success"
-    by_asset = wait_for_new_run(url, TRAIN, known | set(manual.values()), timeout_s=180)
+    by_asset = wait_for_new_run(url, TRAIN, known | set(manual.values()), timeout_s=180,
+                                run_type="asset_triggered")
     assert by_asset["run_type"] == "asset_triggered"
     runs = {"landed": by_asset["dag_run_id"], **manual}
 
@@ -112,7 +115,7 @@ def test_landed_data_trains_concurrently_registers_and_is_reviewed(stack, mlflow
     assert links["register"]["MLflow run"] == registered["landed"]["run_url"]
     assert links["train"]["MLflow run"] == registered["landed"]["run_url"]
 
-    _check_review(url, mlflow_server, registered["landed"]["version"])
+    _check_review(url, stack.home, mlflow_server, registered["landed"]["version"])
 
 
 def _check_isolation(mlflow_server, runs: dict, trained: dict, registered: dict) -> None:
@@ -151,12 +154,12 @@ def _check_mlflow_extras(mlflow_server, run_id: str, registered: dict) -> None:
     assert len(version.tags["dataset.fingerprint"]) >= 16
 
 
-def _check_review(url: str, mlflow_server, version: str) -> None:
-    review = wait_for_new_run(url, REVIEW, set(), timeout_s=180)
+def _check_review(url: str, home, mlflow_server, version: str) -> None:
+    review = wait_for_new_run(url, REVIEW, set(), timeout_s=180, run_type="asset_triggered")
     assert review["run_type"] == "asset_triggered"
     run_id = review["dag_run_id"]
     wait_for_task_state(url, REVIEW, run_id, "approval", "awaiting_input", timeout_s=600, poll_s=3)
-    time.sleep(5)  # an instant answer races the scheduler (see test_review_hitl.ANSWER_DELAY_S)
+    wait_until_parked(home, run_id, "approval")  # an instant answer races the scheduler
     with AirflowClient(url) as client:
         assert _xcom(client, REVIEW, run_id, "resolve")["challenger"] == version
         client.respond(REVIEW, run_id, "approval", ["Approve"], {"comment": "asset chain"})

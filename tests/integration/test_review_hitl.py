@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import uuid
 
 import numpy as np
@@ -24,7 +23,7 @@ import pytest
 from infra.airflow_client import AirflowClient, trigger_dag_run, wait_for_dag_run, wait_for_new_run, wait_for_task_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from airflow_stack import airflow_stack  # noqa: E402
+from airflow_stack import airflow_stack, wait_until_parked  # noqa: E402
 from tiny_model import blobs, train_and_export  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -36,7 +35,6 @@ NUM_FEATURES = 4
 # More metric points than one log_batch may carry (1000): logging them proves the chunking.
 EPOCH_POINTS = 1200
 WAIT_S = 300
-ANSWER_DELAY_S = 5
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +86,11 @@ def _mlflow(mlflow_server):
     return MlflowClient(mlflow_server.tracking_uri, registry_uri=mlflow_server.tracking_uri)
 
 
-def _decide(url: str, run_id: str, option: str, comment: str) -> dict:
+def _decide(stack, run_id: str, option: str, comment: str) -> dict:
     """Wait for the approval request, check what the reviewer sees, answer it, wait for the end."""
+    url, home = stack.airflow_url, stack.home
     wait_for_task_state(url, DAG_ID, run_id, "approval", "awaiting_input", timeout_s=WAIT_S, poll_s=3)
-    # Seen here (Airflow 3.3.2): an answer within ~0.5 s of the pause re-queues the task before
-    # the scheduler has read the executor's "success" event of the pausing attempt; it then
-    # takes that event for the new attempt and fails the task. No person answers that fast.
-    time.sleep(ANSWER_DELAY_S)
+    wait_until_parked(home, run_id, "approval")  # an instant answer races the scheduler
     with AirflowClient(url) as client:
         detail = client.hitl_detail(DAG_ID, run_id, "approval")
         assert detail is not None and set(detail["options"]) == {"Approve", "Reject"}
@@ -115,7 +111,7 @@ def test_first_version_approved_becomes_champion(stack, mlflow_server, shards, t
     assert len(c.get_metric_history(run_id, "train_loss")) == EPOCH_POINTS  # > 1000: batched
 
     run = trigger_dag_run(stack.airflow_url, DAG_ID, {"model_name": MODEL, "version": version})
-    out = _decide(stack.airflow_url, run, "Approve", "first model")
+    out = _decide(stack, run, "Approve", "first model")
     assert out["target"]["champion"] is None  # no champion when it was reviewed
     assert f"version {version}" in out["detail"]["subject"]
     assert out["states"]["promote"] == "success" and out["states"]["reject"] == "skipped"
@@ -143,12 +139,12 @@ def test_reject_tags_and_asset_event_review_moves_champion(stack, mlflow_server,
     by_asset = wait_for_new_run(stack.airflow_url, DAG_ID, known, timeout_s=WAIT_S)
     assert by_asset["run_type"] == "asset_triggered"
 
-    out = _decide(stack.airflow_url, manual, "Reject", "worse on ant")
+    out = _decide(stack, manual, "Reject", "worse on ant")
     assert out["target"]["champion"] == champion and out["states"]["reject"] == "success"
     tags = c.get_model_version(MODEL, rejected).tags
     assert tags["review"] == "rejected" and tags["review.comment"] == "worse on ant"
     assert c.get_model_version_by_alias(MODEL, "champion").version == champion
 
-    out = _decide(stack.airflow_url, by_asset["dag_run_id"], "Approve", "")
+    out = _decide(stack, by_asset["dag_run_id"], "Approve", "")
     assert out["target"]["challenger"] == approved
     assert c.get_model_version_by_alias(MODEL, "champion").version == approved
