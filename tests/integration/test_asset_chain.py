@@ -27,6 +27,7 @@ import time
 import pytest
 
 from common import storage
+from training.checkpoint import CheckpointStore
 from infra.airflow_client import (
     AirflowClient,
     trigger_dag_run,
@@ -126,7 +127,7 @@ def _check_isolation(mlflow_server, runs: dict, trained: dict, registered: dict)
         partition = t["checkpoint_prefix"].rsplit("/checkpoints", 1)[0]
         assert all(not other.startswith(partition + "/") for k, other in
                    ((k2, t2["checkpoint_prefix"]) for k2, t2 in trained.items()) if k != key)
-        assert any(u.endswith("manifest.json") for u in storage.list_uris(t["checkpoint_prefix"])), key
+        assert CheckpointStore(t["checkpoint_prefix"], keep=3).committed_steps(), key
     assert len({r["run_id"] for r in registered.values()}) == 3
     c = _mlflow(mlflow_server)
     for key, run_id in runs.items():
