@@ -7,8 +7,9 @@ moves to the version) / reject (on Reject: the version is tagged ``review=reject
 reviewer's comment; the aliases stay).
 
 Triggered by the Asset ``x-mlflow://models/<name>`` (``plugins.review.model_asset``) of each model in ``MXPIPE_REVIEW_MODELS``
-(default ``digits-classifier``): the training DAG's ``register`` task must declare that Asset
-as an outlet and set ``extra={"registered_model_name": ..., "version": ...}`` on its event.
+(default ``digits-classifier``): the training DAG's ``register`` task emits it through the
+AssetAlias ``mxpipe.registered_model`` with ``extra={"registered_model_name": ..., "version": ...}``,
+and ``resolve`` reviews the version that event names.
 Or by hand, with the Params below. No answer within ``MXPIPE_REVIEW_TIMEOUT_H`` hours (default
 72) fails the approval task and changes nothing; a new manual run asks again.
 """
@@ -17,10 +18,10 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import AssetAny, Param, dag, get_current_context, task
 
 from plugins import review as tasks
+from plugins.approval import DECISION_KEY, RecordedApprovalOperator
 
 RESPONSE_TIMEOUT = timedelta(hours=float(os.environ.get("MXPIPE_REVIEW_TIMEOUT_H", "72")))
 
@@ -61,7 +62,7 @@ def model_review() -> None:
     def compare(target: dict) -> dict:
         return tasks.compare(target, *_ids())
 
-    approval = ApprovalOperator(
+    approval = RecordedApprovalOperator(
         task_id="approval",
         subject="Promote {{ ti.xcom_pull(task_ids='resolve')['name'] }} version "
                 "{{ ti.xcom_pull(task_ids='resolve')['challenger'] }} to champion?",
@@ -84,7 +85,7 @@ def model_review() -> None:
     def reject() -> dict:
         ti = get_current_context()["ti"]
         return tasks.apply_rejection(ti.xcom_pull(task_ids="resolve"), ti.xcom_pull(task_ids="compare"),
-                                     ti.xcom_pull(task_ids="approval"))
+                                     ti.xcom_pull(task_ids="approval", key=DECISION_KEY))
 
     target = resolve()
     reviewed = compare(target)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from airflow.sdk import AssetOrTimeSchedule, CronTriggerTimetable, dag, get_current_context, setup, task, teardown
+from airflow.sdk import (AssetAlias, AssetOrTimeSchedule, CronTriggerTimetable, dag, get_current_context, setup,
+                         task, teardown)
 
 from plugins import callbacks
 from plugins.assets import MODEL, SHARDS, SOURCE_DATASET
 from plugins import pipeline_tasks as tasks
 from plugins.params import training_params
+from plugins.review import model_asset
 
 SCHEDULE = os.environ.get("MXPIPE_SCHEDULE", "0 3 * * *")
 # One active run unless configured: runs of one DAG share the dataset's shard cache.
@@ -26,6 +28,9 @@ MAX_ACTIVE_RUNS = int(os.environ.get("MXPIPE_MAX_ACTIVE_RUNS", "1"))
 RETRY_DELAY = timedelta(seconds=float(os.environ.get("MXPIPE_RETRY_DELAY_S", "30")))
 
 PARAMS = training_params()
+# The model name is a run-time Param, so the "new version of <name>" Asset the review DAG waits
+# on is emitted through an alias (Airflow creates the Asset if no DAG declared it yet).
+REGISTERED_MODEL = AssetAlias(name="mxpipe.registered_model")
 
 
 def _schedule() -> AssetOrTimeSchedule | None:
@@ -98,12 +103,16 @@ def mxnet_training() -> None:
     def release(cluster: dict) -> dict:
         return tasks.teardown(cluster)
 
-    @task(retries=2, retry_delay=RETRY_DELAY, outlets=[MODEL])
+    @task(retries=2, retry_delay=RETRY_DELAY, outlets=[MODEL, REGISTERED_MODEL])
     def register(shards: dict, trained: dict, validation: dict, params: dict | None = None) -> dict:
         dag_id, run_id, try_number = _ids()
         out = tasks.register(params, shards, trained, validation, dag_id, run_id, try_number)
         _emit(MODEL, {"name": out["registered_model_name"], "version": str(out["version"]),
                       "run_url": out["run_url"]})
+        # What model_review reads (plugins.review._from_events): which version to review.
+        get_current_context()["outlet_events"][REGISTERED_MODEL].add(
+            model_asset(out["registered_model_name"]),
+            extra={"registered_model_name": out["registered_model_name"], "version": str(out["version"])})
         return out
 
     shards = shard()

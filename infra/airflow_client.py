@@ -126,6 +126,30 @@ class AirflowClient:
         body = {"chosen_options": list(options), "params_input": dict(params_input or {})}
         return self.request("PATCH", self._hitl_path(dag_id, run_id, task_id, map_index), json=body).json()
 
+    # -- runs, assets, links ------------------------------------------------------------------
+
+    def dag_runs(self, dag_id: str) -> list[dict[str, Any]]:
+        """Every run of ``dag_id`` (``run_type`` tells a manual run from an asset-triggered one)."""
+        return self._paged(f"/dags/{dag_id}/dagRuns", "dag_runs")
+
+    def asset_id(self, uri: str) -> int | None:
+        """The id of the active Asset with exactly this URI (``None`` before a DAG declared it)."""
+        assets = self.request("GET", "/assets", params={"uri_pattern": uri, "limit": _PAGE}).json()["assets"]
+        return next((a["id"] for a in assets if a["uri"] == uri), None)
+
+    def create_asset_event(self, uri: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Record an event on an Asset, as a producer outside Airflow would: consumers run."""
+        asset_id = self.asset_id(uri)
+        if asset_id is None:
+            raise AirflowAPIError(f"no asset with URI {uri!r}")
+        return self.request("POST", "/assets/events", json={"asset_id": asset_id, "extra": dict(extra or {})}).json()
+
+    def extra_links(self, dag_id: str, run_id: str, task_id: str, map_index: int = -1) -> dict[str, str | None]:
+        """``{link name: URL}`` of a task instance, as the API server resolves them for the UI."""
+        resp = self.request("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/links",
+                            params={"map_index": map_index})
+        return resp.json()["extra_links"]
+
     def _paged(self, path: str, key: str) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
         while True:
@@ -253,6 +277,22 @@ def wait_for_task_state(base_url: str, dag_id: str, run_id: str, task_id: str, w
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{task_id} of {dag_id} run {run_id} not {wanted} after {timeout_s:.0f}s; "
                                    f"tasks: {states}")
+            time.sleep(poll_s)
+
+
+def wait_for_new_run(base_url: str, dag_id: str, known: set[str], timeout_s: float = 180.0,
+                     poll_s: float = 2.0, *, run_type: str | None = None) -> dict[str, Any]:
+    """Wait until a run of ``dag_id`` whose id is not in ``known`` (and, if given, of ``run_type``,
+    e.g. ``asset_triggered``) exists."""
+    deadline = time.monotonic() + timeout_s
+    with AirflowClient(base_url) as client:
+        while True:
+            fresh = [r for r in client.dag_runs(dag_id) if r["dag_run_id"] not in known
+                     and (run_type is None or r["run_type"] == run_type)]
+            if fresh:
+                return fresh[0]
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no new run of {dag_id} after {timeout_s:.0f}s")
             time.sleep(poll_s)
 
 

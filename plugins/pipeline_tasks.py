@@ -321,6 +321,7 @@ def register(params: dict[str, Any], shards: dict[str, Any], trained: dict[str, 
     from common import storage
     from training import data
     from training.registry import evaluate_classifier, log_model_run
+    from training.run_extras import plot_artifacts
 
     cfg = resolve_config(params)
     manifest = data.load_manifest(shards["shards_prefix"])
@@ -343,10 +344,13 @@ def register(params: dict[str, Any], shards: dict[str, Any], trained: dict[str, 
                 local = os.path.join(tmp, "extra", name)
                 storage.download_file(uri, local)
                 extra[name] = local
+        extra.update(plot_artifacts(metrics["history"], evaluation, os.path.join(tmp, "plots")))
         result = log_model_run(
             tracking_uri=tracking_uri, experiment=EXPERIMENT, run_name=f"{dag_id}/{run_id}",
             tags={"airflow.dag_id": dag_id, "airflow.run_id": run_id, "airflow.try_number": str(try_number),
-                  "dataset.manifest_digest": shards["manifest_digest"], "mlflow.source.git.commit": git_sha()},
+                  "dataset.manifest_digest": shards["manifest_digest"], "mlflow.source.git.commit": git_sha(),
+                  # The review DAG reads its test data from this tag; the fingerprint names the source data.
+                  "dataset.shards_prefix": shards["shards_prefix"], "dataset.fingerprint": shards["fingerprint"]},
             params={"config": cfg.to_dict(), "config_digest": cfg.digest()},
             epoch_metrics=metrics["history"],
             final_metrics={"test_accuracy": evaluation["accuracy"], "global_step": metrics["global_step"],
@@ -354,6 +358,9 @@ def register(params: dict[str, Any], shards: dict[str, Any], trained: dict[str, 
                            "train_attempts": trained["attempt"]},
             model_dir=model_dir, registered_model_name=params["registered_model_name"], input_example=example,
             artifacts=extra, run_id=_existing_run(tracking_uri, dag_id, run_id),
+            dataset={"manifest": manifest, "manifest_uri": shards["manifest_uri"],
+                     "digest": shards["manifest_digest"]},
+            log_system_metrics=True,
         )
     log.info("registered %s version %s (test accuracy %.4f): %s", result["registered_model_name"],
              result["version"], evaluation["accuracy"], result["run_url"])

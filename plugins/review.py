@@ -1,7 +1,7 @@
 """What each task of the model-review DAG does (the DAG file only wires them together).
 
-Trigger: an event on ``model_asset(name)``, which the training DAG's ``register`` task emits as
-an outlet (with ``extra={"registered_model_name": ..., "version": ...}``), or a manual run with
+Trigger: an event on ``model_asset(name)``, which the training DAG's ``register`` task emits
+through its AssetAlias (with ``extra={"registered_model_name": ..., "version": ...}``), or a manual run with
 the DAG's Params. The decision comes from Airflow's ``ApprovalOperator``; its XCom
 (``chosen_options``, ``params_input``, ``responded_by_user``) is what ``apply_*`` read.
 

@@ -60,6 +60,9 @@ MLFLOW_ENV_DEFAULTS = {
     # are pinned explicitly instead.
     "MLFLOW_UV_AUTO_DETECT": "false",
     "MLFLOW_LOG_UV_FILES": "false",
+    # System metrics (CPU, memory, disk, network) are sampled while the run is logged; the 10 s
+    # default would leave a register step of a few seconds with no sample at all.
+    "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1",
 }
 
 
@@ -454,13 +457,13 @@ def _tracking_uri(uri: str) -> Iterator[None]:
             os.environ["MLFLOW_TRACKING_URI"] = saved_env
 
 
-def _fluent_run(run_id: str) -> contextlib.AbstractContextManager[Any]:
+def _fluent_run(run_id: str, log_system_metrics: bool = False) -> contextlib.AbstractContextManager[Any]:
     """``start_run(run_id)`` (FINISHED on success, FAILED on an exception) unless already active."""
     import mlflow
 
     active = mlflow.active_run()
     if active is None:
-        return mlflow.start_run(run_id=run_id)
+        return mlflow.start_run(run_id=run_id, log_system_metrics=log_system_metrics)
     if active.info.run_id == run_id:
         return contextlib.nullcontext(active)
     raise RuntimeError(
@@ -483,12 +486,16 @@ def log_model_run(
     input_example: Any,
     artifacts: dict[str, str] | None = None,
     run_id: str | None = None,
+    dataset: Mapping[str, Any] | None = None,
+    log_system_metrics: bool = False,
 ) -> dict:
     """Log params, metrics, extra artifacts and the pyfunc model; register it as ``challenger``.
 
     ``artifacts`` maps a run-relative artifact path to a local file (logged under that name, e.g.
     ``{"manifest.json": "/tmp/x/manifest.json"}`` or ``{"reports/val.json": ...}``) or to a local
-    folder (its files logged under that path). Returns
+    folder (its files logged under that path). ``dataset`` (``{"manifest", "manifest_uri",
+    "digest"}``) becomes the run's ``mlflow.data`` input; ``log_system_metrics`` samples MLflow's
+    system metrics while this call logs (the training job's own processes are not covered). Returns
     ``run_id, experiment_id, model_uri, registered_model_name, version, run_url``.
     """
     from mlflow import MlflowClient
@@ -515,10 +522,14 @@ def log_model_run(
         # Before start_run: a conflicting retry must not flip the original run to FAILED.
         n_params = _log_params(client, run, flat)
 
-        with _fluent_run(rid):
+        with _fluent_run(rid, log_system_metrics):
             if run_id is not None:  # tags are mutable: refresh them on a retry
                 _log_tags(client, rid, str_tags)
             n_metrics = _log_metrics(client, run, points)
+            if dataset is not None:
+                from training.run_extras import log_dataset_input
+
+                log_dataset_input(dataset["manifest"], dataset["manifest_uri"], dataset["digest"])
             for dest, path in extra.items():
                 _log_extra_artifact(client, rid, dest, path)
             version_tags = {**str_tags, "source_run_id": rid, "run_name": run_name,

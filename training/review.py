@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from training.registry import CHALLENGER_ALIAS, bounded_mlflow_env
+from training.run_extras import confusion_png
 
 log = logging.getLogger(__name__)
 
@@ -192,30 +193,6 @@ def evaluate_version(tracking_uri: str, name: str, version: str, X: Any, truth: 
     except Exception as exc:  # a champion trained on other features cannot be compared
         raise ReviewError(f"{name} version {version} cannot score the test data: {exc}") from exc
     return scores(confusion(truth, predicted, classes), classes)
-
-
-def confusion_png(result: Mapping[str, Any], title: str, path: str) -> str | None:
-    """A confusion-matrix heat map; ``None`` (and a log line) when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display on workers
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.info("matplotlib is not installed: no confusion-matrix image")
-        return None
-    m, classes = result["confusion_matrix"], result["classes"]
-    fig, ax = plt.subplots(figsize=(1 + 0.5 * len(classes), 1 + 0.5 * len(classes)), dpi=100)
-    ax.imshow(m, cmap="Blues")
-    ax.set(xticks=range(len(classes)), yticks=range(len(classes)), xticklabels=classes, yticklabels=classes,
-           xlabel="predicted", ylabel="true", title=title)
-    for i, row in enumerate(m):
-        for j, v in enumerate(row):
-            ax.text(j, i, str(v), ha="center", va="center", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def review(tracking_uri: str, target: Target, *, run_name: str, tags: Mapping[str, str] | None = None) -> dict:

@@ -32,7 +32,8 @@ def test_structure(dag):
     assert type(dag.timetable).__name__ == "AssetOrTimeSchedule"
     assert [a.name for a in dag.timetable.asset_condition.objects] == ["mxpipe.source_dataset"]
     assert [o.name for o in tasks["shard"].outlets] == ["mxpipe.shards"]
-    assert [o.name for o in tasks["register"].outlets] == ["mxpipe.model"]
+    # The alias carries the review trigger: x-mlflow://models/<the run's registered_model_name>.
+    assert [o.name for o in tasks["register"].outlets] == ["mxpipe.model", "mxpipe.registered_model"]
 
 
 @pytest.mark.parametrize("name,bad", [("num_workers", 0), ("num_workers", 17), ("epochs", 0),

@@ -27,7 +27,9 @@ def test_structure_and_decision_wiring(dag):
     tasks = {t.task_id: t for t in dag.tasks}
     assert set(tasks) == {"resolve", "compare", "approval", "promote", "reject"}
     approval = tasks["approval"]
-    assert type(approval).__name__ == "ApprovalOperator"
+    from airflow.providers.standard.operators.hitl import ApprovalOperator
+
+    assert isinstance(approval, ApprovalOperator)
     assert approval.response_timeout == timedelta(hours=72)
     assert approval.execution_timeout is not None and approval.retries == 0
     assert "comment" in approval.params

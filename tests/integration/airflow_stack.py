@@ -4,6 +4,7 @@ Every component runs in its own process group and is stopped, group and all, on 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,3 +31,24 @@ def airflow_stack(home: Path, s3_server: Any, mlflow_server: Any, dags: Mapping[
         assert services.stop_airflow(handles)
         for handle in handles:
             assert services.group_processes(handle.pgid) == [], handle.name
+
+
+def wait_until_parked(home: Path, run_id: str, task_id: str, timeout_s: float = 180.0) -> None:
+    """Wait until the scheduler has taken in the end of the attempt that parked ``task_id`` in
+    ``awaiting_input`` (its "TaskInstance Finished ... state=awaiting_input" line).
+
+    Seen here (Airflow 3.3.2): an answer that comes before that re-queues the task, the
+    scheduler then takes the pausing attempt's "success" executor event for the new attempt and
+    fails the task. Under load that window lasted more than 5 s after the API showed
+    ``awaiting_input``; a person never answers that fast, a test does.
+    """
+    log_file = home / "logs" / "airflow-scheduler.log"
+    wanted = f"task_id={task_id}, run_id={run_id},"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = log_file.read_text(errors="replace") if log_file.exists() else ""
+        if any("TaskInstance Finished" in ln and wanted in ln and "state=awaiting_input" in ln
+               for ln in text.splitlines()):
+            return
+        time.sleep(1)
+    raise TimeoutError(f"{task_id} of {run_id}: the scheduler did not record the pause within {timeout_s:.0f}s")

@@ -1,0 +1,113 @@
+"""What a training run's MLflow page shows beyond params, metrics and the model.
+
+The dataset manifest as an ``mlflow.data`` input (so the run's "Datasets used" names the exact
+shards it trained on, by digest), a loss/accuracy curve and a confusion-matrix PNG built from
+the epoch history and the test evaluation. Airflow-free; mlflow and matplotlib are imported
+inside the functions (matplotlib missing: no image, a log line, nothing fails).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DATASET_CONTEXT = "train"
+# Metrics the curve plots when the history has them: losses on the left axis, accuracies right.
+LOSS_KEYS = ("train_loss", "val_loss")
+ACCURACY_KEYS = ("train_accuracy", "val_accuracy")
+
+
+def manifest_dataset(manifest: Mapping[str, Any], manifest_uri: str, digest: str) -> Any:
+    """An ``mlflow.data`` MetaDataset for a shard manifest: its source is the manifest's URI,
+    its digest the manifest digest (the lineage key the registry tags carry too)."""
+    import warnings
+
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    with warnings.catch_warnings():
+        # A local path matches two registered local sources that are the same class: noise.
+        warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+        source = resolve_dataset_source(manifest_uri)
+    name = str(manifest.get("source_uri") or manifest_uri).rstrip("/").rsplit("/", 1)[-1] or "dataset"
+    # MLflow caps the digest at 36 characters.
+    return MetaDataset(source=source, name=name, digest=digest[:36])
+
+
+def log_dataset_input(manifest: Mapping[str, Any], manifest_uri: str, digest: str) -> None:
+    """Attach the manifest to the active (fluent) run; MLflow keeps one input per name+digest,
+    so a retried attempt logging it again adds nothing."""
+    import mlflow
+
+    mlflow.log_input(manifest_dataset(manifest, manifest_uri, digest), context=DATASET_CONTEXT,
+                     tags={"shards_prefix": manifest_uri.rsplit("/", 1)[0],
+                           "source_fingerprint": str(manifest.get("source_fingerprint", ""))})
+
+
+def _pyplot() -> Any | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on workers
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib is not installed: no plots on the MLflow run")
+        return None
+    return plt
+
+
+def curves_png(history: Sequence[Mapping[str, float]], path: str) -> str | None:
+    """Loss and accuracy per epoch as one PNG; ``None`` with no history or no matplotlib."""
+    plt = _pyplot()
+    if plt is None or not history:
+        return None
+    epochs = [int(row.get("epoch", i)) for i, row in enumerate(history)]
+    fig, loss_ax = plt.subplots(figsize=(6, 4), dpi=100)
+    acc_ax = loss_ax.twinx()
+    for ax, keys, style in ((loss_ax, LOSS_KEYS, "-"), (acc_ax, ACCURACY_KEYS, "--")):
+        for key in keys:
+            if any(key in row for row in history):
+                ax.plot(epochs, [row.get(key, float("nan")) for row in history], style, marker="o",
+                        markersize=3, label=key)
+    loss_ax.set(xlabel="epoch", ylabel="loss", title="training curves")
+    acc_ax.set(ylabel="accuracy")
+    lines = loss_ax.get_legend_handles_labels()[0] + acc_ax.get_legend_handles_labels()[0]
+    if lines:
+        fig.legend(loc="lower left", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def confusion_png(evaluation: Mapping[str, Any], title: str, path: str) -> str | None:
+    """The test split's confusion matrix (``evaluate_classifier``'s) as a heat map."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    m, classes = evaluation["confusion_matrix"], [str(c) for c in evaluation["classes"]]
+    side = 1 + 0.5 * len(classes)
+    fig, ax = plt.subplots(figsize=(max(side, 3), max(side, 3)), dpi=100)
+    ax.imshow(m, cmap="Blues")
+    ax.set(xticks=range(len(classes)), yticks=range(len(classes)), xticklabels=classes, yticklabels=classes,
+           xlabel="predicted", ylabel="true", title=title)
+    for i, row in enumerate(m):
+        for j, v in enumerate(row):
+            ax.text(j, i, str(v), ha="center", va="center", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_artifacts(history: Sequence[Mapping[str, float]], evaluation: Mapping[str, Any],
+                   out_dir: str) -> dict[str, str]:
+    """``{run-relative artifact path: local PNG}`` for ``log_model_run(artifacts=...)``."""
+    os.makedirs(out_dir, exist_ok=True)
+    made = {"plots/curves.png": curves_png(history, os.path.join(out_dir, "curves.png")),
+            "plots/confusion_matrix.png": confusion_png(evaluation, "test split",
+                                                        os.path.join(out_dir, "confusion_matrix.png"))}
+    return {dest: path for dest, path in made.items() if path}
