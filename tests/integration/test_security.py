@@ -217,7 +217,9 @@ def test_dag_run_leaks_no_secret(s3_server, mlflow_server, tmp_path_factory):
     scanner.s3(s3_client(s3_server.endpoint, s3_server.access_key, s3_server.secret_key), s3_server.bucket)
     scanner.mlflow(mlflow_server.tracking_uri)
     _check(scanner, control, {"task log", "file", "airflow-db", "s3"})
-    assert scanner.scanned.get("mlflow-field", 0) > 10 and scanner.scanned.get("mlflow-artifact", 0) > 3, \
+    # The run's artifacts also live in the bucket (the server proxies them to S3), so the S3 scan
+    # reads them whole; the API pass proves the MLflow side was reached at all.
+    assert scanner.scanned.get("mlflow-field", 0) > 10 and scanner.scanned.get("mlflow-artifact", 0) >= 1, \
         scanner.scanned
 
 
