@@ -122,12 +122,12 @@ def trial(root: Path, hosts: list[dict], cfg: TrainConfig, shards: str, cut_s: f
     finally:
         cluster.teardown()
     orphans = orphans_first + _left(cluster, hosts)
-    first = cj.Attempt(failed, cj_events(first_events), [], None, seconds)
-    retry = cj.Attempt(retry_failed, cj_events(retry_events), [], None, retry_s)
+    first = cj.Attempt(failed, _read_events(first_events), [], None, seconds)
+    retry = cj.Attempt(retry_failed, _read_events(retry_events), [], None, retry_s)
     return _judge(Trial, name, job, cfg, cut_s, marks, errors, first, retry, orphans)
 
 
-def cj_events(path: Path) -> list[dict[str, Any]]:
+def _read_events(path: Path) -> list[dict[str, Any]]:
     import json
 
     return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
@@ -141,7 +141,7 @@ def _judge(trial_cls: Any, name: str, job: Any, cfg: TrainConfig, cut_s: float, 
     torn = first.failed is not None
     checks: dict[str, bool] = {"link cut mid-run": not errors and down is not None and up is not None,
                                "no orphan process": not orphans, "run finished": finished,
-                               "finished at the last step": step is not None and step == _total_steps(job)}
+                               "finished at the last step": step is not None and step == cj.final_step(job)}
     if cut_s < cfg.cluster.stall_timeout_s:
         checks["job rode out the cut (no teardown)"] = not torn
         after = [e["t"] for e in first.events if e["event"] == "line" and up is not None and e["t"] > up]
@@ -168,15 +168,6 @@ def _judge(trial_cls: Any, name: str, job: Any, cfg: TrainConfig, cut_s: float, 
                       "attempt_s": [round(first.seconds, 2), round(retry.seconds, 2)],
                       "resumed_step": retry.resumed_step(), "final_step": step})
     return t
-
-
-def _total_steps(job: Any) -> int | None:
-    import json
-
-    try:
-        return int(json.loads(storage.get_bytes(job.metrics_uri))["global_step"])
-    except Exception:  # noqa: BLE001 - no metrics: the job did not finish
-        return None
 
 
 def r4(root: Path, cut_seconds: list[float], copies: int = 6) -> list[Any]:

@@ -194,14 +194,12 @@ def _check(scanner: Scanner, control: str, kinds: set[str]) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_dag_run_leaks_no_secret(s3_server, mlflow_server, tmp_path_factory):
+def test_dag_run_leaks_no_secret(s3_server, mlflow_server, tmp_path_factory, digits_csv):
     home = str(tmp_path_factory.mktemp("sec-home"))
     env = airflow_env(home, MXPIPE_ARTIFACT_ROOT=f"s3://{s3_server.bucket}/security-runs",
                       MLFLOW_TRACKING_URI=mlflow_server.tracking_uri, MLFLOW_TRACKING_TOKEN=FAKE_TOKEN)
     source = f"s3://{s3_server.bucket}/security-data/dag-digits.csv"
-    from benchmarks.chaos_jobs import digits_table  # the demo table, no sklearn frame plumbing here
-
-    storage.put_bytes(source, digits_table())
+    storage.put_bytes(source, digits_csv)
     conf = {"dataset_uri": source, "label_column": "label", "recipe": "debug", "epochs": 2, "num_workers": 2,
             "num_servers": 1, "checkpoint_every_n_steps": 10, "registered_model_name": "digits-security"}
     report, output = run_confs(env, [conf])
