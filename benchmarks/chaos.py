@@ -1,7 +1,7 @@
 """Chaos harness: real local-backend ``dist_sync`` jobs (2 workers, 1 server, the debug recipe,
 optimizer on the workers so resume is exact) against a SeaweedFS S3 server started here.
 
-Scenarios (``--scenarios R1,R2,R3``):
+Scenarios (``--scenarios R1,R2,R3,R4``):
 
 - R1: ``--trials`` randomized trials (``--seed``). Each kills (SIGKILL) a random role (a worker,
   the server or the scheduler) right after a random step past the first checkpoint; the
@@ -13,6 +13,9 @@ Scenarios (``--scenarios R1,R2,R3``):
   training step and restarted on the same ports and data folder ``--outage-s`` later; the job
   must train through the outage, retry the failed upload, lose no checkpoint and finish with
   the parameters of an uninterrupted run.
+- R4 (``chaos_net.py``, needs root and ``ip netns``): on the ``hosts`` backend over network
+  namespaces, one worker host's link is cut for a few seconds and for longer than the stall
+  timeout; the row says what the job did (rode it out, or torn down and resumed by a retry).
 
 Checks per trial: finished; resumed from the newest checkpoint that verifies (never a torn or
 corrupt one); final parameters within ``EXACT_ATOL`` of an uninterrupted reference run with the
@@ -21,7 +24,7 @@ Recovery time: from the fault (its once-file) to the worker's ``first step after
 line; for R3 from the restart of S3 to the next committed checkpoint.
 
     .venv/bin/python benchmarks/chaos.py [--quick] [--trials N] [--seed S] [--soak]
-        [--scenarios R1,R2,R3] [--outage-s S] [--json OUT]
+        [--scenarios R1,R2,R3,R4] [--outage-s S] [--cut-s 5,30] [--json OUT]
 """
 from __future__ import annotations
 
@@ -211,7 +214,8 @@ def base_config() -> TrainConfig:
                                             "optimizer_on": "workers", "job_timeout_s": 900.0})
 
 
-def run(root: Path, scenarios: list[str], trials: int, seed: int, outage_s: float, r3_copies: int = 20) -> dict:
+def _s3_scenarios(root: Path, scenarios: list[str], trials: int, seed: int, outage_s: float,
+                  r3_copies: int) -> list[Trial]:
     stack = cj.ChaosStack(root)
     stack.start()
     results: list[Trial] = []
@@ -236,6 +240,24 @@ def run(root: Path, scenarios: list[str], trials: int, seed: int, outage_s: floa
                 results.append(r3(stack, root, cfg, outage_s, r3_copies, reference=True))
     finally:
         stack.stop()
+    return results
+
+
+def run(root: Path, scenarios: list[str], trials: int, seed: int, outage_s: float, r3_copies: int = 20,
+        cut_seconds: list[float] | None = None) -> dict:
+    results: list[Trial] = []
+    if {"R1", "R2", "R3"} & set(scenarios):
+        results += _s3_scenarios(root, scenarios, trials, seed, outage_s, r3_copies)
+    if "R4" in scenarios:  # the hosts backend over network namespaces: no S3 (a shared folder)
+        from benchmarks import chaos_net
+
+        if chaos_net.why_not():
+            print(f"R4 skipped: {chaos_net.why_not()}", flush=True)
+        else:
+            for trial in chaos_net.r4(root / "r4", cut_seconds or [5.0, chaos_net.STALL_S + 10.0]):
+                echo(trial)
+                print(f"R4 outcome: {trial.details['outcome']}", flush=True)
+                results.append(trial)
     return {"seed": seed, "trials": [asdict(t) | {"passed": t.passed} for t in results],
             "rows": summarize(results), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
@@ -272,20 +294,24 @@ def echo(trial: Trial) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--scenarios", default="R1,R2,R3")
+    # The whole first paragraph: its first line alone stops mid-sentence.
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("--scenarios", default="R1,R2,R3,R4")
     parser.add_argument("--trials", type=int, default=None, help="R1 trials (default 4; --quick 2; --soak 25)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="CI size: 2 R1 trials, a 10 s S3 outage")
     parser.add_argument("--soak", action="store_true", help="a long setting: 25 R1 trials")
     parser.add_argument("--outage-s", type=float, default=None, help="R3 outage (default 30; --quick 10)")
+    parser.add_argument("--cut-s", default="", help="R4 link cuts in seconds, comma-separated "
+                        "(default: 5 and the stall timeout + 10)")
     parser.add_argument("--json", help="write every trial and the table to this file")
     args = parser.parse_args(argv)
     trials = args.trials or (25 if args.soak else 2 if args.quick else 4)
     outage = args.outage_s if args.outage_s is not None else (10.0 if args.quick else 30.0)
     scenarios = [s.strip().upper() for s in args.scenarios.split(",") if s.strip()]
     with tempfile.TemporaryDirectory(prefix="mxpipe-chaos-") as tmp:
-        report = run(Path(tmp), scenarios, trials, args.seed, outage)
+        cuts = [float(c) for c in args.cut_s.split(",") if c.strip()] or None
+        report = run(Path(tmp), scenarios, trials, args.seed, outage, cut_seconds=cuts)
     print("\n" + table(report["rows"]))
     if args.json:
         with open(args.json, "w") as fh:

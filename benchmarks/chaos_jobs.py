@@ -221,6 +221,14 @@ def flip_bytes(job: JobSpec, step: int, name: str = "params.npz") -> None:
     storage.put_bytes(uri, bytes(data))
 
 
+def final_step(job: JobSpec) -> int | None:
+    """The global step the finished job's metrics record (None: the job did not finish)."""
+    try:
+        return int(json.loads(storage.get_bytes(job.metrics_uri))["global_step"])
+    except Exception:  # noqa: BLE001 - no metrics: the job did not finish
+        return None
+
+
 def digits_table(copies: int = 1, seed: int = 0) -> bytes:
     """scikit-learn's digits as the pipeline's CSV (``copies`` > 1: jittered copies, a longer epoch)."""
     import pandas as pd

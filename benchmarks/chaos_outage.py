@@ -29,7 +29,6 @@ newest is the final step; optionally the final parameters equal an uninterrupted
 """
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
@@ -38,7 +37,6 @@ from typing import Any
 
 from benchmarks import chaos
 from benchmarks import chaos_jobs as cj
-from common import storage
 from training.config import TrainConfig
 
 OUTAGE_WAIT_S = 300.0  # bound on waiting for the job to reach the kill step
@@ -117,7 +115,7 @@ def _trial(job: Any, run: cj.Attempt, outage: dict[str, float], errors: list[Bas
     facts = cj.store_facts(job) if not errors else {"committed": [], "torn": [], "latest_valid": None}
     unverified = [s for s in facts["committed"] if not _verifies(job, s)]
     stats = next((e["text"] for e in reversed(run.lines("checkpoint stats: "))), "")
-    final = _final_step(job)
+    final = cj.final_step(job)
     checks = {
         "outage started at the kill step": not errors and run.fault_at is not None and "back" in outage,
         f"outage lasted {outage_s:.0f}s": restart - down >= outage_s,
@@ -161,9 +159,3 @@ def _verifies(job: Any, step: int) -> bool:
     except Exception:  # noqa: BLE001 - a checkpoint that does not load does not verify
         return False
 
-
-def _final_step(job: Any) -> int | None:
-    try:
-        return int(json.loads(storage.get_bytes(job.metrics_uri))["global_step"])
-    except Exception:  # noqa: BLE001 - no metrics: the job did not finish
-        return None

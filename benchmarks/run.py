@@ -1,4 +1,4 @@
-"""One benchmark report: runs P1–P8 side by side on this machine and writes the table into
+"""One benchmark report: runs P1–P8 (and chaos R4) side by side on this machine and writes the table into
 benchmarks/README.md (between the report markers) and benchmarks/results.json.
 
     benchmarks/run                 # quick mode (about 15 minutes on 2 cores)
@@ -101,6 +101,16 @@ def _compression(r: dict[str, Any]) -> Row:
             f"throughput ×{r['throughput_ratio']:.2f}", ratio, None)
 
 
+def _r4(r: dict[str, Any]) -> Row:
+    trials = [t for t in r["trials"] if t["scenario"] == "R4"]
+    if not trials:
+        return ("skipped: needs root and `ip netns`", None, None)
+    figure = "; ".join(f"{t['name'].split('down ')[1].split(' (')[0]} cut: {t['details']['outcome']}"
+                       + (f" ({t['recovery_s']:.1f} s to recover)" if t["recovery_s"] is not None else "")
+                       for t in trials)
+    return (figure, None, all(t["passed"] for t in trials))
+
+
 BENCHES = (
     Bench("P1", "trainer throughput ÷ bare Gluon loop (same model, data, kvstore, cluster)", "≥ 0.98",
           "trainer_throughput.py", ("--quick",), (), 1200, _p1),
@@ -120,6 +130,9 @@ BENCHES = (
           "kvstore_modes.py", ("--epochs", "5"), (), 1800, _p8),
     Bench("C1", "2-bit gradient compression: bytes pushed per step, compressed ÷ plain", "≈ 1/16",
           "compression.py", ("--quick",), (), 1200, _compression),
+    Bench("R4", "network fault on the netns hosts backend: a worker host's link down 5 s and 30 s "
+          "(stall timeout 20 s)", "short: rides it out; long: torn down by the stall detector, retry resumes",
+          "chaos.py", ("--scenarios", "R4"), ("--scenarios", "R4", "--cut-s", "2,5,10,30,60"), 1500, _r4),
 )
 
 

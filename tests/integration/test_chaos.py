@@ -42,3 +42,4 @@ def test_quick_chaos_run_passes_every_check(tmp_path):
     victims = {t["details"]["victim"] for t in trials if t["scenario"] == "R1"}
     if seed == 17:
         assert victims == {"scheduler", "server-0"}
+
