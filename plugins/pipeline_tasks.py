@@ -360,7 +360,7 @@ def register(params: dict[str, Any], shards: dict[str, Any], trained: dict[str, 
             artifacts=extra, run_id=_existing_run(tracking_uri, dag_id, run_id),
             dataset={"manifest": manifest, "manifest_uri": shards["manifest_uri"],
                      "digest": shards["manifest_digest"]},
-            log_system_metrics=True,
+            log_system_metrics=True, step_metrics=metrics.get("step_history", []),
         )
     log.info("registered %s version %s (test accuracy %.4f): %s", result["registered_model_name"],
              result["version"], evaluation["accuracy"], result["run_url"])

@@ -306,6 +306,13 @@ class CheckpointConfig:
     encryption_key_env: str = ""
     # Allow resuming with another number of workers (data assignment recomputed; see worker).
     elastic: bool = False
+    # Per-step metrics (train loss, learning rate; logged to MLflow as ``*_step`` at the global
+    # step): every N-th step, at most ``max_step_metrics`` records (over the cap the stride
+    # doubles and every other record is dropped: training.metrics.StepRecorder). Here, not in
+    # ``optim``: they change nothing that is trained (left out of the resume digest), and the
+    # records up to a checkpoint live in its train state.
+    step_metrics_every_n: int = 1
+    max_step_metrics: int = 2000
 
     def __post_init__(self) -> None:
         _check(self.every_n_steps >= 1, f"checkpoint.every_n_steps must be >= 1, got {self.every_n_steps}")
@@ -321,6 +328,10 @@ class CheckpointConfig:
         looks_like_key = len(env) >= 32 and all(c in "0123456789abcdefABCDEF" for c in env)
         _check(env == "" or (env.replace("_", "").isalnum() and not env[0].isdigit() and not looks_like_key),
                "checkpoint.encryption_key_env must be the NAME of an environment variable, not a key")
+        _check(self.step_metrics_every_n >= 1,
+               f"checkpoint.step_metrics_every_n must be >= 1, got {self.step_metrics_every_n}")
+        _check(2 <= self.max_step_metrics <= 100_000,
+               f"checkpoint.max_step_metrics must be in [2, 100000], got {self.max_step_metrics}")
 
 
 @dataclass(frozen=True)

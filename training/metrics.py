@@ -56,3 +56,33 @@ class ThroughputMeter:
         rate = self.samples / elapsed
         return {"samples_per_s_worker": rate, "samples_per_s_total": rate * self.num_workers,
                 "step_time_s": elapsed / max(self.steps, 1)}
+
+
+class StepRecorder:
+    """Per-step training loss and learning rate: every ``every_n``-th global step, at most ``cap``.
+
+    What is kept is a pure function of the global step, so a resumed job (which restores the
+    records from its checkpoint, ``records``) ends with exactly the records of an uninterrupted
+    one: the steps that are multiples of the stride, where the stride starts at ``every_n`` and
+    doubles whenever more than ``cap`` records would be kept (every other record is then
+    dropped). A run of S steps keeps between cap/2 and cap records, evenly spaced, whatever S.
+    The loss is the one the loop already read for its NaN check: no extra host sync.
+    """
+
+    def __init__(self, every_n: int, cap: int, records: list[dict[str, float]] | None = None,
+                 global_step: int = 0) -> None:
+        self.every_n, self.cap = every_n, cap
+        self.stride = every_n
+        while global_step // self.stride > cap:
+            self.stride *= 2
+        # Records past global_step (none in a checkpoint written at that step) would be duplicates.
+        self.records = [r for r in records or [] if r["step"] <= global_step and r["step"] % self.stride == 0]
+
+    def due(self, global_step: int) -> bool:
+        return global_step % self.stride == 0
+
+    def record(self, global_step: int, loss: float, learning_rate: float) -> None:
+        self.records.append({"step": global_step, "train_loss": loss, "learning_rate": learning_rate})
+        if len(self.records) > self.cap:
+            self.stride *= 2
+            self.records = [r for r in self.records if r["step"] % self.stride == 0]

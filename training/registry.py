@@ -172,6 +172,20 @@ def metric_points(
     return points, final_step
 
 
+def step_metric_points(step_metrics: Sequence[Mapping[str, float]]) -> list[tuple[str, float, int]]:
+    """``(key + "_step", value, global_step)`` triples of the worker's per-step records.
+
+    Suffixed so that they do not share a key (and so a step axis) with the per-epoch metrics,
+    which MLflow logs at the epoch index. A step given twice is logged once, with the later value.
+    """
+    by_point = {(f"{k}_step", int(row["step"])): float(v) for row in step_metrics
+                for k, v in row.items() if k != "step"}
+    bad = sorted({k for k, _ in by_point if not _valid_key(k)})
+    if bad:
+        raise ValueError(f"invalid MLflow metric names: {bad[:10]}")
+    return [(k, v, step) for (k, step), v in by_point.items()]
+
+
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
@@ -488,6 +502,7 @@ def log_model_run(
     run_id: str | None = None,
     dataset: Mapping[str, Any] | None = None,
     log_system_metrics: bool = False,
+    step_metrics: Sequence[Mapping[str, float]] = (),
 ) -> dict:
     """Log params, metrics, extra artifacts and the pyfunc model; register it as ``challenger``.
 
@@ -495,7 +510,9 @@ def log_model_run(
     ``{"manifest.json": "/tmp/x/manifest.json"}`` or ``{"reports/val.json": ...}``) or to a local
     folder (its files logged under that path). ``dataset`` (``{"manifest", "manifest_uri",
     "digest"}``) becomes the run's ``mlflow.data`` input; ``log_system_metrics`` samples MLflow's
-    system metrics while this call logs (the training job's own processes are not covered). Returns
+    system metrics while this call logs (the training job's own processes are not covered).
+    ``step_metrics`` (the worker's ``step_history``: ``{"step": global_step, "train_loss": …}``)
+    are logged as ``train_loss_step`` etc. at ``step=global_step``, in the same batches. Returns
     ``run_id, experiment_id, model_uri, registered_model_name, version, run_url``.
     """
     from mlflow import MlflowClient
@@ -506,6 +523,7 @@ def log_model_run(
     files = find_export_files(model_dir)
     flat = flatten_params(params)
     points, final_step = metric_points(epoch_metrics, final_metrics)
+    points += step_metric_points(step_metrics)
     extra = dict(artifacts or {})
     for dest, path in extra.items():
         if not os.path.exists(path):

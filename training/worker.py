@@ -44,7 +44,7 @@ from training.checkpoint import store_for
 from training.checkpoint_async import Checkpointer
 from training.job import EXIT_PREEMPTED, JobSpec
 from training.kvstore_sync import make_trainer, with_gradient_compression
-from training.metrics import ThroughputMeter
+from training.metrics import StepRecorder, ThroughputMeter
 from training.model import build_model
 from training.optim import learning_rate_at, optimizer_params, reposition
 from training.placement import SplitNet, make_split_trainer
@@ -114,6 +114,9 @@ def run(job: JobSpec) -> dict[str, Any]:
             start_step = _elastic_position(ckpt.state, num_workers, steps)
     elif job.warm_start_prefix:
         _warm_start(net, job.warm_start_prefix, cfg, ctx)
+    # Older checkpoints hold no step records: the per-step curve then starts at the resume.
+    step_log = StepRecorder(cfg.checkpoint.step_metrics_every_n, cfg.checkpoint.max_step_metrics,
+                            ckpt.state.get("step_history") if ckpt is not None else None, global_step)
 
     global_batch = cfg.global_batch(num_workers)
     if cfg.cluster.gradient_compression == "2bit":
@@ -159,7 +162,7 @@ def run(job: JobSpec) -> dict[str, Any]:
             log.info("checkpoint at step %d skipped: the previous one is still uploading", global_step)
             return
         state = {"epoch": ep, "step_in_epoch": step_in_epoch, "global_step": global_step,
-                 "history": history, "config_digest": cfg.digest(), "resume_digest": resume_digest(cfg),
+                 "history": history, "step_history": step_log.records, "config_digest": cfg.digest(), "resume_digest": resume_digest(cfg),
                  "num_workers": num_workers, "global_batch": global_batch,
                  "manifest_digest": data.manifest_digest(manifest), "rng": RNG_SCHEME}
         snap = ckpt_state.snapshot(net, trainer, global_step, state)
@@ -188,6 +191,8 @@ def run(job: JobSpec) -> dict[str, Any]:
             epoch_n += len(idx)
             global_step += 1
             meter.count(len(idx))
+            if step_log.due(global_step):
+                step_log.record(global_step, batch_loss, learning_rate_at(trainer))
             if resumed_from is not None and global_step == resumed_from + 1:
                 # The mark recovery time is measured to (benchmarks/chaos.py, recovery.py).
                 log.info("first step after resume done: global_step=%d (resumed from step %d)", global_step,
@@ -224,6 +229,7 @@ def run(job: JobSpec) -> dict[str, Any]:
             _preempted(preemption, cfg, rank, global_step, writer, None)
 
     result = {"global_step": global_step, "epochs": cfg.optim.epochs, "history": history,
+              "step_history": step_log.records,
               "num_workers": num_workers, **meter.totals(time.monotonic()),
               # This attempt's counts: one trainer.step (one push per parameter) per k micro-batches;
               # the worker-side optimizer's update count (None when it runs on the servers).

@@ -65,7 +65,15 @@ def reference(shards, s3_server, tmp_path_factory):
     return params
 
 
-def _resumes_exactly(job, prefix, tmp_path, caplog, reference, expect_step):
+@pytest.fixture(scope="module")
+def reference_steps(reference, s3_server):
+    """The uninterrupted job's per-step records (every step: step_metrics_every_n=1)."""
+    metrics = json.loads(storage.get_bytes(f"s3://{s3_server.bucket}/test-ckpt-reference/metrics.json"))
+    assert [r["step"] for r in metrics["step_history"]] == list(range(1, 41))
+    return metrics["step_history"]
+
+
+def _resumes_exactly(job, prefix, tmp_path, caplog, reference, expect_step, reference_steps=None):
     caplog.set_level(logging.INFO, logger="training.launcher")
     caplog.clear()
     _run(job, prefix, tmp_path)
@@ -76,10 +84,16 @@ def _resumes_exactly(job, prefix, tmp_path, caplog, reference, expect_step):
     diff = _max_diff(params, reference)
     print(f"max |resumed - uninterrupted| = {diff:.3g}")
     assert diff <= EXACT_ATOL
+    if reference_steps is not None:  # the resumed run's per-step curve: the same steps, no duplicates
+        steps = json.loads(storage.get_bytes(job.metrics_uri))["step_history"]
+        assert [r["step"] for r in steps] == [r["step"] for r in reference_steps]
+        assert [r["train_loss"] for r in steps] == pytest.approx([r["train_loss"] for r in reference_steps],
+                                                                 rel=1e-5)
     return diff
 
 
-def test_sigkill_then_resume_matches_uninterrupted_run(shards, reference, s3_prefix, tmp_path, caplog):
+def test_sigkill_then_resume_matches_uninterrupted_run(shards, reference, reference_steps, s3_prefix, tmp_path,
+                                                       caplog):
     cfg, shards_prefix = shards
     job = _job(cfg, shards_prefix, s3_prefix)
     with pytest.raises(JobFailed) as failed:
@@ -88,19 +102,20 @@ def test_sigkill_then_resume_matches_uninterrupted_run(shards, reference, s3_pre
     # 28 unless the async writer skipped it because 21 was still uploading (then 21).
     newest = CheckpointStore(job.checkpoint_prefix).committed_steps()[0]
     assert newest in (21, 28)
-    diff = _resumes_exactly(job, s3_prefix, tmp_path, caplog, reference, expect_step=newest)
+    diff = _resumes_exactly(job, s3_prefix, tmp_path, caplog, reference, expect_step=newest,
+                            reference_steps=reference_steps)
     assert diff == 0.0  # measured: bit-identical (2 workers: the server's float sum is order-free)
 
 
-def test_sigterm_writes_an_emergency_checkpoint_and_exits_retryable(shards, reference, s3_prefix, tmp_path,
-                                                                      caplog):
+def test_sigterm_writes_an_emergency_checkpoint_and_exits_retryable(shards, reference, reference_steps, s3_prefix,
+                                                                      tmp_path, caplog):
     cfg, shards_prefix = shards
     job = _job(cfg, shards_prefix, s3_prefix)
     with pytest.raises(JobFailed) as failed:
         _run(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_TERM_STEP": "31", "MXPIPE_FAULT_KILL_RANK": "0"})
     assert failed.value.exit_code == EXIT_PREEMPTED and not failed.value.deterministic, str(failed.value)
     assert CheckpointStore(job.checkpoint_prefix).committed_steps()[0] == 31  # emergency, off-cadence
-    _resumes_exactly(job, s3_prefix, tmp_path, caplog, reference, expect_step=31)
+    _resumes_exactly(job, s3_prefix, tmp_path, caplog, reference, expect_step=31, reference_steps=reference_steps)
 
 
 def test_kill_during_upload_leaves_a_torn_checkpoint_that_is_never_loaded(shards, reference, s3_prefix, tmp_path,

@@ -68,7 +68,8 @@ def registered(s3_server, mlflow_server, digits_csv, tmp_path_factory):
         name = f"warm-{uuid.uuid4().hex[:8]}"
         common = dict(tracking_uri=mlflow_server.tracking_uri, experiment="warm-start-model", params={"seed": 1},
                       epoch_metrics=metrics["history"], model_dir=str(model_dir), input_example=example,
-                      final_metrics={"global_step": metrics["global_step"]})
+                      final_metrics={"global_step": metrics["global_step"]},
+                      step_metrics=metrics["step_history"])
         # The tags plugins.pipeline_tasks.register sets on the run and so on every version.
         version = log_model_run(run_name=f"{DAG_ID}/{SOURCE_RUN}", registered_model_name=name,
                                 tags={"airflow.dag_id": DAG_ID, "airflow.run_id": SOURCE_RUN}, **common)
@@ -76,7 +77,8 @@ def registered(s3_server, mlflow_server, digits_csv, tmp_path_factory):
         foreign = f"{name}-foreign"
         log_model_run(run_name="by-hand", registered_model_name=foreign, tags={}, **common)
         yield {"root": root, "cfg": cfg, "shards": shards, "paths": paths, "name": name, "foreign": foreign,
-               "version": version, "final_step": metrics["global_step"], "tmp": tmp}
+               "version": version, "final_step": metrics["global_step"], "tmp": tmp, "common": common,
+               "tracking_uri": mlflow_server.tracking_uri}
 
 
 def _check(ref, cfg):
@@ -131,6 +133,26 @@ def test_a_job_warm_started_from_the_version_starts_from_its_parameters(register
         trained = [arrays[k].copy() for k in arrays.files]
     exported = _version_params(f"models:/{registered['name']}/{registered['version']['version']}", tmp_path)
     assert _same_arrays(trained, exported)
+
+
+def test_per_step_metrics_are_in_mlflow_once_per_step_even_after_a_retry(registered):
+    """The real job's per-step records (every step by default) at step=global_step; a retried
+    register (same run) adds no point twice."""
+    from mlflow import MlflowClient
+
+    from training.registry import log_model_run
+
+    run_id = registered["version"]["run_id"]
+    again = log_model_run(run_name=f"{DAG_ID}/{SOURCE_RUN}", registered_model_name=registered["name"],
+                          tags={"airflow.dag_id": DAG_ID, "airflow.run_id": SOURCE_RUN}, run_id=run_id,
+                          **registered["common"])
+    assert again["run_id"] == run_id and again["version"] == registered["version"]["version"]
+    client = MlflowClient(registered["tracking_uri"])
+    for key in ("train_loss_step", "learning_rate_step"):
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert sorted(steps) == list(range(1, registered["final_step"] + 1)), (key, steps)
+    losses = {m.step: m.value for m in client.get_metric_history(run_id, "train_loss_step")}
+    assert losses[registered["final_step"]] < losses[1]  # it learned
 
 
 @pytest.mark.parametrize("what", ["model", "version", "alias", "foreign"])
