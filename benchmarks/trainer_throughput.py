@@ -12,7 +12,9 @@ so that a step is compute (tens of ms), not Python overhead.
   and threads in a process of its own (``--bare-child``). Both report their steady state: the
   median over epochs after the first of samples / loop time per epoch (the worker's epoch
   record ``samples_per_s_total``; the bare loop times the same way, with one ``waitall`` at the end of
-  each epoch and no per-step sync, the fastest a plain loop gets).
+  each epoch and no per-step sync, the fastest a plain loop gets). Same work per step on both
+  sides: numpy rows → ``nd.array``, forward/backward, ``trainer.step``, and the loss summed on
+  the device for the epoch's train loss (the bare loop did not compute it before 2026-12-03).
 - P5: a 2-worker ``dist_sync`` job (1 server, 1 thread per role, optimizer on the workers,
   the pipeline's default) ÷ the single-process job above, on the same 2 cores. Aggregate =
   rank 0's rate × 2: ``dist_sync`` workers move in lock-step with equal batches.
@@ -163,6 +165,7 @@ def bare_child(spec_path: str) -> None:
     rates = []
     for _ in range(o.epochs):
         order = np.resize(rng.permutation(len(y)), steps * o.batch_size)
+        losses = []  # the epoch's mean loss, as the worker records it: summed on the device
         started = time.monotonic()
         for step in range(steps):
             idx = order[step * o.batch_size:(step + 1) * o.batch_size]
@@ -171,8 +174,12 @@ def bare_child(spec_path: str) -> None:
                 loss = loss_fn(net(xb), yb)
             loss.backward()
             trainer.step(o.batch_size)
+            losses.append(loss.sum())
         mx.nd.waitall()
+        train_loss = float(mx.nd.concat(*losses, dim=0).sum().asscalar()) / (steps * o.batch_size)
         rates.append(steps * o.batch_size / (time.monotonic() - started))
+        if not np.isfinite(train_loss):
+            raise RuntimeError(f"bare loop: loss is {train_loss}")
     with open(spec["out"], "w") as fh:
         json.dump({"epochs": rates}, fh)
 

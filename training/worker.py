@@ -48,7 +48,7 @@ from training.metrics import StepRecorder, ThroughputMeter
 from training.model import build_model
 from training.optim import learning_rate_at, optimizer_params, reposition
 from training.placement import SplitNet, make_split_trainer
-from training.step import NaNLossError, StepRunner, contexts, init_amp, prepare
+from training.step import LossCheck, NaNLossError, StepRunner, contexts, init_amp, prepare
 
 __all__ = ["NaNLossError", "run", "evaluate", "resume_digest"]
 
@@ -179,21 +179,19 @@ def run(job: JobSpec) -> dict[str, Any]:
         log.info("resumed at the final step %d: nothing left to train, exporting again", global_step)
         net(mx.nd.zeros((1, manifest["num_features"]), ctx=ctx))  # export needs one hybridized forward
     while epoch < cfg.optim.epochs:
-        epoch_loss, epoch_n = 0.0, 0
+        # Losses are read back LOSS_CHECK_EVERY steps at a time, and before anything that needs
+        # them or must not see a diverged model (checkpoint, progress line, epoch end).
+        losses = LossCheck()
         meter.start_epoch()
         for step, idx in order.batches(epoch, start_step):
             ckpt_state.reseed(cfg.seed, global_step, rank)  # same draws whether resumed here or not
-            try:
-                batch_loss = train_step(X, y, idx)
-            except NaNLossError as exc:
-                raise NaNLossError(f"{exc} at global step {global_step + 1} (epoch {epoch})") from None
-            epoch_loss += batch_loss * len(idx)
-            epoch_n += len(idx)
+            _checked(epoch, losses.add, global_step + 1, train_step.run(X, y, idx), len(idx))
             global_step += 1
             meter.count(len(idx))
             if step_log.due(global_step):
                 step_log.record(global_step, batch_loss, learning_rate_at(trainer))
             if resumed_from is not None and global_step == resumed_from + 1:
+                _checked(epoch, losses.flush)  # done means computed, not queued
                 # The mark recovery time is measured to (benchmarks/chaos.py, recovery.py).
                 log.info("first step after resume done: global_step=%d (resumed from step %d)", global_step,
                          resumed_from)
@@ -201,20 +199,26 @@ def run(job: JobSpec) -> dict[str, Any]:
             faults.maybe_hang(global_step, rank)
             faults.maybe_terminate(global_step, rank)
             if preemption.requested and step + 1 < steps:  # at an epoch end: after its checkpoint
+                _checked(epoch, losses.flush)
                 _preempted(preemption, cfg, rank, global_step, writer,
                            lambda d, ep=epoch, st=step: checkpoint(ep, st + 1, must=True, deadline=d))
             now = time.monotonic()
             due = (global_step % cfg.checkpoint.every_n_steps == 0
                    or (cfg.checkpoint.every_n_seconds > 0 and now - last_ckpt_t >= cfg.checkpoint.every_n_seconds))
             if due and step + 1 < steps:
+                _checked(epoch, losses.flush)
                 checkpoint(epoch, step + 1, must=False)
             if meter.due(now):
+                _checked(epoch, losses.flush)
                 remaining = (cfg.optim.epochs - epoch) * steps - (step + 1)
-                log.info("progress %s", meter.line(epoch, step + 1, steps, global_step, batch_loss, remaining,
+                log.info("progress %s", meter.line(epoch, step + 1, steps, global_step, losses.last, remaining,
                                                    len(idx), now))
+        _checked(epoch, losses.flush)
+        # The last step's update inside the epoch's time too (the bare loop's waitall).
+        mx.nd.waitall()
         # The loop's own rate (steps and periodic checkpoints; not the evaluation or epoch-end
         # checkpoint below): what throughput benchmarks compare in steady state.
-        record = {"epoch": epoch, "train_loss": epoch_loss / max(epoch_n, 1), "global_step": global_step,
+        record = {"epoch": epoch, "train_loss": losses.loss_sum / max(losses.rows, 1), "global_step": global_step,
                   "learning_rate": learning_rate_at(trainer), **meter.epoch_metrics()}
         if rank == 0:
             record.update({f"val_{k}": v for k, v in evaluate(net, Xv, yv, ctx=ctx).items()})
@@ -249,6 +253,14 @@ def run(job: JobSpec) -> dict[str, Any]:
         storage.put_bytes(job.metrics_uri, json.dumps(result, indent=2).encode())
         log.info("model exported to %s", job.model_prefix)
     return result
+
+
+def _checked(epoch: int, read: Any, *args: Any) -> None:
+    """``read(*args)`` (a LossCheck add or flush); a NaN/inf loss names its step and epoch."""
+    try:
+        read(*args)
+    except NaNLossError as exc:
+        raise NaNLossError(f"{exc} at global step {exc.step} (epoch {epoch})", exc.step) from None
 
 
 RNG_SCHEME = "per-step reseed of python/numpy/mxnet from sha256(seed:global_step:rank)"
