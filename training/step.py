@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -135,8 +135,10 @@ class LossCheck:
     float32 sums, same division, same order), so the loss history is unchanged.
     """
 
-    def __init__(self, every: int = LOSS_CHECK_EVERY) -> None:
+    def __init__(self, every: int = LOSS_CHECK_EVERY,
+                 on_loss: Callable[[int, float], None] | None = None) -> None:
         self.every = max(1, every)
+        self.on_loss = on_loss  # called with (step, loss) for every step, in order, once read
         self.pending: list[tuple[int, Any, int]] = []
         self.loss_sum, self.rows, self.last = 0.0, 0, float("nan")
 
@@ -158,3 +160,5 @@ class LossCheck:
             self.loss_sum += loss * rows
             self.rows += rows
             self.last = loss
+            if self.on_loss is not None:
+                self.on_loss(step, loss)

@@ -170,6 +170,12 @@ def run(job: JobSpec) -> dict[str, Any]:
         writer.submit(snap, must=must, deadline=deadline)
         last_ckpt_t = time.monotonic()
 
+    step_lr: dict[int, float] = {}
+
+    def record_step(step: int, loss: float) -> None:
+        if step in step_lr:
+            step_log.record(step, loss, step_lr.pop(step))
+
     started = time.monotonic()
     meter = ThroughputMeter(num_workers, started)
     resumed_from = global_step if ckpt is not None else None
@@ -181,15 +187,15 @@ def run(job: JobSpec) -> dict[str, Any]:
     while epoch < cfg.optim.epochs:
         # Losses are read back LOSS_CHECK_EVERY steps at a time, and before anything that needs
         # them or must not see a diverged model (checkpoint, progress line, epoch end).
-        losses = LossCheck()
+        losses = LossCheck(on_loss=record_step)
         meter.start_epoch()
         for step, idx in order.batches(epoch, start_step):
             ckpt_state.reseed(cfg.seed, global_step, rank)  # same draws whether resumed here or not
             _checked(epoch, losses.add, global_step + 1, train_step.run(X, y, idx), len(idx))
             global_step += 1
             meter.count(len(idx))
-            if step_log.due(global_step):
-                step_log.record(global_step, batch_loss, learning_rate_at(trainer))
+            if step_log.due(global_step):  # the rate now; the loss once LossCheck reads it
+                step_lr[global_step] = learning_rate_at(trainer)
             if resumed_from is not None and global_step == resumed_from + 1:
                 _checked(epoch, losses.flush)  # done means computed, not queued
                 # The mark recovery time is measured to (benchmarks/chaos.py, recovery.py).

@@ -36,3 +36,15 @@ def test_non_finite_loss_names_its_step(bad):
         check.flush()
     assert info.value.step == 13 and ("nan" in str(info.value) or "inf" in str(info.value))
     assert math.isfinite(check.loss_sum)
+
+
+def test_on_loss_sees_every_step_in_order_once_read():
+    """The per-step metrics are recorded from here: each step once, in order, only when read."""
+    mx = import_mxnet()
+    seen: list[tuple[int, float]] = []
+    check = LossCheck(every=3, on_loss=lambda step, loss: seen.append((step, loss)))
+    for step in range(1, 6):
+        check.add(step, mx.nd.array([2.0 * step]), 2)
+    assert seen == [(1, 1.0), (2, 2.0), (3, 3.0)]  # steps 4 and 5 are still pending
+    check.flush()
+    assert seen == [(s, float(s)) for s in range(1, 6)]
