@@ -46,7 +46,7 @@ def main() -> int:
         ref.set_params(net, w0)
         params = ref.param_list(net)
         trainer = mx.gluon.Trainer(params, "sgd", {"learning_rate": lr},
-                                   kvstore=ref.key_offset_kvstore(kv, trial * ref.KEY_STRIDE),
+                                   kvstore=ref.with_key_offset(kv, trial * ref.KEY_STRIDE),
                                    update_on_kvstore=False)
         if args.eager:
             trainer._optimizer.rescale_grad = trainer._scale / G

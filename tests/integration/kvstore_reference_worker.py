@@ -6,7 +6,7 @@ by the launcher), or as a plain process (no ``DMLC_*``) for the single-process k
 (initial parameters, every step's global batch) is a pure function of ``(seed, trial, step)``,
 so the single-process reference in the test can recompute it.
 
-Each trial uses a fresh model and fresh kvstore keys (``KeyOffset`` shifts a trainer's keys by
+Each trial uses a fresh model and fresh kvstore keys (``training.kvstore_sync.with_key_offset`` shifts a trainer's keys by
 ``trial * KEY_STRIDE``), so K trials run back to back inside one job launch, each starting from
 an empty server-side state: the repetitions that catch a race cost one cluster start-up.
 
@@ -30,6 +30,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from common.mx import import_mxnet  # noqa: E402
+from training.kvstore_sync import with_key_offset  # noqa: E402
 
 IN_UNITS, HIDDEN, CLASSES = 10, 16, 4
 KEY_STRIDE = 100
@@ -121,44 +122,6 @@ def reference(seed: int, trial: int, steps: int, global_size: int, optimizer: st
     return get_params(net)
 
 
-def key_offset_kvstore(kv: Any, offset: int) -> Any:
-    """A view of ``kv`` whose integer keys are shifted by ``offset`` (a fresh key range per trial)."""
-    mx = import_mxnet()
-
-    class KeyOffset(mx.kv.KVStore):
-        def __init__(self) -> None:  # shares the handle; the base object owns (and frees) it
-            self.handle = kv.handle
-            self._base = kv
-            self._updater = None
-            self._updater_func = None
-            self._str_updater_func = None
-            self._is_p3 = False
-
-        def __del__(self) -> None:
-            pass
-
-        @staticmethod
-        def _k(key: Any) -> Any:
-            return [k + offset for k in key] if isinstance(key, (list, tuple)) else key + offset
-
-        def init(self, key, value):  # type: ignore[no-untyped-def]
-            return super().init(self._k(key), value)
-
-        def push(self, key, value, priority=0):  # type: ignore[no-untyped-def]
-            return super().push(self._k(key), value, priority)
-
-        def pull(self, key, out=None, priority=0, ignore_sparse=True):  # type: ignore[no-untyped-def]
-            return super().pull(self._k(key), out, priority, ignore_sparse)
-
-        def pushpull(self, key, value, out=None, priority=0):  # type: ignore[no-untyped-def]
-            return super().pushpull(self._k(key), value, out, priority)
-
-        def broadcast(self, key, value, out, priority=0):  # type: ignore[no-untyped-def]
-            return super().broadcast(self._k(key), value, out, priority)
-
-    return KeyOffset()
-
-
 def run_trials(args: argparse.Namespace) -> dict[str, Any]:
     mx = import_mxnet()
     from training.kvstore_sync import make_trainer
@@ -177,7 +140,7 @@ def run_trials(args: argparse.Namespace) -> dict[str, Any]:
             # Wrong on purpose: only the initial sync from rank 0 can make this worker correct.
             values = [v * -3.0 + 1.0 for v in values]
         set_params(net, values)
-        trial_kv = key_offset_kvstore(kv, trial * KEY_STRIDE)
+        trial_kv = with_key_offset(kv, trial * KEY_STRIDE)
         if args.impl == "stock":
             # Plain gluon, kvstore initialised lazily inside the first step(): the unsafe order.
             trainer = mx.gluon.Trainer(param_list(net), args.optimizer, optimizer_params(args.optimizer),
@@ -216,7 +179,7 @@ def run_async_checks(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"rank": rank, "num_workers": W, "counter": [], "counter_expected":
                               [sum((r + 1) * (5 + r) for r in range(W)), sum(5 + r for r in range(W)), 0.0]}
     for trial in range(args.trials):
-        trial_kv = key_offset_kvstore(kv, trial * KEY_STRIDE)
+        trial_kv = with_key_offset(kv, trial * KEY_STRIDE)
         counter = mx.gluon.Parameter(f"counter{trial}", shape=(3,), init=mx.init.Zero())
         counter.initialize(ctx=mx.cpu())
         trainer = make_trainer([counter], "sgd", {"learning_rate": -1.0}, trial_kv, "servers", batch_size=1)
@@ -234,7 +197,7 @@ def run_async_checks(args: argparse.Namespace) -> dict[str, Any]:
     net = mx.gluon.nn.Dense(1, in_units=IN_UNITS, prefix="lsq_")
     net.initialize(mx.init.Zero(), ctx=mx.cpu())
     trainer = make_trainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
-                           key_offset_kvstore(kv, args.trials * KEY_STRIDE), "servers", batch_size=args.batch)
+                           with_key_offset(kv, args.trials * KEY_STRIDE), "servers", batch_size=args.batch)
     rng = np.random.RandomState([args.seed, rank, 123])
     loss_fn = mx.gluon.loss.L2Loss()
     for _ in range(args.steps):
@@ -248,7 +211,7 @@ def run_async_checks(args: argparse.Namespace) -> dict[str, Any]:
     kv._barrier()
     weight = mx.nd.zeros((1, IN_UNITS))
     key = sorted(net.collect_params().keys()).index("lsq_weight")
-    key_offset_kvstore(kv, args.trials * KEY_STRIDE).pull(key, out=weight)
+    with_key_offset(kv, args.trials * KEY_STRIDE).pull(key, out=weight)
     result["lsq_error"] = float(np.abs(weight.asnumpy() - true_w).max())
     result["lsq_start_error"] = float(np.abs(true_w).max())
     kv._barrier()
