@@ -7,6 +7,16 @@
   counts drive Adam's bias correction). Only with the optimizer on the workers; with it on the
   servers (``dist_async`` or ``optimizer_on='servers'``) a worker cannot read it, and a resume
   restarts it from zero (logged).
+- A split model (``training.placement``) has one Trainer per stage: stage ``i``'s bytes go to
+  ``trainer-stage{i}.states`` (each what that stage's ``Trainer.save_states`` writes), and the
+  state records every stage's parameter names (``optimizer_stages``), so a resume loads each
+  file into the stage holding the same parameters. A replicated model's layout is unchanged
+  (one ``trainer.states``, no ``optimizer_stages``). Split checkpoints written before stage
+  states existed have ``optimizer_state: false`` and no stage files: their resume restarts the
+  optimizer state from zero (logged), as it did then. With another stage layout (a resume with
+  another ``cluster.devices_per_worker``) the per-parameter states are moved by name into the
+  new stages and the optimizer objects are the fresh ones, built at the checkpoint's global step
+  (``training.optim``: the same update counts); see ``restore_optimizer``.
 - The snapshot does not wait for the engine: it queues a ``copyto`` of every parameter and state
   array. MXNet's engine orders each copy after the update that wrote the array and before the
   next step's update overwrites it, so the copies hold exactly this step's values while the
@@ -27,7 +37,7 @@ import os
 import pickle
 import random
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,6 +48,7 @@ log = logging.getLogger(__name__)
 
 PARAMS = "params.npz"
 STATES = "trainer.states"
+STAGE_STATES = "trainer-stage{}.states"  # split model: stage i's Trainer (training.placement)
 
 
 @dataclass
@@ -46,6 +57,8 @@ class Snapshot:
 
     ``params`` and the arrays inside ``states`` are MXNet NDArray copies (or NumPy arrays);
     ``optimizer`` is the pickled optimizer object (update counts, learning-rate schedule).
+    ``stages`` holds a split model's ``(states, optimizer)`` per stage instead (``states`` and
+    ``optimizer`` are then None).
     """
 
     step: int
@@ -53,19 +66,23 @@ class Snapshot:
     states: Any
     optimizer: bytes | None
     state: dict[str, Any]
+    stages: list[tuple[Any, bytes]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
-        return sum(_nbytes(a) for a in self.params.values()) + sum(_nbytes(a) for a in _arrays(self.states))
+        arrays = _arrays(self.states) + _arrays([states for states, _ in self.stages])
+        return sum(_nbytes(a) for a in self.params.values()) + sum(_nbytes(a) for a in arrays)
 
     def files(self) -> dict[str, bytes]:
         """Serialise (waits for the engine's copies; safe from another thread)."""
         buf = io.BytesIO()
         np.savez(buf, **{name: _host(a) for name, a in self.params.items()})
         out = {PARAMS: buf.getvalue()}
+        # The bytes Trainer.save_states writes: pickle((states, optimizer)).
         if self.optimizer is not None:
-            # The bytes Trainer.save_states writes: pickle((states, optimizer)).
             out[STATES] = pickle.dumps((self.states, pickle.loads(self.optimizer)))
+        for i, (states, optimizer) in enumerate(self.stages):
+            out[STAGE_STATES.format(i)] = pickle.dumps((states, pickle.loads(optimizer)))
         return out
 
 
@@ -111,8 +128,24 @@ def reseed(seed: int, global_step: int, rank: int) -> None:
     import_mxnet().random.seed(s)
 
 
+def stage_trainers(trainer: Any) -> list[Any]:
+    """The gluon Trainers behind ``trainer``: a split model's per-stage ones, or itself."""
+    return list(getattr(trainer, "trainers", None) or [trainer])
+
+
 def saves_optimizer_state(trainer: Any) -> bool:
-    return not trainer._update_on_kvstore and bool(trainer._updaters)
+    return all(not t._update_on_kvstore and bool(t._updaters) for t in stage_trainers(trainer))
+
+
+def stage_layout(net: Any, trainer: Any) -> list[list[str]]:
+    """Each stage Trainer's parameters by structural name, in its key (index) order."""
+    names = {id(p): name for name, p in net._collect_params_with_prefix().items()}
+    return [[names[id(p)] for p in t._params] for t in stage_trainers(trainer)]
+
+
+def _updater_copy(trainer: Any) -> tuple[Any, bytes]:
+    updater = trainer._updaters[0]
+    return _copy(updater.states), pickle.dumps(updater.optimizer)
 
 
 def snapshot(net: Any, trainer: Any, step: int, state: dict[str, Any]) -> Snapshot:
@@ -121,12 +154,15 @@ def snapshot(net: Any, trainer: Any, step: int, state: dict[str, Any]) -> Snapsh
     # ``p.data()`` without a context only works on the current (CPU) context.
     params = {name: p.list_data()[0].copyto(p.list_data()[0].context)
               for name, p in net._collect_params_with_prefix().items()}
-    states, optimizer = None, None
-    if saves_optimizer_state(trainer):
-        updater = trainer._updaters[0]
-        states, optimizer = _copy(updater.states), pickle.dumps(updater.optimizer)
-    return Snapshot(step=step, params=params, states=states, optimizer=optimizer,
-                    state=dict(copy.deepcopy(state), optimizer_state=states is not None))
+    states, optimizer, stages = None, None, []
+    state = dict(copy.deepcopy(state), optimizer_state=saves_optimizer_state(trainer))
+    if state["optimizer_state"]:
+        if hasattr(trainer, "trainers"):
+            stages = [_updater_copy(t) for t in trainer.trainers]
+            state["optimizer_stages"] = stage_layout(net, trainer)
+        else:
+            states, optimizer = _updater_copy(trainer)
+    return Snapshot(step=step, params=params, states=states, optimizer=optimizer, state=state, stages=stages)
 
 
 def load_params(net: Any, blob: bytes, ctx: Any) -> None:
@@ -157,4 +193,31 @@ def load_states(trainer: Any, blob: bytes | None, where: str) -> bool:
         with open(path, "wb") as fh:
             fh.write(blob)
         trainer.load_states(path)
+    return True
+
+
+def restore_optimizer(trainer: Any, net: Any, files: dict[str, bytes], state: dict[str, Any], where: str) -> bool:
+    """A checkpoint's optimizer state into ``trainer`` (one Trainer, or a split model's stages);
+    returns False (and says why) when it restarts from zero."""
+    if not hasattr(trainer, "trainers"):
+        return load_states(trainer, files.get(STATES), where)
+    layout = state.get("optimizer_stages")
+    if not layout:
+        log.warning("optimizer state restarts from zero: %s holds none (a split-model checkpoint written "
+                    "before checkpoints held every stage's optimizer state)", where)
+        return False
+    if layout == stage_layout(net, trainer):  # the same stages: each Trainer gets its own bytes back
+        return all([load_states(t, files[STAGE_STATES.format(i)], where) for i, t in enumerate(trainer.trainers)])
+    # Another split (devices_per_worker changed): every parameter's state by name into its new
+    # stage; the optimizers stay the fresh ones, built at the checkpoint's global step.
+    by_name: dict[str, Any] = {}
+    for i, names in enumerate(layout):
+        stage_states, _ = pickle.loads(files[STAGE_STATES.format(i)])
+        by_name.update({name: stage_states[j] for j, name in enumerate(names) if j in stage_states})
+    for t, names in zip(trainer.trainers, stage_layout(net, trainer)):
+        moved = pickle.dumps({j: by_name[name] for j, name in enumerate(names) if name in by_name})
+        for updater in t._updaters:
+            updater.set_states(moved)
+    log.info("optimizer state of %d stages moved by parameter name into %d stages", len(layout),
+             len(trainer.trainers))
     return True

@@ -92,10 +92,13 @@ def reposition(trainer: Any, cfg: TrainConfig, num_workers: int, steps_per_epoch
 
     The restored optimizer carries the scheduler it was pickled with; replacing it keeps the
     rate a pure function of (config, worker count, global step) also across an elastic resume,
-    where the scaled learning rate changes with the worker count.
+    where the scaled learning rate changes with the worker count. A split model's stages
+    (``training.placement.StagedTrainer``) each get their own scheduler, as when they were built.
     """
-    opt = trainer._optimizer
-    if opt.num_update != global_step:
-        raise RuntimeError(f"restored optimizer is at update {opt.num_update}, the checkpoint at step {global_step}")
-    opt.lr = cfg.effective_learning_rate(num_workers)
-    opt.lr_scheduler = lr_scheduler(cfg, num_workers, steps_per_epoch)
+    for stage in getattr(trainer, "trainers", None) or [trainer]:
+        opt = stage._optimizer
+        if opt.num_update != global_step:
+            raise RuntimeError(f"restored optimizer is at update {opt.num_update}, the checkpoint at step "
+                               f"{global_step}")
+        opt.lr = cfg.effective_learning_rate(num_workers)
+        opt.lr_scheduler = lr_scheduler(cfg, num_workers, steps_per_epoch)

@@ -21,8 +21,9 @@ What MXNet 1.9 gluon allows, and what that costs here:
 - No pipelining: a micro-batch passes the stages one after another, so this buys memory (each
   context holds only its stage's parameters, gradients and optimizer state), not speed.
 - Only with the optimizer on the workers: with it on the servers every stage's Trainer would
-  send its own optimizer to the servers, each replacing the last. Optimizer state is not
-  checkpointed for a split model (a resume restarts it from zero, logged), parameters are.
+  send its own optimizer to the servers, each replacing the last. A checkpoint holds every
+  stage's optimizer state and optimizer (``training.checkpoint_state``: one states file per
+  stage), so a resume is exact as for a replicated model.
 - fp16 (AMP) is not combined with it (untested; the config refuses it).
 """
 from __future__ import annotations
@@ -109,10 +110,7 @@ class StagedTrainer:
     """One gluon Trainer per stage, stepped together; looks like one Trainer to the worker."""
 
     def __init__(self, trainers: Sequence[Any]) -> None:
-        self.trainers = list(trainers)
-        # What checkpoint_state reads: no worker-side states to save (see the module docstring).
-        self._update_on_kvstore = False
-        self._updaters: list[Any] = []
+        self.trainers = list(trainers)  # what checkpoint_state saves and restores, stage by stage
 
     @property
     def _optimizer(self) -> Any:

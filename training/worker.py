@@ -10,7 +10,8 @@ from ``training.kvstore_sync.make_trainer``, which syncs the kvstore before the 
 gluon's lazy sync inside the first ``step()`` is what made the worker-side optimizer give
 wrong models under ``dist_sync`` (DESIGN.md, "Correctness trap"; docs/kvstore-correctness.md).
 Resume is exact with the optimizer on the workers: rank 0's checkpoints hold parameters,
-optimizer state (``Trainer.save_states`` bytes; every worker holds the same in ``dist_sync``),
+optimizer state (``Trainer.save_states`` bytes, one file per stage for a split model; every
+worker holds the same in ``dist_sync``),
 data position, metric history, and every step re-seeds the RNGs from (seed, step, rank), so a
 resumed job computes the same parameters as an uninterrupted one
 (``training.checkpoint_state``). With the optimizer on the servers the optimizer state
@@ -131,14 +132,13 @@ def run(job: JobSpec) -> dict[str, Any]:
                                optimizer_params(cfg, num_workers, steps, global_step), kv,
                                cfg.cluster.optimizer_placement, batch_size=global_batch)
     if ckpt is not None:
-        restored = ckpt_state.load_states(trainer, ckpt.files.get(ckpt_state.STATES), ckpt.uri)
+        restored = ckpt_state.restore_optimizer(trainer, net, ckpt.files, ckpt.state, ckpt.uri)
         if restored:
             reposition(trainer, cfg, num_workers, steps, global_step)
         log.info("resumed from step %d (epoch %d, step %d in epoch); optimizer state %s", global_step, epoch,
                  start_step, "restored" if restored else "restarts from zero")
     elif not ckpt_state.saves_optimizer_state(trainer) and rank == 0:
-        where = "model split over contexts" if split else "optimizer on the servers"
-        log.warning("%s: checkpoints hold no optimizer state, a resume restarts it from zero", where)
+        log.warning("optimizer on the servers: checkpoints hold no optimizer state, a resume restarts it from zero")
     prepare(net, trainer, cfg.optim.accumulate_steps, use_amp)
     train_step = StepRunner(net, trainer, mx.gluon.loss.SoftmaxCrossEntropyLoss(), ctxs[:1] if split else ctxs,
                             batch_size=cfg.optim.batch_size, accumulate_steps=cfg.optim.accumulate_steps,
