@@ -13,6 +13,11 @@ an empty server-side state: the repetitions that catch a race cost one cluster s
 A worker whose rank is not 0 starts every trial from deliberately wrong parameters: a
 correct kvstore mode must overwrite them with rank 0's values before the first update, so the
 initial parameter sync is under test too.
+
+With ``--placement split`` the model is split over the worker's contexts the way the pipeline
+does it (``training.placement``: ``SplitNet``, one Trainer per stage from
+``make_split_trainer`` on key-shifted views of the trial's view); the batch then enters whole
+on the first context. The reference stays one unsplit process.
 """
 from __future__ import annotations
 
@@ -125,16 +130,23 @@ def reference(seed: int, trial: int, steps: int, global_size: int, optimizer: st
 def run_trials(args: argparse.Namespace) -> dict[str, Any]:
     mx = import_mxnet()
     from training.kvstore_sync import make_trainer
+    from training.placement import SplitNet, make_split_trainer
 
     kv = mx.kv.create(args.kvstore)
     rank, num_workers = kv.rank, kv.num_workers
     ctxs = [mx.cpu(i) for i in range(args.contexts)]
+    split = args.placement == "split"
     global_size = args.batch * num_workers
-    timings = []
+    timings, placed = [], {}
     for trial in range(args.trials):
         started = time.monotonic()
         net = build_net(mx, f"t{trial}_")
-        net.initialize(ctx=ctxs)
+        if split:
+            net = SplitNet(net, ctxs)
+            net.initialize(mx.init.Uniform(), ctx=ctxs)
+            placed = {p.name.split("_", 1)[1]: str(p.list_ctx()) for p in param_list(net)}
+        else:
+            net.initialize(ctx=ctxs)
         values = initial_values(net, args.seed, trial)
         if rank != 0 and not args.same_init:
             # Wrong on purpose: only the initial sync from rank 0 can make this worker correct.
@@ -145,6 +157,9 @@ def run_trials(args: argparse.Namespace) -> dict[str, Any]:
             # Plain gluon, kvstore initialised lazily inside the first step(): the unsafe order.
             trainer = mx.gluon.Trainer(param_list(net), args.optimizer, optimizer_params(args.optimizer),
                                        kvstore=trial_kv, update_on_kvstore=args.optimizer_on == "servers")
+        elif split:
+            trainer = make_split_trainer(net, args.optimizer, lambda: optimizer_params(args.optimizer), trial_kv,
+                                         batch_size=global_size)
         else:
             trainer = make_trainer(param_list(net), args.optimizer, optimizer_params(args.optimizer),
                                    trial_kv, args.optimizer_on, batch_size=global_size)
@@ -152,12 +167,12 @@ def run_trials(args: argparse.Namespace) -> dict[str, Any]:
         for s in range(args.steps):
             X, y = global_batch(args.seed, trial, s, global_size)
             batches.append((X[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]))
-        train_steps(mx, net, trainer, batches, ctxs, global_size)
+        train_steps(mx, net, trainer, batches, ctxs[:1] if split else ctxs, global_size)
         mx.nd.waitall()
         np.savez(os.path.join(args.out, f"rank{rank}-trial{trial}.npz"), *get_params(net))
         timings.append(time.monotonic() - started)
         print(f"rank {rank} trial {trial} done in {timings[-1]:.2f}s", flush=True)
-    return {"rank": rank, "num_workers": num_workers, "trial_s": timings}
+    return {"rank": rank, "num_workers": num_workers, "trial_s": timings, "placed": placed}
 
 
 def run_async_checks(args: argparse.Namespace) -> dict[str, Any]:
@@ -229,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--contexts", type=int, default=1)
+    p.add_argument("--placement", default="replicated", choices=("replicated", "split"),
+                   help="split: the model's blocks in stages over the contexts (training.placement)")
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--same-init", action="store_true", help="every rank starts from rank 0's values")
     p.add_argument("--out", required=True)

@@ -9,6 +9,7 @@ checkpointing to a real S3 server (SeaweedFS). Jobs are kept tiny (MLP with 32 h
 against a single-process reference is ``test_kvstore_reference.py``; here the question is
 whether the engine itself runs, trains and counts right in each mode.
 """
+import io
 import json
 import logging
 import math
@@ -21,7 +22,10 @@ import pytest
 
 from common import storage
 from data_checks.shard import shard_dataset
+from training.checkpoint import store_for
 from training.config import OPTIMIZERS, recipe
+from training.job import EXIT_PREEMPTED
+from training.launcher import JobFailed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from local_jobs import make_job, run_job  # noqa: E402
@@ -235,21 +239,76 @@ def test_two_bit_pushes_carry_mxnets_quantisation(tmp_path):
         assert np.count_nonzero(expected) > 0  # the probe's gradients do cross the threshold
 
 
-def test_model_split_over_contexts_with_data_parallel_workers(shards, s3_prefix, tmp_path, caplog):
+SPLIT = {"model": {"placement": "split"}, "cluster": {"devices_per_worker": 2}}
+
+
+def _final_checkpoint(job):
+    ckpt = store_for(job.checkpoint_prefix, job.config.checkpoint).latest()
+    with np.load(io.BytesIO(ckpt.files["params.npz"])) as arrays:
+        return ckpt, {k: arrays[k].copy() for k in arrays.files}
+
+
+@pytest.fixture(scope="module")
+def split_run(shards, s3_server, tmp_path_factory):
+    """One uninterrupted split-model job (2 dist_sync workers, the MLP over cpu(0) and cpu(1)):
+    its metrics, the launcher's log of it and its final checkpoint. The split tests share it."""
+    prefix = f"s3://{s3_server.bucket}/test-engine-split-{os.getpid()}"
+    job = make_job(shards[0], shards[1], prefix, **SPLIT)
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    launcher = logging.getLogger("training.launcher")
+    old_level = launcher.level
+    launcher.addHandler(handler)
+    launcher.setLevel(logging.INFO)
+    try:
+        run_job(job, prefix, tmp_path_factory.mktemp("split"))
+    finally:
+        launcher.removeHandler(handler)
+        launcher.setLevel(old_level)
+    return job, json.loads(storage.get_bytes(job.metrics_uri)), "\n".join(lines), _final_checkpoint(job)
+
+
+def test_model_split_over_contexts_with_data_parallel_workers(split_run):
     """Hybrid parallelism: 2 dist_sync workers (data parallel through the servers), each holding
     the MLP split over cpu(0) and cpu(1) (model parallel: each layer's parameters on one context
-    only). It trains, both workers report the split, and the exported model is one network."""
-    job, metrics, roles = _train(shards, s3_prefix, tmp_path, caplog, model={"placement": "split"},
-                                 cluster={"devices_per_worker": 2})
+    only). It trains, both workers report the split, the exported model is one network, and the
+    checkpoints hold both stages' optimizer state."""
+    job, metrics, log_text, (ckpt, _) = split_run
     _assert_trains(metrics)
-    splits = re.findall(r"model split over 2 contexts: (.*)", caplog.text)
-    assert len(splits) == 2, caplog.text[-3000:]
+    splits = re.findall(r"model split over 2 contexts: (.*)", log_text)
+    assert len(splits) == 2, log_text[-3000:]
     stage0, stage1 = splits[0].split(" | ")
     assert stage0.startswith("cpu(0): ") and "@cpu(1)" not in stage0
     assert stage1.startswith("cpu(1): ") and "@cpu(0)" not in stage1
     assert metrics["optimizer_updates"] == metrics["global_step"]
     names = sorted(u.rsplit("/", 1)[1] for u in storage.list_uris(job.model_prefix))
     assert names == ["model-0000.params", "model-symbol.json", "model_meta.json"]
+    assert ckpt.step == metrics["global_step"] and ckpt.state["optimizer_state"]
+    assert sorted(ckpt.files) == ["params.npz", "trainer-stage0.states", "trainer-stage1.states"]
+    assert ckpt.state["optimizer_stages"] == [["0.bias", "0.weight"], ["1.bias", "1.weight"]]
+
+
+def test_split_model_resumes_exactly_after_sigterm(shards, split_run, s3_prefix, tmp_path, caplog):
+    """Exact resume for a split model: SIGTERM to rank 0 mid-epoch (step 27, off the checkpoint
+    cadence) writes an emergency checkpoint with every stage's optimizer state; the retry
+    restores it and ends with the uninterrupted job's parameters bit for bit."""
+    _, metrics, _, (_, reference) = split_run
+    job = make_job(shards[0], shards[1], s3_prefix, **SPLIT)
+    with pytest.raises(JobFailed) as failed:
+        run_job(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_TERM_STEP": "27", "MXPIPE_FAULT_KILL_RANK": "0"})
+    assert failed.value.exit_code == EXIT_PREEMPTED, str(failed.value)
+    assert store_for(job.checkpoint_prefix, job.config.checkpoint).committed_steps()[0] == 27
+    caplog.set_level(logging.INFO, logger="training.launcher")
+    caplog.clear()
+    run_job(job, s3_prefix, tmp_path)
+    resumed = re.findall(r"resumed from step (\d+) .*optimizer state (\w+)", caplog.text)
+    assert [r for r in resumed] == [("27", "restored")] * 2, caplog.text[-3000:]
+    ckpt, params = _final_checkpoint(job)
+    assert ckpt.step == metrics["global_step"] and sorted(params) == sorted(reference)
+    diff = max(float(np.max(np.abs(params[k] - reference[k]))) for k in reference)
+    print(f"split model: max |resumed - uninterrupted| = {diff:.3g}")
+    assert all(np.array_equal(params[k], reference[k]) for k in reference), diff
 
 
 def test_learning_rate_follows_warmup_then_cosine_at_every_step():

@@ -54,10 +54,11 @@ WORKER = os.path.join(HERE, "kvstore_reference_worker.py")
 
 
 def _argv(out: str, kvstore: str, optimizer_on: str, *, optimizer: str = "adam", trials: int = TRIALS,
-          contexts: int = 1, impl: str = "safe", steps: int = STEPS, batch: int = BATCH) -> list[str]:
+          contexts: int = 1, impl: str = "safe", steps: int = STEPS, batch: int = BATCH,
+          placement: str = "replicated") -> list[str]:
     return [sys.executable, WORKER, "--kvstore", kvstore, "--optimizer-on", optimizer_on, "--impl", impl,
             "--optimizer", optimizer, "--trials", str(trials), "--steps", str(steps), "--batch", str(batch),
-            "--contexts", str(contexts), "--seed", str(SEED), "--out", out]
+            "--contexts", str(contexts), "--seed", str(SEED), "--placement", placement, "--out", out]
 
 
 def _errors(out: str, num_workers: int, trials: int, optimizer: str,
@@ -106,6 +107,22 @@ def test_dist_sync_modes_match_single_process(tmp_path, kvstore, optimizer_on, w
     assert max(worst) <= TOL, f"trials off the single-process reference: {worst}"
     if optimizer_on == "workers":
         assert all(agree), f"ranks hold different parameters in trials {[t for t, a in enumerate(agree) if not a]}"
+
+
+def test_dist_sync_split_model_matches_single_process_unsplit(tmp_path):
+    """Hybrid parallelism (``model.placement='split'``): 2 dist_sync workers, each with the MLP
+    split over cpu(0) and cpu(1) (one Trainer per stage on key-shifted views of the trial's
+    keys, optimizer on the workers), against one unsplit process on the global batch; the ranks
+    must also agree bit for bit. Ranks other than 0 start from wrong values, so every stage's
+    initial sync is checked."""
+    out = _dist_job(tmp_path, "dist_sync", "workers", 2, 1, contexts=2, placement="split")
+    worst, agree = _errors(out, 2, TRIALS, "adam")
+    assert max(worst) <= TOL, f"trials off the single-process reference: {worst}"
+    assert all(agree), f"ranks hold different parameters in trials {[t for t, a in enumerate(agree) if not a]}"
+    for path in sorted(glob.glob(os.path.join(out, "rank*-summary.json"))):
+        placed = json.load(open(path))["placed"]  # stages [dense0, dense1] on cpu(0), [dense2] on cpu(1)
+        assert placed == {"dense0_bias": "[cpu(0)]", "dense0_weight": "[cpu(0)]", "dense1_bias": "[cpu(0)]",
+                          "dense1_weight": "[cpu(0)]", "dense2_bias": "[cpu(1)]", "dense2_weight": "[cpu(1)]"}, placed
 
 
 LOCAL_CASES = [("local", "workers"), ("local", "servers"), ("device", "workers"), ("device", "servers")]
