@@ -97,7 +97,9 @@ def main() -> int:
     parser.add_argument("--json", help="also write the medians and maxima to this file")
     args = parser.parse_args()
 
-    from infra.services import StackConfig, load_credentials, stack_env, start_mlflow, start_s3, stop_s3
+    from infra.s3_service import start_s3, stop_s3
+    from infra.services import start_mlflow
+    from infra.stack_config import StackConfig, load_credentials, stack_env
 
     with tempfile.TemporaryDirectory(prefix="mxpipe-p4-") as tmp:
         root = Path(tmp)

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/shard_throughput.py            # 1M rows × 256 float32 (~2.8 GB CSV)
     .venv/bin/python benchmarks/shard_throughput.py --quick    # ~36k rows (~100 MB CSV)
 
-Starts its own SeaweedFS S3 server (``infra.services``: free ports, a temp folder) and stops it
+Starts its own SeaweedFS S3 server (``infra.s3_service``: free ports, a temp folder) and stops it
 at the end. Steps, each measured on its own:
 
 1. generate a CSV (label + N float32 columns) locally and upload it (not timed);
@@ -134,7 +134,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = args.rows or (36_000 if args.quick else 1_000_000)
 
-    from infra.services import StackConfig, stack_env, start_s3, stop_s3
+    from infra.s3_service import start_s3, stop_s3
+    from infra.stack_config import StackConfig, stack_env
 
     home = tempfile.mkdtemp(prefix="shard-bench-")
     stack = StackConfig.with_free_ports(home)
