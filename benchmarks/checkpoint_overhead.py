@@ -36,6 +36,8 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
+from benchmarks.result_file import write_json  # noqa: E402
+
 BATCH = 16
 # Side by side in one run: no checkpoints, the synchronous writer, the asynchronous one, and the
 # asynchronous one with its thread at nice 19 (an experiment: not the default, see checkpoint_async).
@@ -212,9 +214,7 @@ def main() -> int:
         "p3_ratio": med(raw) / med(ours), "restore_read_verify_s": med(restore), "restore_load_s": load_s,
     }
     print(json.dumps(summary, indent=2))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(summary, fh, indent=2)
+    write_json(args.json, summary)
     return 0
 
 

@@ -34,6 +34,8 @@ from pathlib import Path
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.result_file import write_json  # noqa: E402
+
 RUNNER = """
 import json, sys
 from airflow.dag_processing.dagbag import DagBag
@@ -139,9 +141,7 @@ def main() -> int:
         values = [s[term] for s in samples]
         print(f"  {term:<14} {statistics.median(values):6.2f} {max(values):6.2f}")
         summary[f"{term}_median_s"], summary[f"{term}_max_s"] = statistics.median(values), max(values)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(summary, fh, indent=2)
+    write_json(args.json, summary)
     return 0
 
 

@@ -30,6 +30,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.result_file import write_json  # noqa: E402
+
 CHILD_SHARD = """
 import json, logging, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
@@ -153,9 +155,7 @@ def main() -> None:
     if not stopped:
         raise RuntimeError(f"SeaweedFS left processes behind: {handle.processes()}")
     print("RESULT " + json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(args.json, result)
 
 
 def bench(bucket: str, home: str, rows: int, args: argparse.Namespace, env: dict[str, str]) -> dict:
