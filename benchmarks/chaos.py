@@ -29,7 +29,6 @@ line; for R3 from the restart of S3 to the next committed checkpoint.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -44,6 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from benchmarks import chaos_jobs as cj  # noqa: E402
+from benchmarks.result_file import write_json  # noqa: E402
 from common import storage  # noqa: E402
 from training.config import TrainConfig, recipe  # noqa: E402
 
@@ -313,9 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         cuts = [float(c) for c in args.cut_s.split(",") if c.strip()] or None
         report = run(Path(tmp), scenarios, trials, args.seed, outage, cut_seconds=cuts)
     print("\n" + table(report["rows"]))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2, default=str)
+    write_json(args.json, report, default=str)
     return 0 if all(t["passed"] for t in report["trials"]) else 1
 
 

@@ -42,7 +42,7 @@ class ChaosStack:
     """A SeaweedFS S3 server on free 127.0.0.1 ports under ``root`` (credentials enforced)."""
 
     def __init__(self, root: Path) -> None:
-        from infra.services import StackConfig, load_credentials
+        from infra.stack_config import StackConfig, load_credentials
 
         self.cfg = StackConfig.with_free_ports(root / "stack")
         self.cfg.save()
@@ -55,14 +55,14 @@ class ChaosStack:
 
     def start(self, timeout_s: float = 180.0) -> float:
         """Start (or restart: same ports, same data folder); returns the seconds it took."""
-        from infra.services import start_s3
+        from infra.s3_service import start_s3
 
         started = time.monotonic()
         self.handle = start_s3(self.cfg, timeout_s=timeout_s)
         return time.monotonic() - started
 
     def stop(self) -> None:
-        from infra.services import stop_s3
+        from infra.s3_service import stop_s3
 
         if self.handle is not None and not stop_s3(self.handle):
             raise RuntimeError(f"SeaweedFS left processes behind: {self.handle.processes()}")

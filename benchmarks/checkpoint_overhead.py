@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/checkpoint_overhead.py --full   # more steps, 3 repeats
     .venv/bin/python benchmarks/checkpoint_overhead.py --repeats 2 --s3-nice   # S3 server at nice 19
 
-Starts its own SeaweedFS (``infra.services.start_s3`` on free ports in a temp folder) and trains
+Starts its own SeaweedFS (``infra.s3_service.start_s3`` on free ports in a temp folder) and trains
 ResNet-18 (``gluon.model_zoo.vision.resnet18_v1``, 11.2 M parameters, 45 MB; with SGD
 momentum, 90 MB of params + states per checkpoint) on 32x32 inputs in one process with the
 worker's own pieces (``make_trainer`` on a local kvstore, ``checkpoint_state.snapshot``,
@@ -35,6 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
+
+from benchmarks.result_file import write_json  # noqa: E402
 
 BATCH = 16
 # Side by side in one run: no checkpoints, the synchronous writer, the asynchronous one, and the
@@ -114,7 +116,8 @@ def main() -> int:
 
     from common import storage
     from common.mx import import_mxnet
-    from infra.services import StackConfig, stack_env, start_s3, stop_s3
+    from infra.s3_service import start_s3, stop_s3
+    from infra.stack_config import StackConfig, stack_env
     from training import checkpoint_state as cs
     from training.checkpoint import CheckpointStore
     from training.checkpoint_async import Checkpointer
@@ -211,9 +214,7 @@ def main() -> int:
         "p3_ratio": med(raw) / med(ours), "restore_read_verify_s": med(restore), "restore_load_s": load_s,
     }
     print(json.dumps(summary, indent=2))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(summary, fh, indent=2)
+    write_json(args.json, summary)
     return 0
 
 

@@ -41,6 +41,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from benchmarks.result_file import write_json  # noqa: E402
+
 FEATURES, CLASSES = 64, 10
 
 
@@ -212,9 +214,7 @@ def main() -> int:
           f"{result['counted_compressed_bytes_per_step']:10d} {result['compressed_samples_per_s']:10.0f}")
     print(f"bytes ratio {result['bytes_ratio']:.4f} (counted {result['counted_ratio']:.4f}, 1/16 = 0.0625); "
           f"throughput ratio {result['throughput_ratio']:.2f}; bytes {result['bytes_source']}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(args.json, result)
     return 0
 
 

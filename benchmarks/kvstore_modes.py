@@ -26,6 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from benchmarks.result_file import write_json  # noqa: E402
 from common import storage  # noqa: E402
 from common.procs import GroupSpawner, group_members  # noqa: E402
 from data_checks.shard import shard_dataset  # noqa: E402
@@ -122,9 +123,7 @@ def main() -> int:
     print(f"\nchosen mode {CHOSEN}: {ratio:.2f} of the fastest distributed mode ({fastest['mode']})")
     result = {"chosen": CHOSEN, "ratio_to_fastest": ratio, "fastest": fastest["mode"], "rows": rows}
     print(json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(args.json, result)
     return 0
 
 

@@ -15,6 +15,11 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from benchmarks.result_file import write_json  # noqa: E402
+
 DAG_FILES = sorted(glob.glob(os.path.join(REPO, "dags", "*.py")))
 HEAVY = ("mxnet", "mlflow", "great_expectations", "pandas", "boto3", "sklearn")
 
@@ -70,6 +75,4 @@ if __name__ == "__main__":
     args = parser.parse_args()
     result = measure(args.runs)
     print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(args.json, result)

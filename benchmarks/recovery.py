@@ -34,6 +34,8 @@ from pathlib import Path
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.result_file import write_json  # noqa: E402
+
 RUNNER = """
 import json, sys
 from airflow.dag_processing.dagbag import DagBag
@@ -97,7 +99,9 @@ def main() -> int:
     parser.add_argument("--json", help="also write the medians and maxima to this file")
     args = parser.parse_args()
 
-    from infra.services import StackConfig, load_credentials, stack_env, start_mlflow, start_s3, stop_s3
+    from infra.s3_service import start_s3, stop_s3
+    from infra.services import start_mlflow
+    from infra.stack_config import StackConfig, load_credentials, stack_env
 
     with tempfile.TemporaryDirectory(prefix="mxpipe-p4-") as tmp:
         root = Path(tmp)
@@ -137,9 +141,7 @@ def main() -> int:
         values = [s[term] for s in samples]
         print(f"  {term:<14} {statistics.median(values):6.2f} {max(values):6.2f}")
         summary[f"{term}_median_s"], summary[f"{term}_max_s"] = statistics.median(values), max(values)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(summary, fh, indent=2)
+    write_json(args.json, summary)
     return 0
 
 

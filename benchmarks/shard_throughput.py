@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/shard_throughput.py            # 1M rows × 256 float32 (~2.8 GB CSV)
     .venv/bin/python benchmarks/shard_throughput.py --quick    # ~36k rows (~100 MB CSV)
 
-Starts its own SeaweedFS S3 server (``infra.services``: free ports, a temp folder) and stops it
+Starts its own SeaweedFS S3 server (``infra.s3_service``: free ports, a temp folder) and stops it
 at the end. Steps, each measured on its own:
 
 1. generate a CSV (label + N float32 columns) locally and upload it (not timed);
@@ -29,6 +29,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from benchmarks.result_file import write_json  # noqa: E402
 
 CHILD_SHARD = """
 import json, logging, sys, time
@@ -134,7 +136,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = args.rows or (36_000 if args.quick else 1_000_000)
 
-    from infra.services import StackConfig, stack_env, start_s3, stop_s3
+    from infra.s3_service import start_s3, stop_s3
+    from infra.stack_config import StackConfig, stack_env
 
     home = tempfile.mkdtemp(prefix="shard-bench-")
     stack = StackConfig.with_free_ports(home)
@@ -152,9 +155,7 @@ def main() -> None:
     if not stopped:
         raise RuntimeError(f"SeaweedFS left processes behind: {handle.processes()}")
     print("RESULT " + json.dumps(result))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(args.json, result)
 
 
 def bench(bucket: str, home: str, rows: int, args: argparse.Namespace, env: dict[str, str]) -> dict:

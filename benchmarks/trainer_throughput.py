@@ -42,6 +42,7 @@ if REPO not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from benchmarks.result_file import write_json  # noqa: E402
 from common import storage  # noqa: E402
 from training.config import CheckpointConfig, ClusterConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig  # noqa: E402
 
@@ -221,9 +222,7 @@ def main() -> int:
     print(f"P1 pipeline {pipeline:.0f} ÷ bare {bare:.0f} samples/s = {pipeline / bare:.3f} (goal ≥ 0.98)")
     print(f"P5 dist_sync 2 workers {dist:.0f} ÷ single {pipeline:.0f} samples/s = {dist / pipeline:.3f} "
           "(goal ≥ 0.95)")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(args.json, result)
     return 0
 
 

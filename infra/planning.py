@@ -1,8 +1,8 @@
 """Hardware planning: how much memory a model needs per device, and which cluster to ask for.
 
-    python -m infra.planning --model resnet50 --input-shape 3,224,224 --classes 1000 \\
-        --batch-size 256 --optimizer sgd --momentum 0.9 --precision fp32
     python -m infra.planning --params 10e9 --optimizer adam --batch-size 32   # a count, no model
+    python scripts/plan.py --model resnet50 --input-shape 3,224,224 --classes 1000 \\
+        --batch-size 256 --optimizer sgd --momentum 0.9 --precision fp32      # a model of the zoo
 
 The estimate (per device of a data-parallel worker; every device holds a full replica):
 
@@ -28,7 +28,10 @@ at most one per worker instance (servers run beside the workers; beyond W server
 own links are the limit). The instance type is the fitting one with the lowest price per peak
 TFLOP of the devices the plan uses (unused GPUs are still paid for). Speed is not predicted.
 
-No Airflow here; mxnet (and the model zoo) is imported only to count a model by name.
+No Airflow and no mxnet here: a model comes in as its counts (``ModelShape``). Counting a model of
+the zoo by name needs the trainer (``training.model.count_model``, mxnet shape inference) and
+infra does not import training, so ``main`` takes the counting function from its caller:
+``scripts/plan.py`` (which may import both) passes it for ``--model``.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import json
 import logging
 import math
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
@@ -72,24 +76,6 @@ class ModelShape:
     params: int  # trainable values
     aux: int = 0  # non-trainable state (BatchNorm running mean/var)
     activations_per_sample: int = 0  # forward operator outputs for one sample (0 = not known)
-
-
-def model_shape(name: str, input_shape: Sequence[int], num_classes: int,
-                hidden: Sequence[int] = (128, 64)) -> ModelShape:
-    """Count a model of the zoo by name without allocating it: symbolic shape inference."""
-    from common.mx import import_mxnet
-    from training.config import DataConfig, ModelConfig, TrainConfig
-    from training.model import build_model
-
-    mx = import_mxnet()
-    cfg = TrainConfig(data=DataConfig(input_shape=tuple(input_shape)), model=ModelConfig(name=name, hidden=tuple(hidden)))
-    features = math.prod(input_shape)
-    internals = build_model(cfg, num_classes)(mx.sym.var("data")).get_internals()
-    arg_shapes, out_shapes, aux_shapes = internals.infer_shape(data=(1, features))
-    params = sum(math.prod(s) for n, s in zip(internals.list_arguments(), arg_shapes) if n != "data")
-    # Variables appear among the internals too; operator outputs are the "*_output*" entries.
-    acts = sum(math.prod(s) for n, s in zip(internals.list_outputs(), out_shapes) if "_output" in n)
-    return ModelShape(params=params, aux=sum(math.prod(s) for s in aux_shapes), activations_per_sample=acts)
 
 
 @dataclass(frozen=True)
@@ -241,8 +227,13 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m infra.planning", description=__doc__.split("\n")[0])
+ModelCounter = Callable[[str, Sequence[int], int], Mapping[str, int]]
+
+
+def main(argv: Sequence[str] | None = None, *, count_model: ModelCounter | None = None,
+         prog: str = "python -m infra.planning") -> int:
+    """The planning CLI; ``count_model(name, input_shape, classes)`` serves ``--model``."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a model of the zoo: mlp, lenet, resnet18, resnet50")
     src.add_argument("--params", type=float, help="trainable parameter count instead of a model (e.g. 10e9)")
@@ -259,7 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)  # the warnings are printed with the plan
     if args.model:
-        shape = model_shape(args.model, [int(d) for d in args.input_shape.split(",")], args.classes)
+        if count_model is None:
+            ap.error("--model counts a network of the trainer's model zoo, which infra does not import: "
+                     "run scripts/plan.py with the same flags, or give --params")
+        counts = count_model(args.model, [int(d) for d in args.input_shape.split(",")], args.classes)
+        shape = ModelShape(**counts)
     else:
         shape = ModelShape(params=int(args.params), activations_per_sample=int(args.activations_per_sample))
     result = plan(shape, optimizer=args.optimizer, momentum=args.momentum, centered=args.centered,

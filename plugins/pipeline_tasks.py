@@ -320,7 +320,8 @@ def register(params: dict[str, Any], shards: dict[str, Any], trained: dict[str, 
 
     from common import storage
     from training import data
-    from training.registry import evaluate_classifier, log_model_run
+    from training.evaluation import evaluate_classifier
+    from training.registry import log_model_run
     from training.run_extras import plot_artifacts
 
     cfg = resolve_config(params)

@@ -20,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from infra import airflow_client, services  # noqa: E402
+from infra.stack_config import StackConfig, mxpipe_home, stack_env  # noqa: E402
 
 DAG_ID = "mxnet_training"
 DATASET_KEY = "datasets/digits/digits.csv"
@@ -52,11 +53,11 @@ def main() -> int:
     args = parser.parse_args()
     started = time.monotonic()
 
-    home = services.mxpipe_home()
-    cfg = services.StackConfig.load(home)
+    home = mxpipe_home()
+    cfg = StackConfig.load(home)
     _say(f"starting the embedded stack under {home}")
     services.up(cfg, echo=_say)
-    os.environ.update(services.stack_env(home))
+    os.environ.update(stack_env(home))
 
     dataset = upload_digits(cfg.bucket)
     airflow_client.wait_for_dag(cfg.airflow_url, DAG_ID, timeout_s=300, dag_file="mxnet_training.py")

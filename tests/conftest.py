@@ -51,8 +51,8 @@ class S3Server:
     access_key: str
     secret_key: str
     env: dict[str, str]
-    config: object  # infra.services.StackConfig of the test stack (ports, home)
-    handle: object = field(repr=False)  # infra.services.ServiceHandle
+    config: object  # infra.stack_config.StackConfig of the test stack (ports, home)
+    handle: object = field(repr=False)  # infra.processes.ServiceHandle
 
 
 @dataclass
@@ -63,7 +63,7 @@ class MLflowServer:
 
 @pytest.fixture(scope="session")
 def _test_stack(tmp_path_factory: pytest.TempPathFactory):
-    from infra.services import StackConfig
+    from infra.stack_config import StackConfig
 
     cfg = StackConfig.with_free_ports(tmp_path_factory.mktemp("stack"))
     cfg.save()
@@ -73,7 +73,8 @@ def _test_stack(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def s3_server(_test_stack) -> Iterator[S3Server]:
     """A real SeaweedFS S3 gateway with enforced random credentials; sets the AWS_* env."""
-    from infra.services import load_credentials, stack_env, start_s3, stop_s3
+    from infra.s3_service import start_s3, stop_s3
+    from infra.stack_config import load_credentials, stack_env
 
     cfg = _test_stack
     handle = start_s3(cfg)

@@ -1,10 +1,12 @@
-"""The model zoo: networks chosen by name from the config."""
+"""The model zoo: networks chosen by name from the config, and what one of them holds."""
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 from common.mx import import_mxnet
-from training.config import TrainConfig
+from training.config import DataConfig, ModelConfig, TrainConfig
 
 # gluon.model_zoo.vision ResNets by config name → depth. Version 1 (post-activation, He et al.
 # 2015), the same network the checkpoint benchmark trains.
@@ -44,6 +46,25 @@ def build_model(cfg: TrainConfig, num_classes: int) -> Any:
             return net
         net.add(nn.Dense(num_classes))
     return net
+
+
+def count_model(name: str, input_shape: Sequence[int], num_classes: int,
+                hidden: Sequence[int] = (128, 64)) -> dict[str, int]:
+    """Count a model of the zoo by name without allocating it: symbolic shape inference.
+
+    ``params``: trainable values; ``aux``: non-trainable state (BatchNorm running mean/var);
+    ``activations_per_sample``: forward operator outputs for one sample. These are the inputs of
+    hardware planning (``infra.planning.ModelShape``), which does not import the trainer.
+    """
+    mx = import_mxnet()
+    cfg = TrainConfig(data=DataConfig(input_shape=tuple(input_shape)), model=ModelConfig(name=name, hidden=tuple(hidden)))
+    features = math.prod(input_shape)
+    internals = build_model(cfg, num_classes)(mx.sym.var("data")).get_internals()
+    arg_shapes, out_shapes, aux_shapes = internals.infer_shape(data=(1, features))
+    params = sum(math.prod(s) for n, s in zip(internals.list_arguments(), arg_shapes) if n != "data")
+    # Variables appear among the internals too; operator outputs are the "*_output*" entries.
+    acts = sum(math.prod(s) for n, s in zip(internals.list_outputs(), out_shapes) if "_output" in n)
+    return {"params": params, "aux": sum(math.prod(s) for s in aux_shapes), "activations_per_sample": acts}
 
 
 def _Reshape(shape: tuple[int, ...]) -> Any:

@@ -1,11 +1,13 @@
-"""Log a trained model to MLflow and register it as the ``challenger``; evaluate an export.
+"""Log a trained model to MLflow and register it as the ``challenger``.
 
 ``log_model_run`` is what the pipeline's register step calls (on rank 0 or in an Airflow task).
 It is safe to retry: given the ``run_id`` of an earlier attempt it reuses that run, skips params
 and metric points that are already there, and reuses a model version already registered from
 the same run with the same model bytes. MLflow params are immutable, so a retry that brings a
 *different* value for a logged key fails at once with ``ParamConflictError`` (deterministic:
-not worth an Airflow retry) instead of the server's generic 400.
+not worth an Airflow retry) instead of the server's generic 400. What is sent (flattened
+params, metric points, batch sizes) is worked out by ``training.mlflow_params``; evaluating an
+export is ``training.evaluation``.
 
 Bounded waits: every MLflow HTTP call runs under ``bounded_mlflow_env()``, which sets
 ``MLFLOW_HTTP_REQUEST_TIMEOUT`` / ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / backoff (only where the
@@ -22,30 +24,29 @@ helpers only), so Airflow plugins may import it at module level.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
-import json
 import logging
-import math
 import os
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from importlib import metadata
-from typing import Any, TypeVar
+from typing import Any
+
+from training.mlflow_params import (
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAMS_PER_BATCH,
+    chunked,
+    flatten_params,
+    metric_points,
+    params_to_log,
+    step_metric_points,
+)
 
 log = logging.getLogger(__name__)
 
 CHALLENGER_ALIAS = "challenger"
 LOGGED_MODEL_NAME = "model"
-# MLflow's batch limits (mlflow.utils.validation): 100 params/tags and 1000 metrics per
-# log_batch, 1000 entities in all. We never mix params and metrics in one call.
-MAX_PARAMS_PER_BATCH = 100
-MAX_METRICS_PER_BATCH = 1000
-# MLflow 3.x servers accept 6000-character param values; 500 was the limit for years and is
-# what every server version accepts. The full resolved config is logged as an artifact anyway.
-MAX_PARAM_VALUE_LENGTH = 500
-MAX_KEY_LENGTH = 250
 # Rows of the input example stored in the model (MLflow also replays it at log time).
 MAX_EXAMPLE_ROWS = 5
 REGISTRATION_WAIT_S = 60
@@ -64,126 +65,6 @@ MLFLOW_ENV_DEFAULTS = {
     # default would leave a register step of a few seconds with no sample at all.
     "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1",
 }
-
-
-class ParamConflictError(ValueError):
-    """A reused run already holds a different value for a param (MLflow params are immutable)."""
-
-
-T = TypeVar("T")
-
-
-# ---------------------------------------------------------------- pure helpers (unit-tested)
-
-
-def stringify(value: Any) -> str:
-    """The string MLflow stores for a param value; lists/tuples as JSON for readability."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple)):
-        return json.dumps(list(value), default=str)
-    return str(value)
-
-
-def truncate_value(value: str, limit: int = MAX_PARAM_VALUE_LENGTH) -> str:
-    """Cut an over-long value deterministically (a retry yields the same string) and mark it."""
-    if len(value) <= limit:
-        return value
-    suffix = f"...[truncated, sha256:{hashlib.sha256(value.encode()).hexdigest()[:12]}]"
-    return value[: limit - len(suffix)] + suffix
-
-
-def _valid_key(key: str) -> bool:
-    import posixpath
-    import re
-
-    if not key or len(key) > MAX_KEY_LENGTH or not re.fullmatch(r"[/\w.\- :]+", key):
-        return False
-    norm = posixpath.normpath(key)
-    return norm == key and not norm.startswith(("..", "/"))
-
-
-def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested dicts (and dataclasses) → dotted keys with string values within MLflow's limits."""
-    flat: dict[str, str] = {}
-    for raw_key, value in params.items():
-        key = f"{prefix}.{raw_key}" if prefix else str(raw_key)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            value = dataclasses.asdict(value)
-        nested = flatten_params(value, key) if isinstance(value, Mapping) else {key: truncate_value(stringify(value))}
-        clash = flat.keys() & nested.keys()
-        if clash:
-            raise ValueError(f"params flatten to duplicate keys: {sorted(clash)}")
-        flat.update(nested)
-    if not prefix:
-        bad = [k for k in flat if not _valid_key(k)]
-        if bad:
-            raise ValueError(
-                f"invalid MLflow param keys {bad[:10]}: at most {MAX_KEY_LENGTH} characters of "
-                "letters, digits, '_', '-', '.', ' ', ':', '/' and no '..' or leading '/'"
-            )
-    return flat
-
-
-def chunked(items: Sequence[T], size: int) -> list[list[T]]:
-    if size <= 0:
-        raise ValueError("size must be positive")
-    return [list(items[i : i + size]) for i in range(0, len(items), size)]
-
-
-def params_to_log(existing: Mapping[str, str], new: Mapping[str, str]) -> dict[str, str]:
-    """The params still to log; raise ``ParamConflictError`` if any value differs from the run's."""
-    conflicts = {k: (existing[k], v) for k, v in new.items() if k in existing and existing[k] != v}
-    if conflicts:
-        lines = "; ".join(f"{k}: logged {old!r}, now {new_v!r}" for k, (old, new_v) in sorted(conflicts.items())[:10])
-        raise ParamConflictError(
-            f"{len(conflicts)} param(s) differ from the values already logged to this run, and MLflow "
-            f"params are immutable ({lines}). A retry must log the same config; a changed config "
-            "needs a new run (pass run_id=None)."
-        )
-    return {k: v for k, v in new.items() if k not in existing}
-
-
-def metric_points(
-    epoch_metrics: Sequence[Mapping[str, float]],
-    final_metrics: Mapping[str, float],
-) -> tuple[list[tuple[str, float, int]], int]:
-    """``(key, value, step)`` triples and the final step.
-
-    An epoch dict may carry its own ``"epoch"`` (used as the step, not logged as a metric);
-    otherwise its position in the list is the step. Final metrics are logged at the last epoch's
-    step, the step the model is logged at, so MLflow links them to the LoggedModel. A metric
-    given twice for one step (e.g. ``global_step`` in the last epoch and in the finals) is
-    logged once, with the later value.
-    """
-    # Keyed by (key, step): a later value for the same point replaces an earlier one.
-    by_point: dict[tuple[str, int], float] = {}
-    steps = []
-    for position, row in enumerate(epoch_metrics):
-        step = int(row["epoch"]) if "epoch" in row else position
-        steps.append(step)
-        by_point.update({(k, step): float(v) for k, v in row.items() if k != "epoch"})
-    final_step = max(steps) if steps else 0
-    by_point.update({(k, final_step): float(v) for k, v in final_metrics.items()})
-    points = [(k, v, step) for (k, step), v in by_point.items()]
-    bad = sorted({k for k, _, _ in points if not _valid_key(k)})
-    if bad:
-        raise ValueError(f"invalid MLflow metric names: {bad[:10]}")
-    return points, final_step
-
-
-def step_metric_points(step_metrics: Sequence[Mapping[str, float]]) -> list[tuple[str, float, int]]:
-    """``(key + "_step", value, global_step)`` triples of the worker's per-step records.
-
-    Suffixed so that they do not share a key (and so a step axis) with the per-epoch metrics,
-    which MLflow logs at the epoch index. A step given twice is logged once, with the later value.
-    """
-    by_point = {(f"{k}_step", int(row["step"])): float(v) for row in step_metrics
-                for k, v in row.items() if k != "step"}
-    bad = sorted({k for k, _ in by_point if not _valid_key(k)})
-    if bad:
-        raise ValueError(f"invalid MLflow metric names: {bad[:10]}")
-    return [(k, v, step) for (k, step), v in by_point.items()]
 
 
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
@@ -220,74 +101,6 @@ def bounded_mlflow_env(overrides: Mapping[str, str] | None = None) -> Iterator[N
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
-
-
-# ---------------------------------------------------------------- evaluation
-
-
-def label_indices(y: Sequence[Any], classes: Sequence[Any], labels: str = "auto") -> list[int]:
-    """Class indices of ``y``, given as original class values or as indices into ``classes``.
-
-    ``labels="auto"`` accepts either when only one reading fits, or when both agree
-    (``classes == [0, 1, …]``); otherwise it refuses to guess.
-    """
-    if labels not in ("auto", "value", "index"):
-        raise ValueError(f"labels must be 'auto', 'value' or 'index', got {labels!r}")
-    k = len(classes)
-    by_value = {c: i for i, c in enumerate(classes)}
-    values = list(y)
-    as_value = [by_value.get(v) for v in values] if labels != "index" else None
-    value_ok = as_value is not None and None not in as_value
-    as_index = None
-    if labels != "value":
-        ints = [int(v) if isinstance(v, (int, float)) and float(v).is_integer() else -1 for v in values]
-        as_index = ints if all(0 <= i < k for i in ints) else None
-    if labels == "value" or (labels == "auto" and value_ok and (as_index is None or as_index == as_value)):
-        if not value_ok:
-            unknown = sorted({v for v, i in zip(values, as_value or []) if i is None}, key=str)
-            raise ValueError(f"labels {unknown[:10]} are not among the model's classes {list(classes)[:20]}")
-        return as_value  # type: ignore[return-value]
-    if as_index is not None and (labels == "index" or not value_ok):
-        return as_index
-    if labels == "index":
-        raise ValueError(f"labels must be class indices in [0, {k}), got values outside that range")
-    if value_ok:
-        raise ValueError(
-            "labels fit both as class values and as class indices and the two readings differ; "
-            "pass labels='value' or labels='index'"
-        )
-    raise ValueError(f"labels are neither values of the model's classes {list(classes)[:20]} nor indices in [0, {k})")
-
-
-def evaluate_classifier(model_dir: str, X: Any, y: Any, *, labels: str = "auto") -> dict[str, Any]:
-    """Accuracy, per-class counts and confusion matrix of an export on ``X``.
-
-    Uses the exported symbol directly (no MLflow round trip). ``y`` holds original class values
-    or class indices (the record labels); see ``label_indices``. ``confusion_matrix[i][j]``
-    counts examples of ``classes[i]`` predicted as ``classes[j]``.
-    """
-    import numpy as np
-
-    from training.pyfunc_model import find_export_files, load_exported
-
-    files = find_export_files(model_dir)
-    loaded = load_exported(files["symbol"], files["params"], files["meta"])
-    classes = loaded.classes
-    truth = np.asarray(label_indices(np.asarray(y).tolist(), classes, labels), dtype=np.int64)
-    n = int(len(truth))
-    X_arr = np.asarray(X, dtype=np.float32).reshape(n, -1)
-    predicted = loaded.predict_proba(X_arr).argmax(axis=1) if n else np.zeros(0, dtype=np.int64)
-    k = len(classes)
-    confusion = np.zeros((k, k), dtype=np.int64)
-    np.add.at(confusion, (truth, predicted), 1)
-    return {
-        "accuracy": float(np.trace(confusion) / n) if n else math.nan,
-        "num_examples": n,
-        "classes": classes,
-        "class_counts": {str(c): int(confusion[i].sum()) for i, c in enumerate(classes)},
-        "predicted_counts": {str(c): int(confusion[:, i].sum()) for i, c in enumerate(classes)},
-        "confusion_matrix": confusion.tolist(),
-    }
 
 
 # ---------------------------------------------------------------- MLflow logging

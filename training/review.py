@@ -227,7 +227,8 @@ def _log_review_run(tracking_uri: str, target: Target, comp: Mapping[str, Any], 
                     run_name: str, tags: dict[str, str]) -> str:
     from mlflow.entities import Metric
 
-    from training.registry import MAX_METRICS_PER_BATCH, _get_or_create_experiment, chunked
+    from training.mlflow_params import MAX_METRICS_PER_BATCH, chunked
+    from training.registry import _get_or_create_experiment
 
     with bounded_mlflow_env():
         c = client(tracking_uri)

@@ -9,28 +9,30 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from infra import services
 from infra.airflow_client import wait_for_dag
+from infra.airflow_service import AIRFLOW_COMPONENTS, start_airflow, stop_airflow
+from infra.processes import group_processes
+from infra.stack_config import StackConfig
 
 
 @contextlib.contextmanager
 def airflow_stack(home: Path, s3_server: Any, mlflow_server: Any, dags: Mapping[str, str], *,
                   extra_env: Mapping[str, str] | None = None,
-                  components: Iterable[str] = services.AIRFLOW_COMPONENTS) -> Iterator[services.StackConfig]:
+                  components: Iterable[str] = AIRFLOW_COMPONENTS) -> Iterator[StackConfig]:
     """Start the stack, wait (bounded) until every DAG of ``dags`` (dag_id → file) is parsed."""
-    cfg = services.StackConfig.with_free_ports(home)
+    cfg = StackConfig.with_free_ports(home)
     client_env = {**s3_server.env, "MLFLOW_TRACKING_URI": mlflow_server.tracking_uri,
                   "MXPIPE_HOME": str(home), "MXPIPE_SCHEDULE": "none", "MXPIPE_RETRY_DELAY_S": "1",
                   **(extra_env or {})}
-    handles = services.start_airflow(cfg, client_env=client_env, components=components)
+    handles = start_airflow(cfg, client_env=client_env, components=components)
     try:
         for dag_id, dag_file in dags.items():
             wait_for_dag(cfg.airflow_url, dag_id, timeout_s=180, dag_file=dag_file)
         yield cfg
     finally:
-        assert services.stop_airflow(handles)
+        assert stop_airflow(handles)
         for handle in handles:
-            assert services.group_processes(handle.pgid) == [], handle.name
+            assert group_processes(handle.pgid) == [], handle.name
 
 
 def wait_until_parked(home: Path, run_id: str, task_id: str, timeout_s: float = 180.0) -> None:

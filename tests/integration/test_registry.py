@@ -22,12 +22,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from training.registry import (
-    CHALLENGER_ALIAS,
-    ParamConflictError,
-    evaluate_classifier,
-    log_model_run,
-)
+from training.evaluation import evaluate_classifier
+from training.mlflow_params import ParamConflictError
+from training.registry import CHALLENGER_ALIAS, log_model_run
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny_model import blobs, train_and_export  # noqa: E402

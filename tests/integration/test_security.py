@@ -30,7 +30,7 @@ from botocore.exceptions import ClientError
 from common import storage
 from common.procs import tagged_processes
 from data_checks.shard import shard_dataset
-from infra.services import s3_client
+from infra.s3_service import s3_client
 from training.config import recipe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

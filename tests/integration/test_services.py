@@ -1,4 +1,5 @@
-"""The local service stack against real servers: SeaweedFS, MLflow, Airflow (infra.services)."""
+"""The local service stack against real servers: SeaweedFS, MLflow, Airflow (infra.services and
+the modules it is built from: stack_config, processes, s3_service, airflow_service)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from common import storage
-from infra import services
 from infra.airflow_client import (
     DagNotFound,
     task_states,
@@ -18,6 +18,10 @@ from infra.airflow_client import (
     wait_for_dag,
     wait_for_dag_run,
 )
+from infra.airflow_service import start_airflow, stop_airflow
+from infra.processes import ServiceHandle, launch
+from infra.s3_service import s3_client, start_s3, stop_s3
+from infra.stack_config import StackConfig
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +64,7 @@ def test_s3_wrong_credentials_are_refused(s3_server, s3_prefix: str, which: str)
     storage.put_bytes(f"{s3_prefix}/x", b"1")
     key = s3_server.access_key if which == "secret" else "MXWRONGKEY0000000000"
     secret = s3_server.secret_key + "x" if which == "secret" else s3_server.secret_key
-    client = services.s3_client(s3_server.endpoint, key, secret)
+    client = s3_client(s3_server.endpoint, key, secret)
     _, obj_key = storage.split_s3(f"{s3_prefix}/x")
     with pytest.raises(ClientError) as err:
         client.get_object(Bucket=s3_server.bucket, Key=obj_key)
@@ -74,7 +78,7 @@ def test_s3_unsigned_requests_are_refused(s3_server, s3_prefix: str) -> None:
     from botocore.exceptions import ClientError
 
     storage.put_bytes(f"{s3_prefix}/x", b"1")
-    client = services.s3_client(s3_server.endpoint, None, None, unsigned=True)
+    client = s3_client(s3_server.endpoint, None, None, unsigned=True)
     _, obj_key = storage.split_s3(f"{s3_prefix}/x")
     for call in (lambda: client.get_object(Bucket=s3_server.bucket, Key=obj_key),
                  lambda: client.list_objects_v2(Bucket=s3_server.bucket),
@@ -93,11 +97,11 @@ def test_s3_conditional_put_refuses_overwrite(s3_prefix: str) -> None:
 
 
 def test_s3_stop_leaves_no_process(tmp_path: Path) -> None:
-    cfg = services.StackConfig.with_free_ports(tmp_path)
-    handle = services.start_s3(cfg)
+    cfg = StackConfig.with_free_ports(tmp_path)
+    handle = start_s3(cfg)
     assert handle.is_running()
     assert live_group_members(handle.pgid)
-    assert services.stop_s3(handle)
+    assert stop_s3(handle)
     assert live_group_members(handle.pgid) == []
     assert not (tmp_path / "run" / "s3.json").exists()
     assert not list(Path("/tmp").glob(f"seaweedfs-*-{cfg.s3_port}.sock"))
@@ -105,9 +109,9 @@ def test_s3_stop_leaves_no_process(tmp_path: Path) -> None:
 
 def test_stop_never_signals_a_reused_pid(tmp_path: Path) -> None:
     """A pid file whose pid now belongs to another process must not kill that process."""
-    handle = services.launch("sleeper", ["sleep", "60"], dict(os.environ), tmp_path)
+    handle = launch("sleeper", ["sleep", "60"], dict(os.environ), tmp_path)
     try:
-        stale = services.ServiceHandle.from_json(handle.to_json())
+        stale = ServiceHandle.from_json(handle.to_json())
         stale.start_time += 1  # as if the pid had been reused since the pid file was written
         assert not stale.owns_group() and not stale.is_running()
         assert stale.stop(timeout=1)
@@ -187,10 +191,10 @@ def test_airflow_stack_runs_a_dag(s3_server, s3_prefix: str, tmp_path: Path) -> 
     plugins.mkdir()
     (dags / "smoke_dag.py").write_text(SMOKE_DAG)
     (dags / "broken_dag.py").write_text(BROKEN_DAG)
-    cfg = services.StackConfig.with_free_ports(tmp_path / "home", dags_folder=dags,
+    cfg = StackConfig.with_free_ports(tmp_path / "home", dags_folder=dags,
                                                plugins_folder=plugins)
     t0 = time.monotonic()
-    handles = services.start_airflow(cfg, client_env=s3_server.env)
+    handles = start_airflow(cfg, client_env=s3_server.env)
     try:
         started = time.monotonic() - t0
         wait_for_dag(cfg.airflow_url, "mxpipe_services_smoke", timeout_s=90, dag_file="smoke_dag.py")
@@ -210,6 +214,6 @@ def test_airflow_stack_runs_a_dag(s3_server, s3_prefix: str, tmp_path: Path) -> 
         print(f"airflow: healthy after {started:.1f}s, DAG visible after {visible:.1f}s, "
               f"run done after {time.monotonic() - t0:.1f}s")
     finally:
-        assert services.stop_airflow(handles)
+        assert stop_airflow(handles)
     for handle in handles:
         assert live_group_members(handle.pgid) == [], handle.name

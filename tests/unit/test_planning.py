@@ -1,13 +1,15 @@
 """Hardware planning: every expectation below is worked out by hand in the test."""
+import json
 import math
+import os
 import subprocess
 import sys
 
 import pytest
 
-from infra import planning
 from infra.catalogue import CATALOGUE, by_name
 from infra.planning import ModelShape, memory_per_device, plan, servers_for, size_on, state_per_param
+from training.model import count_model
 
 pytestmark = pytest.mark.unit
 
@@ -86,7 +88,7 @@ def test_the_recommendation_is_the_cheapest_per_peak_tflop_that_fits():
 def test_lenet_is_counted_from_the_real_network():
     # conv 3x3 1->20: 180 + 20; conv 3x3 20->50: 9000 + 50; dense 50*14*14 -> 128: 9800*128 + 128;
     # dense 128 -> 10: 1280 + 10.
-    shape = planning.model_shape("lenet", (1, 28, 28), 10, hidden=(128,))
+    shape = ModelShape(**count_model("lenet", (1, 28, 28), 10, hidden=(128,)))
     assert shape.params == 200 + 9050 + 1_254_528 + 1290
     # Operator outputs per sample: reshape 784, conv + relu 2 x 20*28*28, pool 20*14*14,
     # conv + relu 2 x 50*14*14, flatten 9800, dense + relu 2 x 128, dense 10.
@@ -95,7 +97,7 @@ def test_lenet_is_counted_from_the_real_network():
 
 
 def test_resnet50_has_about_25_6_million_parameters():
-    shape = planning.model_shape("resnet50", (3, 224, 224), 1000)
+    shape = ModelShape(**count_model("resnet50", (3, 224, 224), 1000))
     # The paper's 25,557,032 plus gluon v1's biases on the bottlenecks' 1x1 convolutions:
     # 3*64+4*128+6*256+3*512 + 3*256+4*512+6*1024+3*2048 = 18,880 (tests/unit/test_models.py).
     assert shape.params == 25_557_032 + 18_880
@@ -115,7 +117,22 @@ def test_cli_prints_a_plan_and_fails_when_nothing_fits():
     assert big.returncode == 1 and "does not fit on any device" in big.stdout
 
 
-def test_planning_imports_neither_airflow_nor_mxnet():
-    code = ("import sys, infra.planning; bad = [m for m in ('airflow', 'mxnet') if m in sys.modules]; "
+def test_a_model_by_name_is_planned_by_scripts_plan_not_by_infra():
+    """infra does not import the trainer: ``--model`` needs scripts/plan.py, which counts with
+    training.model and hands the counts to the same CLI."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    flags = ["--model", "lenet", "--input-shape", "1,28,28", "--classes", "10", "--batch-size", "64", "--json"]
+    refused = subprocess.run([sys.executable, "-m", "infra.planning", *flags], capture_output=True, text=True,
+                             timeout=120, cwd=repo)
+    assert refused.returncode == 2 and "scripts/plan.py" in refused.stderr
+    ok = subprocess.run([sys.executable, os.path.join(repo, "scripts", "plan.py"), *flags], capture_output=True,
+                        text=True, timeout=300, cwd=repo)
+    assert ok.returncode == 0, ok.stderr
+    counts = count_model("lenet", (1, 28, 28), 10)
+    assert json.loads(ok.stdout)["params"] == counts["params"]
+
+
+def test_planning_imports_neither_airflow_nor_mxnet_nor_the_trainer():
+    code = ("import sys, infra.planning; bad = [m for m in ('airflow', 'mxnet', 'training') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

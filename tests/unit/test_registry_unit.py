@@ -1,4 +1,5 @@
-"""Param flattening, limits, batching and retry bookkeeping of training.registry (no server)."""
+"""Param flattening, limits, batching and retry bookkeeping of training.registry and
+training.mlflow_params, and label reading of training.evaluation (no server)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,18 +9,17 @@ import sys
 
 import pytest
 
-from training import registry
-from training.registry import (
+from training import mlflow_params, registry
+from training.evaluation import label_indices
+from training.mlflow_params import (
     ParamConflictError,
-    label_indices,
-    bounded_mlflow_env,
     chunked,
     flatten_params,
     metric_points,
     params_to_log,
-    run_url,
     truncate_value,
 )
+from training.registry import bounded_mlflow_env, run_url
 
 pytestmark = pytest.mark.unit
 
@@ -65,7 +65,7 @@ def test_flatten_rejects_keys_mlflow_would_refuse(key):
 def test_long_values_are_truncated_deterministically_within_the_limit():
     long = "v" * 5000
     out = flatten_params({"k": long})["k"]
-    assert len(out) == registry.MAX_PARAM_VALUE_LENGTH
+    assert len(out) == mlflow_params.MAX_PARAM_VALUE_LENGTH
     assert "truncated, sha256:" in out
     assert out == truncate_value(long)  # the same on a retry
     assert truncate_value("v" * 4999) != out  # different values stay different
@@ -74,10 +74,10 @@ def test_long_values_are_truncated_deterministically_within_the_limit():
 
 def test_chunked_respects_mlflow_batch_limits():
     params = [(f"p{i}", "v") for i in range(250)]
-    batches = chunked(params, registry.MAX_PARAMS_PER_BATCH)
+    batches = chunked(params, mlflow_params.MAX_PARAMS_PER_BATCH)
     assert [len(b) for b in batches] == [100, 100, 50]
     assert [x for b in batches for x in b] == params
-    assert [len(b) for b in chunked(list(range(2001)), registry.MAX_METRICS_PER_BATCH)] == [1000, 1000, 1]
+    assert [len(b) for b in chunked(list(range(2001)), mlflow_params.MAX_METRICS_PER_BATCH)] == [1000, 1000, 1]
     assert chunked([], 100) == []
     with pytest.raises(ValueError):
         chunked([1], 0)
@@ -157,8 +157,10 @@ def test_worst_case_http_time_is_well_under_two_minutes():
 
 def test_registry_and_pyfunc_modules_do_not_import_mxnet():
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    # registry: stdlib only at import time; pyfunc_model: mlflow (it subclasses PythonModel), never mxnet.
-    code = "import sys, training.registry; assert not {'mlflow', 'mxnet', 'numpy'} & set(sys.modules), sys.modules.keys()"
+    # registry (and the helpers it imports), evaluation: stdlib only at import time;
+    # pyfunc_model: mlflow (it subclasses PythonModel), never mxnet.
+    code = ("import sys, training.registry, training.evaluation; "
+            "assert not {'mlflow', 'mxnet', 'numpy'} & set(sys.modules), sys.modules.keys()")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=repo)
     code = "import sys, training.pyfunc_model; assert 'mxnet' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=180, cwd=repo)

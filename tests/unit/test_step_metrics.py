@@ -8,7 +8,7 @@ import pytest
 from training import registry
 from training.config import ConfigError, recipe
 from training.metrics import StepRecorder
-from training.registry import MAX_METRICS_PER_BATCH, step_metric_points
+from training.mlflow_params import MAX_METRICS_PER_BATCH, step_metric_points
 
 pytestmark = pytest.mark.unit
 
