@@ -186,6 +186,45 @@ def read_shard(idx_path: str, rec_path: str, num_features: int) -> Shard:
     return _read_shard_mxnet(idx_path, rec_path, num_features)
 
 
+class LayoutError(ValueError):
+    """A shard is valid RecordIO but not the fixed-size layout (escaped records, another writer)."""
+
+
+def record_dtype(num_features: int) -> np.dtype:
+    """One framed record of the fixed-size layout: RecordIO magic + length word, then the payload."""
+    return np.dtype([("magic", "<u4"), ("lrec", "<u4"), ("flag", "<u4"), ("label", "<f4"), ("id", "<u8"),
+                     ("id2", "<u8"), ("features", "<f4", (num_features,))])
+
+
+def scan_fixed_layout(idx_path: str, rec_path: str, num_features: int, block_bytes: int = 8 << 20) -> np.ndarray:
+    """Check that a shard has the fixed-size layout, reading it in blocks; returns its labels (int32).
+
+    Raises ``LayoutError`` naming the first thing that breaks it. The file is read, not mapped, so
+    the scan leaves no resident pages in the caller's mappings; memory stays at one block.
+    """
+    dtype = record_dtype(num_features)
+    stride = dtype.itemsize
+    n = 0
+    for keys, offsets in iter_index(idx_path):
+        expected = np.arange(n, n + len(keys))
+        if not (np.array_equal(keys, expected) and np.array_equal(offsets, expected * stride)):
+            raise LayoutError(f"{idx_path}: records are not {stride} bytes apart in key order")
+        n += len(keys)
+    size = os.path.getsize(rec_path)
+    if size != n * stride:
+        raise LayoutError(f"{rec_path} has {size} bytes, {n} fixed-size records would be {n * stride}")
+    labels = np.empty(n, np.int32)
+    rows = max(1, block_bytes // stride)
+    with open(rec_path, "rb") as fh:
+        for start in range(0, n, rows):
+            block = np.fromfile(fh, dtype=dtype, count=min(rows, n - start))
+            if not ((block["magic"] == MAGIC).all() and (block["lrec"] == stride - 8).all()
+                    and (block["flag"] == 0).all()):
+                raise LayoutError(f"{rec_path}: a record near row {start} is framed differently")
+            labels[start:start + len(block)] = block["label"]
+    return labels
+
+
 def _read_shard_mxnet(idx_path: str, rec_path: str, num_features: int) -> Shard:
     """Any valid RecordIO pair (escaped records, other writers), one record at a time."""
     rio = _recordio().MXIndexedRecordIO(idx_path, rec_path, "r")

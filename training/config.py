@@ -87,6 +87,9 @@ class DataConfig:
     # total variation distance above drift_threshold is reported ("warn") or fails ("fail").
     drift_action: str = "warn"
     drift_threshold: float = 0.1
+    # Train batches a background thread prepares ahead of the step (training.prefetch); bounds the
+    # memory of prepared batches. 0 = none: each batch is built inline when the step needs it.
+    prefetch_batches: int = 2
 
     def __post_init__(self) -> None:
         _check(bool(self.label_column), "data.label_column must not be empty")
@@ -113,6 +116,9 @@ class DataConfig:
         _check(self.drift_action in DRIFT_ACTIONS,
                f"data.drift_action must be one of {DRIFT_ACTIONS}, got {self.drift_action!r}")
         _check(0 < self.drift_threshold <= 1, f"data.drift_threshold must be in (0, 1], got {self.drift_threshold}")
+        _check(type(self.prefetch_batches) is int and 0 <= self.prefetch_batches <= 64,
+               f"data.prefetch_batches must be an integer in [0, 64] (0 = no prefetch thread), "
+               f"got {self.prefetch_batches!r}")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,10 @@ number of steps per epoch (set by the largest worker's share), wrapping around i
 because a ``dist_sync`` worker that stops pushing early leaves the others blocked forever.
 The order of rows is a deterministic function of (seed, epoch, rank), so a resumed job can skip
 to the exact position inside an epoch.
+
+The train rows are opened, not loaded (``open_split``: memory-mapped shards,
+``training.shard_reader``); ``fetch_split`` loads a split into memory for the small ones
+(validation, test) and for callers that want whole arrays.
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ import numpy as np
 
 from common import records
 from common.manifest import download_shard, load_manifest, manifest_digest
+from training.shard_reader import ShardSet
 
-__all__ = ["load_manifest", "manifest_digest", "fetch_split", "shards_for_rank", "steps_per_epoch", "EpochOrder"]
+__all__ = ["load_manifest", "manifest_digest", "fetch_split", "open_split", "shards_for_rank", "steps_per_epoch", "EpochOrder"]
 
 
 def train_shards(manifest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -49,6 +54,16 @@ def fetch_split(manifest: dict[str, Any], shards_prefix: str, shards: list[dict[
     if not xs:
         return np.empty((0, manifest["num_features"]), np.float32), np.empty(0, np.int32)
     return np.concatenate(xs), np.concatenate(ys)
+
+
+def open_split(manifest: dict[str, Any], shards_prefix: str, shards: list[dict[str, Any]],
+               work_dir: str) -> ShardSet:
+    """Download and verify (size + sha256) ``shards`` into ``work_dir`` and open them for random access.
+
+    The returned set keeps working after ``work_dir`` is removed (see ``training.shard_reader``).
+    """
+    pairs = [download_shard(manifest, shards_prefix, s["name"], work_dir) for s in shards]
+    return ShardSet.open(pairs, manifest["num_features"])
 
 
 @dataclass

@@ -9,6 +9,9 @@
   ``trainer.step`` (one push per parameter, one optimizer update) and the buffers are zeroed.
   ``trainer.step`` is told the samples of all k micro-batches, so the update equals one batch
   of k·b (tests/integration/test_engine_modes.py).
+- Feeding: ``load`` turns a step's rows into its micro-batches (``split_and_load`` per context);
+  ``run_batch`` trains on them. The worker calls ``load`` ahead of time in a prefetch thread
+  (``training.prefetch``); ``run`` does both inline, for callers holding whole arrays.
 - Mixed precision (``optim.precision='fp16'``, GPU only): ``mxnet.contrib.amp`` scales the loss
   (dynamic loss scaling) before backward. The config refuses it on CPU; untested here.
 - The loss stays on the device. ``__call__`` reads it back at once (one host sync per step);
@@ -31,6 +34,9 @@ import numpy as np
 from common.mx import import_mxnet
 from training.config import TrainConfig
 
+
+# One micro-batch as the step consumes it: (features per context, labels per context), NDArrays.
+MicroBatch = tuple[list[Any], list[Any]]
 
 # Steps whose losses are read back in one host sync (the NaN/inf check's bounded lag).
 LOSS_CHECK_EVERY = 8
@@ -95,12 +101,27 @@ class StepRunner:
 
     def run(self, X: np.ndarray, y: np.ndarray, idx: np.ndarray) -> Any:
         """Train on rows ``idx`` without waiting: returns the loss sum, an NDArray of shape (1,)."""
+        return self.run_batch(self.load(lambda part: (X[part], y[part]), idx))
+
+    def load(self, gather: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], idx: np.ndarray) -> list[MicroBatch]:
+        """The step's k micro-batches of rows ``idx`` as NDArrays split over the contexts.
+
+        ``gather(rows)`` returns ``(features, labels)``. Safe to call from another thread
+        (``training.prefetch`` does, a few steps ahead): it reads only fixed attributes.
+        """
+        mx = import_mxnet()
+        split = mx.gluon.utils.split_and_load
+        batches = []
+        for m in range(self.k):
+            Xp, yp = gather(idx[m * self.batch_size:(m + 1) * self.batch_size])
+            batches.append((split(Xp, self.ctxs, even_split=True), split(yp, self.ctxs, even_split=True)))
+        return batches
+
+    def run_batch(self, batches: list[MicroBatch]) -> Any:
+        """Train on micro-batches made by ``load`` without waiting: the loss sum, an NDArray (1,)."""
         mx = import_mxnet()
         total = None
-        for m in range(self.k):
-            part = idx[m * self.batch_size:(m + 1) * self.batch_size]
-            xs = mx.gluon.utils.split_and_load(X[part], self.ctxs, even_split=True)
-            ys = mx.gluon.utils.split_and_load(y[part], self.ctxs, even_split=True)
+        for xs, ys in batches:
             with mx.autograd.record():
                 losses = [self.loss_fn(self.net(xb), yb) for xb, yb in zip(xs, ys)]
             self._backward(losses)

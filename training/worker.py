@@ -21,7 +21,9 @@ worker exit with ``EXIT_PREEMPTED`` (retryable).
 
 What one optimizer step does (contexts, gradient accumulation, AMP) is ``training.step``; the
 optimizer and its learning-rate schedule, positioned at the resumed global step, are
-``training.optim``. ``global_step`` counts optimizer steps (one push each).
+``training.optim``. ``global_step`` counts optimizer steps (one push each). The train rows are
+memory-mapped shards (``training.shard_reader``); each step's batch is built ahead of it in a
+thread (``training.prefetch``, ``data.prefetch_batches`` deep).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from training.metrics import StepRecorder, ThroughputMeter
 from training.model import build_model
 from training.optim import learning_rate_at, optimizer_params, reposition
 from training.placement import SplitNet, make_split_trainer
+from training.prefetch import prefetched
 from training.step import LossCheck, NaNLossError, StepRunner, contexts, init_amp, prepare
 
 __all__ = ["NaNLossError", "run", "evaluate", "resume_digest"]
@@ -86,7 +89,8 @@ def run(job: JobSpec) -> dict[str, Any]:
     step_rows = cfg.optim.batch_size * cfg.optim.accumulate_steps
     steps = data.steps_per_epoch(manifest, num_workers, step_rows)
     with tempfile.TemporaryDirectory(prefix="mxpipe-shards-") as work_dir:
-        X, y = data.fetch_split(manifest, job.shards_prefix, data.shards_for_rank(manifest, rank, num_workers), work_dir)
+        # Mapped, not loaded; readable after work_dir is removed (training.shard_reader).
+        rows = data.open_split(manifest, job.shards_prefix, data.shards_for_rank(manifest, rank, num_workers), work_dir)
         val = [s for s in manifest["shards"] if s["split"] == "val"]
         Xv, yv = data.fetch_split(manifest, job.shards_prefix, val, work_dir) if rank == 0 else (None, None)
 
@@ -143,7 +147,7 @@ def run(job: JobSpec) -> dict[str, Any]:
     train_step = StepRunner(net, trainer, mx.gluon.loss.SoftmaxCrossEntropyLoss(), ctxs[:1] if split else ctxs,
                             batch_size=cfg.optim.batch_size, accumulate_steps=cfg.optim.accumulate_steps,
                             global_batch=global_batch, use_amp=use_amp)
-    order = data.EpochOrder(len(y), steps, step_rows, cfg.seed, rank)
+    order = data.EpochOrder(rows.num_rows, steps, step_rows, cfg.seed, rank)
 
     writer = None
     if rank == 0:
@@ -189,9 +193,12 @@ def run(job: JobSpec) -> dict[str, Any]:
         # them or must not see a diverged model (checkpoint, progress line, epoch end).
         losses = LossCheck(on_loss=record_step)
         meter.start_epoch()
-        for step, idx in order.batches(epoch, start_step):
+        # The epoch's batches, built data.prefetch_batches ahead in a thread (training.prefetch).
+        feed = prefetched(order.batches(epoch, start_step), lambda ix: train_step.load(rows.gather, ix),
+                          cfg.data.prefetch_batches, label=f"epoch {epoch}")
+        for step, idx, batch in feed:
             ckpt_state.reseed(cfg.seed, global_step, rank)  # same draws whether resumed here or not
-            _checked(epoch, losses.add, global_step + 1, train_step.run(X, y, idx), len(idx))
+            _checked(epoch, losses.add, global_step + 1, train_step.run_batch(batch), len(idx))
             global_step += 1
             meter.count(len(idx))
             if step_log.due(global_step):  # the rate now; the loss once LossCheck reads it
@@ -338,6 +345,7 @@ def resume_digest(cfg: Any) -> str:
     retention, encryption, timeouts or (elastic) the cluster size."""
     raw = cfg.to_dict()
     raw.pop("checkpoint")
+    raw["data"].pop("prefetch_batches")  # how far ahead batches are built does not change them
     if raw["model"]["placement"] == "replicated":  # left out when default: older checkpoints still match
         raw["model"].pop("placement")
     cluster = raw.pop("cluster")

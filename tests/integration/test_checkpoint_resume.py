@@ -99,9 +99,10 @@ def test_sigkill_then_resume_matches_uninterrupted_run(shards, reference, refere
     with pytest.raises(JobFailed) as failed:
         _run(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_KILL_STEP": "30", "MXPIPE_FAULT_KILL_RANK": "1"})
     assert "SIGKILL" in str(failed.value) and not failed.value.deterministic
-    # 28 unless the async writer skipped it because 21 was still uploading (then 21).
+    # 28 unless the async writer skipped it because 21 was still uploading (then 21); on a loaded
+    # machine an upload can outlast 7 steps twice, skipping 21 and 28 (then the epoch end, 20).
     newest = CheckpointStore(job.checkpoint_prefix).committed_steps()[0]
-    assert newest in (21, 28)
+    assert newest in (20, 21, 28)
     diff = _resumes_exactly(job, s3_prefix, tmp_path, caplog, reference, expect_step=newest,
                             reference_steps=reference_steps)
     assert diff == 0.0  # measured: bit-identical (2 workers: the server's float sum is order-free)
