@@ -1,6 +1,7 @@
 """The model zoo: networks chosen by name from the config, and what one of them holds."""
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -12,6 +13,11 @@ from training.config import DataConfig, ModelConfig, TrainConfig
 # 2015), the same network the checkpoint benchmark trains.
 RESNETS = {"resnet18": 18, "resnet50": 50}
 RESNET_VERSION = 1
+
+# Operators known to draw no random numbers in training mode. A network with any other
+# operator (Dropout, random_*/sample_* ops, anything new) counts as drawing them.
+DETERMINISTIC_OPS = frozenset({"null", "Activation", "BatchNorm", "Convolution", "Flatten", "FullyConnected",
+                               "Pooling", "Reshape", "elemwise_add"})
 
 
 def build_model(cfg: TrainConfig, num_classes: int) -> Any:
@@ -75,3 +81,18 @@ def _Reshape(shape: tuple[int, ...]) -> Any:
             return F.reshape(x, shape=(-1, *shape))
 
     return Reshape()
+
+
+def draws_random(net: Any) -> bool:
+    """Whether a forward/backward of ``net`` (a ``build_model`` block) may read MXNet's RNG.
+
+    Decided from the operators of its symbolic graph against ``DETERMINISTIC_OPS``; a network
+    that cannot be traced counts as drawing. The worker re-seeds MXNet every step only when
+    this is true (``training.checkpoint_state.reseed``).
+    """
+    mx = import_mxnet()
+    try:
+        graph = json.loads(net(mx.sym.var("data")).tojson())
+    except Exception:  # noqa: BLE001 - any failure to trace means "assume it draws"
+        return True
+    return any(node["op"] not in DETERMINISTIC_OPS for node in graph["nodes"])
