@@ -12,8 +12,8 @@ wrong models under ``dist_sync`` (DESIGN.md, "Correctness trap"; docs/kvstore-co
 Resume is exact with the optimizer on the workers: rank 0's checkpoints hold parameters,
 optimizer state (``Trainer.save_states`` bytes, one file per stage for a split model; every
 worker holds the same in ``dist_sync``),
-data position, metric history, and every step re-seeds the RNGs from (seed, step, rank), so a
-resumed job computes the same parameters as an uninterrupted one
+data position, metric history, and every step re-seeds the RNGs from (seed, step, rank;
+MXNet's only if the network draws from it), so a resumed job computes the same parameters as an uninterrupted one
 (``training.checkpoint_state``). With the optimizer on the servers the optimizer state
 restarts from zero (logged). Checkpoints are written in the background
 (``training.checkpoint_async``); SIGTERM makes rank 0 write an emergency checkpoint and every
