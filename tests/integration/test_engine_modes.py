@@ -24,6 +24,7 @@ from data_checks.shard import shard_dataset
 from training.config import OPTIMIZERS, recipe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kvstore_reference_worker import two_bit as _two_bit  # noqa: E402
 from local_jobs import make_job, run_job  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -202,15 +203,6 @@ def test_two_bit_compression_on_dist_sync_trains(shards, s3_prefix, tmp_path, ca
     # value and worker, the rest waits in the residual, so 40 steps get less far (measured 0.33-0.43).
     _assert_trains(metrics, min_accuracy=0.2)
     assert len(re.findall(r"2-bit gradient compression on \(threshold 2\)", caplog.text)) == 2
-
-
-def _two_bit(residual, grad, t):
-    """MXNet's 2-bit quantisation with error feedback (src/kvstore/gradient_compression-inl.h):
-    the residual takes the gradient; an element at or beyond +-t sends +-t and keeps the rest."""
-    residual += grad
-    sent = np.where(residual >= t, t, np.where(residual <= -t, -t, 0.0)).astype(np.float32)
-    residual -= sent
-    return sent
 
 
 def test_two_bit_pushes_carry_mxnets_quantisation(tmp_path):
