@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import json
 import logging
 import os
@@ -40,6 +41,14 @@ def _worker(job_uri: str) -> int:
     except NaNLossError as exc:
         log.error("%s", exc)
         return EXIT_NAN_LOSS
+    # The kvstore's destructor (engine drain, ps-lite's exit barrier with every other worker,
+    # finalize) runs when the trainer that holds it is collected; gluon's Trainer and its
+    # Parameters form a reference cycle, so without this that is whenever the collector or the
+    # interpreter's teardown gets to it. Here it happens at one known point, with the
+    # interpreter intact, and a worker that waits in the barrier has said so in its log.
+    log.info("training done: leaving the kvstore (exit barrier with the other workers)")
+    gc.collect()
+    log.info("kvstore closed")
     return 0
 
 

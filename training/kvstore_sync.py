@@ -104,16 +104,14 @@ def with_gradient_compression(kv: Any, threshold: float) -> Any:
     workers) or the updated weight (on the servers). The order holds without a barrier: the
     compressed push's engine operation holds the key's communication buffer, which the pull
     writes, and a dist_sync server answers a push only once every worker's push is summed.
+
+    ``threshold`` is compared with each worker's *unscaled* gradient (gluon's backward sums
+    over the worker's batch; the 1/global-batch scale is applied later, by the optimizer), so a
+    sensible value grows with ``batch_size`` and the input scale (docs/kvstore-correctness.md).
     """
     kv.set_gradient_compression({"type": "2bit", "threshold": threshold})
     log.info("2-bit gradient compression on (threshold %g): pushes go out quantised, pulls in full", threshold)
-
-    class PushThenPull(_view_class(kv)):  # type: ignore[misc]
-        def pushpull(self, key, value, out=None, priority=0):  # type: ignore[no-untyped-def]
-            self.push(key, value, priority)
-            self.pull(key, value if out is None else out, priority)
-
-    return PushThenPull()
+    return _views().PushThenPull(kv)
 
 
 def with_key_offset(kv: Any, offset: int) -> Any:
@@ -123,43 +121,72 @@ def with_key_offset(kv: Any, offset: int) -> Any:
     so the per-stage trainers of a split model (``training.placement``) would share keys. The
     view forwards to ``kv``'s own methods, so it composes with ``with_gradient_compression``.
     """
-
-    def shift(key: Any) -> Any:
-        return [k + offset for k in key] if isinstance(key, (list, tuple)) else key + offset
-
-    class KeyOffset(_view_class(kv)):  # type: ignore[misc]
-        def init(self, key, value):  # type: ignore[no-untyped-def]
-            return kv.init(shift(key), value)
-
-        def push(self, key, value, priority=0):  # type: ignore[no-untyped-def]
-            return kv.push(shift(key), value, priority)
-
-        def pull(self, key, out=None, priority=0, ignore_sparse=True):  # type: ignore[no-untyped-def]
-            return kv.pull(shift(key), out, priority, ignore_sparse)
-
-        def pushpull(self, key, value, out=None, priority=0):  # type: ignore[no-untyped-def]
-            return kv.pushpull(shift(key), value, out, priority)
-
-        def broadcast(self, key, value, out, priority=0):  # type: ignore[no-untyped-def]
-            return kv.broadcast(shift(key), value, out, priority)
-
-    return KeyOffset()
+    return _views().KeyOffset(kv, offset)
 
 
-def _view_class(kv: Any) -> type:
-    """A KVStore class whose instances share ``kv``'s handle (``kv`` owns and frees it)."""
-    mx = import_mxnet()
+class _ViewClasses:
+    """The view classes, built once (they subclass ``mx.kv.KVStore``, and mxnet loads lazily).
 
-    class View(mx.kv.KVStore):
-        def __init__(self) -> None:
-            self.handle = kv.handle
-            self._base = kv
-            self._updater = None
-            self._updater_func = None
-            self._str_updater_func = None
-            self._is_p3 = False
+    A view shares its base store's handle and holds the base only as an instance attribute, so
+    the base lives exactly as long as its last view, as it would without one. The kvstore's
+    destructor is where a dist worker waits for engine work, meets the other workers at
+    ps-lite's exit barrier and finalises ps-lite. Classes built per call, with the base in a
+    closure, kept the base alive in a reference cycle of their own after every view was gone,
+    until some later garbage collection or interpreter shutdown.
+    """
 
-        def __del__(self) -> None:
-            pass
+    def __init__(self) -> None:
+        mx = import_mxnet()
 
-    return View
+        class View(mx.kv.KVStore):
+            def __init__(self, base: Any) -> None:  # the base owns (and frees) the handle
+                self.handle = base.handle
+                self._base = base
+                self._updater = None
+                self._updater_func = None
+                self._str_updater_func = None
+                self._is_p3 = False
+
+            def __del__(self) -> None:
+                pass
+
+        class PushThenPull(View):
+            def pushpull(self, key, value, out=None, priority=0):  # type: ignore[no-untyped-def]
+                self.push(key, value, priority)
+                self.pull(key, value if out is None else out, priority)
+
+        class KeyOffset(View):
+            def __init__(self, base: Any, offset: int) -> None:
+                super().__init__(base)
+                self._offset = offset
+
+            def _shift(self, key: Any) -> Any:
+                if isinstance(key, (list, tuple)):
+                    return [k + self._offset for k in key]
+                return key + self._offset
+
+            def init(self, key, value):  # type: ignore[no-untyped-def]
+                return self._base.init(self._shift(key), value)
+
+            def push(self, key, value, priority=0):  # type: ignore[no-untyped-def]
+                return self._base.push(self._shift(key), value, priority)
+
+            def pull(self, key, out=None, priority=0, ignore_sparse=True):  # type: ignore[no-untyped-def]
+                return self._base.pull(self._shift(key), out, priority, ignore_sparse)
+
+            def pushpull(self, key, value, out=None, priority=0):  # type: ignore[no-untyped-def]
+                return self._base.pushpull(self._shift(key), value, out, priority)
+
+            def broadcast(self, key, value, out, priority=0):  # type: ignore[no-untyped-def]
+                return self._base.broadcast(self._shift(key), value, out, priority)
+
+        self.View, self.PushThenPull, self.KeyOffset = View, PushThenPull, KeyOffset
+
+
+_VIEW_CLASSES: list[_ViewClasses] = []
+
+
+def _views() -> _ViewClasses:
+    if not _VIEW_CLASSES:
+        _VIEW_CLASSES.append(_ViewClasses())
+    return _VIEW_CLASSES[0]

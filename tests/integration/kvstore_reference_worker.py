@@ -35,7 +35,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from common.mx import import_mxnet  # noqa: E402
-from training.kvstore_sync import with_key_offset  # noqa: E402
+from training.kvstore_sync import with_gradient_compression, with_key_offset  # noqa: E402
 
 IN_UNITS, HIDDEN, CLASSES = 10, 16, 4
 KEY_STRIDE = 100
@@ -127,6 +127,57 @@ def reference(seed: int, trial: int, steps: int, global_size: int, optimizer: st
     return get_params(net)
 
 
+def two_bit(residual: np.ndarray, grad: np.ndarray, threshold: float) -> np.ndarray:
+    """MXNet's 2-bit quantisation with error feedback (``src/kvstore/gradient_compression-inl.h``),
+    written out: the residual takes the gradient; an element at or beyond ``±threshold`` sends
+    ``±threshold`` and keeps the rest for the next push. Updates ``residual`` in place."""
+    residual += grad
+    sent = np.where(residual >= threshold, threshold,
+                    np.where(residual <= -threshold, -threshold, 0.0)).astype(np.float32)
+    residual -= sent
+    return sent
+
+
+def reference_two_bit(seed: int, trial: int, steps: int, num_workers: int, batch: int, optimizer: str,
+                      threshold: float, *, feedback: bool = True) -> tuple[list[np.ndarray], float]:
+    """What a ``num_workers``-worker dist_sync job with 2-bit compression must compute, in one
+    process without a kvstore: every step, each worker's gradient on its own slice of the global
+    batch (the unscaled sum over its rows, as gluon's backward leaves it), quantised with that
+    worker's residual; the sum of the quantised gradients is what every worker's (or the
+    servers') optimizer applies, scaled by ``1/global batch``. ``feedback=False`` drops the
+    residual after each push (the negative control). Returns the parameters and the fraction of
+    gradient values that were sent (nonzero), so a test can check the threshold is exercised."""
+    mx = import_mxnet()
+    net = build_net(mx, f"ref2bit{trial}_")
+    net.initialize(ctx=mx.cpu())
+    set_params(net, initial_values(net, seed, trial))
+    params = param_list(net)
+    trainer = mx.gluon.Trainer(params, optimizer, optimizer_params(optimizer), kvstore=None)
+    loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+    residuals = [[np.zeros(p.shape, np.float32) for p in params] for _ in range(num_workers)]
+    sent_values = total_values = 0
+    for s in range(steps):
+        X, y = global_batch(seed, trial, s, batch * num_workers)
+        summed = [np.zeros(p.shape, np.float32) for p in params]
+        for r in range(num_workers):
+            with mx.autograd.record():
+                loss = loss_fn(net(mx.nd.array(X[r * batch:(r + 1) * batch])),
+                               mx.nd.array(y[r * batch:(r + 1) * batch]))
+            loss.backward()
+            for i, p in enumerate(params):
+                if not feedback:
+                    residuals[r][i][:] = 0.0
+                sent = two_bit(residuals[r][i], p.grad().asnumpy(), threshold)
+                sent_values += int(np.count_nonzero(sent))
+                total_values += sent.size
+                summed[i] += sent
+        for p, g in zip(params, summed):
+            p.grad()[:] = mx.nd.array(g)
+        trainer.step(batch * num_workers)
+    mx.nd.waitall()
+    return get_params(net), sent_values / max(total_values, 1)
+
+
 def run_trials(args: argparse.Namespace) -> dict[str, Any]:
     mx = import_mxnet()
     from training.kvstore_sync import make_trainer
@@ -137,6 +188,9 @@ def run_trials(args: argparse.Namespace) -> dict[str, Any]:
     ctxs = [mx.cpu(i) for i in range(args.contexts)]
     split = args.placement == "split"
     global_size = args.batch * num_workers
+    if args.compression:
+        # Once, on the store itself, before any key exists; the trials' key-shifted views share it.
+        kv = with_gradient_compression(kv, args.compression)
     timings, placed = [], {}
     for trial in range(args.trials):
         started = time.monotonic()
@@ -248,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="split: the model's blocks in stages over the contexts (training.placement)")
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--same-init", action="store_true", help="every rank starts from rank 0's values")
+    p.add_argument("--compression", type=float, default=0.0,
+                   help="2-bit gradient compression with this threshold (0: off), through the pipeline's view")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -28,6 +28,7 @@ from training.job import EXIT_PREEMPTED
 from training.launcher import JobFailed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kvstore_reference_worker import two_bit as _two_bit  # noqa: E402
 from local_jobs import make_job, run_job  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -200,21 +201,14 @@ def test_accumulation_pushes_once_per_k_micro_batches(shards, s3_prefix, tmp_pat
 
 
 def test_two_bit_compression_on_dist_sync_trains(shards, s3_prefix, tmp_path, caplog):
+    """A threshold matched to the gradients it quantises (docs/kvstore-correctness.md: each
+    worker pushes the unscaled sum over its 32 rows, median |g| about 4-9 at the start): the
+    job trains. Measured 0.70 after these 40 steps (deterministic), against 0.88 uncompressed;
+    thresholds 0.5 and 2 stay at 0.33 and 0.43, and at chance after 10 epochs."""
     job, metrics, _ = _train(shards, s3_prefix, tmp_path, caplog,
-                             cluster={"gradient_compression": "2bit", "compression_threshold": 2.0})
-    # Above chance (0.1), not the uncompressed job's ~0.9: a push carries at most +-threshold per
-    # value and worker, the rest waits in the residual, so 40 steps get less far (measured 0.33-0.43).
-    _assert_trains(metrics, min_accuracy=0.2)
-    assert len(re.findall(r"2-bit gradient compression on \(threshold 2\)", caplog.text)) == 2
-
-
-def _two_bit(residual, grad, t):
-    """MXNet's 2-bit quantisation with error feedback (src/kvstore/gradient_compression-inl.h):
-    the residual takes the gradient; an element at or beyond +-t sends +-t and keeps the rest."""
-    residual += grad
-    sent = np.where(residual >= t, t, np.where(residual <= -t, -t, 0.0)).astype(np.float32)
-    residual -= sent
-    return sent
+                             cluster={"gradient_compression": "2bit", "compression_threshold": 32.0})
+    _assert_trains(metrics, min_accuracy=0.5)
+    assert len(re.findall(r"2-bit gradient compression on \(threshold 32\)", caplog.text)) == 2
 
 
 def test_two_bit_pushes_carry_mxnets_quantisation(tmp_path):

@@ -55,10 +55,11 @@ WORKER = os.path.join(HERE, "kvstore_reference_worker.py")
 
 def _argv(out: str, kvstore: str, optimizer_on: str, *, optimizer: str = "adam", trials: int = TRIALS,
           contexts: int = 1, impl: str = "safe", steps: int = STEPS, batch: int = BATCH,
-          placement: str = "replicated") -> list[str]:
+          placement: str = "replicated", compression: float = 0.0) -> list[str]:
     return [sys.executable, WORKER, "--kvstore", kvstore, "--optimizer-on", optimizer_on, "--impl", impl,
             "--optimizer", optimizer, "--trials", str(trials), "--steps", str(steps), "--batch", str(batch),
-            "--contexts", str(contexts), "--seed", str(SEED), "--placement", placement, "--out", out]
+            "--contexts", str(contexts), "--seed", str(SEED), "--placement", placement,
+            "--compression", str(compression), "--out", out]
 
 
 def _errors(out: str, num_workers: int, trials: int, optimizer: str,
@@ -147,6 +148,40 @@ def test_the_reference_catches_gluons_lazy_kvstore_sync(tmp_path):
     out = _dist_job(tmp_path, "dist_sync", "servers", 2, 1, trials=2, impl="stock")
     worst, _ = _errors(out, 2, 2, "adam")
     assert min(worst) > 100 * TOL, worst
+
+
+TWO_BIT_THRESHOLD = 0.5
+TWO_BIT_TRIALS = 3
+
+
+@pytest.mark.parametrize("optimizer_on", ["workers", "servers"])
+def test_two_bit_compression_trains_what_error_feedback_says(tmp_path, optimizer_on):
+    """2-bit compression through the whole trainer path (``make_trainer`` over the pipeline's
+    ``with_gradient_compression`` view, gluon's ``Trainer.step`` with the global batch): a real
+    2-worker dist_sync job must end each trial with the parameters of a single-process
+    simulation that quantises each worker's own gradient with its own residual, sums the
+    quantised values and applies the optimizer to the sum with scale 1/global batch. Ranks
+    other than 0 start from wrong values, as above. The threshold sends about half of the
+    values per step, so both the sent values and the carried residual matter; the simulation
+    without error feedback (residual dropped) is far off, so the test would see a lost residual."""
+    out = _dist_job(tmp_path, "dist_sync", optimizer_on, 2, 1, trials=TWO_BIT_TRIALS,
+                    compression=TWO_BIT_THRESHOLD)
+    for t in range(TWO_BIT_TRIALS):
+        expected, sent = ref.reference_two_bit(SEED, t, STEPS, 2, BATCH, "adam", TWO_BIT_THRESHOLD)
+        no_feedback, _ = ref.reference_two_bit(SEED, t, STEPS, 2, BATCH, "adam", TWO_BIT_THRESHOLD,
+                                               feedback=False)
+        assert 0.05 < sent < 0.95, f"threshold not exercised: {sent:.2f} of the values sent"
+        got = []
+        for r in range(2):
+            npz = np.load(os.path.join(out, f"rank{r}-trial{t}.npz"))
+            got.append([npz[f"arr_{i}"] for i in range(len(expected))])
+        worst = max(float(np.max(np.abs(a - b) / (1.0 + np.abs(b)))) for params in got
+                    for a, b in zip(params, expected))
+        control = max(float(np.max(np.abs(a - b) / (1.0 + np.abs(b)))) for a, b in zip(got[0], no_feedback))
+        assert worst <= TOL, f"trial {t}: {worst:.3g} off the 2-bit simulation"
+        assert control > 100 * TOL, f"trial {t}: no-feedback control only {control:.3g} away"
+        if optimizer_on == "workers":
+            assert all(np.array_equal(a, b) for a, b in zip(got[1], got[0])), f"trial {t}: ranks differ"
 
 
 def test_dist_async_applies_every_push_and_converges(tmp_path):
