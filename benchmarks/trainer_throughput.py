@@ -116,7 +116,8 @@ def run_pipeline(root: str, cfg: TrainConfig, shards: str, label: str) -> dict[s
 
 
 def run_bare(root: str, cfg: TrainConfig, shards: str) -> dict[str, Any]:
-    """The bare loop in a child process with the worker's thread settings."""
+    """The bare loop in a child process with the worker's thread settings and floating-point
+    mode (``cluster.flush_denormals``)."""
     spec = os.path.join(root, "bare.json")
     out = os.path.join(root, "bare-out.json")
     with open(spec, "w") as fh:
@@ -142,14 +143,17 @@ def run_bare(root: str, cfg: TrainConfig, shards: str) -> dict[str, Any]:
 
 def bare_child(spec_path: str) -> None:
     """What a person writes with Gluon alone: same rows, model, optimizer and kvstore."""
+    from common import fpmode
     from common.mx import import_mxnet
     from training import data
     from training.model import build_model
 
-    mx = import_mxnet()
     with open(spec_path) as fh:
         spec = json.load(fh)
     cfg = TrainConfig.from_dict(spec["config"])
+    if cfg.cluster.flush_denormals:
+        fpmode.flush_denormals()  # what a role does before mxnet starts its threads
+    mx = import_mxnet()
     manifest = data.load_manifest(spec["shards"])
     with tempfile.TemporaryDirectory() as work:
         X, y = data.fetch_split(manifest, spec["shards"], data.train_shards(manifest), work)

@@ -20,6 +20,7 @@ import signal
 import sys
 import tempfile
 
+from common.fpmode import apply_from_env
 from common.mx import import_mxnet
 
 
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "worker":
+        apply_from_env()  # the floating-point mode the engine's threads inherit: before mxnet starts them
         import_mxnet()  # before anything else can import mxnet with sklearn present
         return _worker(args.job_uri)
     return _run(args)

@@ -239,6 +239,10 @@ class ClusterConfig:
     # not train the digits MLP at batch 32, 8-128 do (docs/kvstore-correctness.md).
     gradient_compression: str = "none"
     compression_threshold: float = 0.5
+    # Every role process flushes denormal floats to zero (x86 FTZ/DAZ, common.fpmode): Adam's
+    # moments of dead units decay into the denormal range, where each operation on them is
+    # many times slower (the LeNet benchmark's steps: 1.5x). Changes only values below 1.2e-38.
+    flush_denormals: bool = True
 
     def __post_init__(self) -> None:
         _check(self.backend in BACKENDS, f"cluster.backend must be one of {BACKENDS}, got {self.backend!r}")
@@ -266,6 +270,8 @@ class ClusterConfig:
                f"cluster.gradient_compression='2bit' needs cluster.kvstore in {COMPRESSION_KVSTORES}, got "
                f"{self.kvstore!r}: MXNet compresses only the pushes of a distributed kvstore (it refuses "
                "'local'), and only dist_sync has a reference test here")
+        _check(isinstance(self.flush_denormals, bool),
+               f"cluster.flush_denormals must be true or false, got {self.flush_denormals!r}")
         _check(self.compression_threshold > 0,
                f"cluster.compression_threshold must be > 0, got {self.compression_threshold}")
         reason = unsafe_combination(self.kvstore, self.optimizer_placement)

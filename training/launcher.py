@@ -128,7 +128,8 @@ def launch_for(cfg: TrainConfig, job_uri: str, env: Mapping[str, str] | None = N
     """The ``JobLaunch`` of a config: its cluster shape and per-role thread bound."""
     c = cfg.cluster
     return JobLaunch(job_uri=job_uri, num_workers=c.num_workers, num_servers=c.num_servers,
-                     threads_per_role=c.threads_per_role, env=dict(env or {}), distributed=c.distributed)
+                     threads_per_role=c.threads_per_role, env=dict(env or {}), distributed=c.distributed,
+                     flush_denormals=c.flush_denormals)
 
 
 def _describe_exit(code: int) -> str:

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from common import storage
+from common import fpmode, storage
 from common.mx import import_mxnet
 from training import checkpoint_state as ckpt_state
 from training import data, faults
@@ -80,8 +80,9 @@ def run(job: JobSpec) -> dict[str, Any]:
     rank, num_workers = kv.rank, kv.num_workers
     ctxs = contexts(cfg)
     ctx = ctxs[0]
-    log.info("worker %d/%d started (kvstore=%s) optimizer on the %s; contexts %s", rank, num_workers,
-             cfg.cluster.kvstore, cfg.cluster.optimizer_placement, ctxs)
+    log.info("worker %d/%d started (kvstore=%s) optimizer on the %s; contexts %s; denormals %s", rank,
+             num_workers, cfg.cluster.kvstore, cfg.cluster.optimizer_placement, ctxs,
+             "flushed to zero" if fpmode.flushing() else "kept (IEEE)")
     preemption = Preemption.install()
 
     manifest = data.load_manifest(job.shards_prefix)
