@@ -191,8 +191,9 @@ def run(job: JobSpec) -> dict[str, Any]:
         log.info("resumed at the final step %d: nothing left to train, exporting again", global_step)
         net(mx.nd.zeros((1, manifest["num_features"]), ctx=ctx))  # export needs one hybridized forward
     while epoch < cfg.optim.epochs:
-        # Losses are read back LOSS_CHECK_EVERY steps at a time, and before anything that needs
-        # them or must not see a diverged model (checkpoint, progress line, epoch end).
+        # Losses are read back at most LOSS_CHECK_EVERY steps at a time (each read drains the
+        # engine: training.step), and before anything that needs them or must not see a
+        # diverged model (checkpoint, progress line, epoch end).
         losses = LossCheck(on_loss=record_step)
         meter.start_epoch()
         # The epoch's batches, built data.prefetch_batches ahead in a thread (training.prefetch).
