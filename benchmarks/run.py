@@ -77,6 +77,11 @@ def _p5(r: dict[str, Any]) -> Row:
     return (f"{r['dist_samples_per_s']:.0f} vs {r['single_samples_per_s']:.0f} samples/s", ratio, ratio >= 0.95)
 
 
+def _d1(r: dict[str, Any]) -> Row:
+    # Same run as P1: the bare loop with denormals flushed (as every role runs) ÷ with IEEE ones.
+    return (f"{r['bare_samples_per_s']:.0f} vs {r['bare_ieee_samples_per_s']:.0f} samples/s", r["flush_gain"], None)
+
+
 def _p6(r: dict[str, Any]) -> Row:
     ratio = r["ratio_to_raw_copy"]
     return (f"{r['shard_mb_per_s']:.1f} vs {r['raw_copy_mb_per_s']:.1f} MB/s ({r['source_mb']:.0f} MB CSV); "
@@ -122,6 +127,8 @@ BENCHES = (
           "≤ 30 s, detect ≤ 5 s", "recovery.py", ("--runs", "1"), ("--runs", "3"), 1800, _p4),
     Bench("P5", "2-worker dist_sync aggregate ÷ single process, same 2 cores", "≥ 0.95",
           "trainer_throughput.py", ("--quick",), (), 1200, _p5),
+    Bench("D1", "denormals flushed to zero ÷ IEEE denormals (bare loop of P1, LeNet + Adam)", "reported",
+          "trainer_throughput.py", ("--quick",), (), 1200, _d1),
     Bench("P6", "sharding S3 → S3 ÷ raw copy of the source", "≥ 0.5",
           "shard_throughput.py", ("--quick",), (), 3600, _p6),
     Bench("P7", "DAG file parse time once Airflow is loaded", "≤ 0.5 s, nothing heavy",

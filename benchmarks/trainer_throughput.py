@@ -15,6 +15,10 @@ so that a step is compute (tens of ms), not Python overhead.
   each epoch and no per-step sync, the fastest a plain loop gets). Same work per step on both
   sides: numpy rows → ``nd.array``, forward/backward, ``trainer.step``, and the loss summed on
   the device for the epoch's train loss (the bare loop did not compute it before 2026-12-03).
+- Denormals: every role flushes them to zero (``cluster.flush_denormals``, ``common.fpmode``)
+  and the bare loop above does too, so P1 compares the same arithmetic. A third run, the bare
+  loop with IEEE denormals (what plain Gluon does), gives what flushing is worth on this job:
+  Adam's first moments of dead units go denormal after a few hundred steps.
 - P5: a 2-worker ``dist_sync`` job (1 server, 1 thread per role, optimizer on the workers,
   the pipeline's default) ÷ the single-process job above, on the same 2 cores. Aggregate =
   rank 0's rate × 2: ``dist_sync`` workers move in lock-step with equal batches.
@@ -199,10 +203,11 @@ def main() -> int:
         bare_child(args.bare_child)
         return 0
     logging.basicConfig(level=logging.WARNING)
-    rows, epochs, rounds = (8192, 4, 2) if args.quick else (16384, 6, 3)
+    # 256 steps an epoch: the IEEE bare loop's moments turn denormal in its third epoch.
+    rows, epochs, rounds = (16384, 4, 2) if args.quick else (16384, 6, 3)
     from data_checks.shard import shard_dataset
 
-    runs: dict[str, list[dict[str, Any]]] = {"pipeline": [], "bare": [], "dist": []}
+    runs: dict[str, list[dict[str, Any]]] = {"pipeline": [], "bare": [], "bare_ieee": [], "dist": []}
     with tempfile.TemporaryDirectory(prefix="throughput-") as root:
         source = _source(root, rows)
         single_cfg = _config(source, epochs, SINGLE)
@@ -210,20 +215,24 @@ def main() -> int:
         shard_dataset(single_cfg, shards)
         for r in range(rounds):
             # Alternating order within a round too, so neither side always runs first.
-            pair = [("pipeline", lambda: run_pipeline(root, single_cfg, shards, "single")),
-                    ("bare", lambda: run_bare(root, single_cfg, shards))]
-            for name, fn in (pair if r % 2 == 0 else pair[::-1]):
+            ieee_cfg = single_cfg.replace(cluster={"flush_denormals": False})
+            sides = [("pipeline", lambda: run_pipeline(root, single_cfg, shards, "single")),
+                     ("bare", lambda: run_bare(root, single_cfg, shards)),
+                     ("bare_ieee", lambda: run_bare(root, ieee_cfg, shards))]
+            for name, fn in (sides if r % 2 == 0 else sides[::-1]):
                 runs[name].append(fn())
             runs["dist"].append(run_pipeline(root, _config(source, epochs, DIST), shards, "dist"))
             print(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]['samples_per_s']:.0f}"
                                                           for k, v in runs.items()), file=sys.stderr, flush=True)
     best = {k: max(v, key=lambda x: x["samples_per_s"]) for k, v in runs.items()}
-    pipeline, bare, dist = (best[k]["samples_per_s"] for k in ("pipeline", "bare", "dist"))
+    pipeline, bare, ieee, dist = (best[k]["samples_per_s"] for k in ("pipeline", "bare", "bare_ieee", "dist"))
     result = {"ratio": pipeline / bare, "pipeline_samples_per_s": pipeline, "bare_samples_per_s": bare,
               "p5_ratio": dist / pipeline, "dist_samples_per_s": dist, "single_samples_per_s": pipeline,
+              "bare_ieee_samples_per_s": ieee, "flush_gain": bare / ieee,
               "model": "lenet 1x28x28 (conv20, conv50, dense128), adam, batch 64 per worker",
               "rows": rows, "epochs": epochs, "rounds": runs, "load_average": os.getloadavg()}
     print(f"P1 pipeline {pipeline:.0f} ÷ bare {bare:.0f} samples/s = {pipeline / bare:.3f} (goal ≥ 0.98)")
+    print(f"denormals flushed: bare {bare:.0f} ÷ bare with IEEE denormals {ieee:.0f} samples/s = {bare / ieee:.3f}")
     print(f"P5 dist_sync 2 workers {dist:.0f} ÷ single {pipeline:.0f} samples/s = {dist / pipeline:.3f} "
           "(goal ≥ 0.95)")
     write_json(args.json, result)
