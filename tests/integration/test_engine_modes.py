@@ -85,9 +85,10 @@ MODES = [
 def test_every_kvstore_mode_trains(shards, s3_prefix, tmp_path, caplog, kvstore, workers, servers, contexts,
                                    optimizer):
     lr = {"sgd": 0.01, "nag": 0.01, "adagrad": 0.05}.get(optimizer, 0.005)
+    flush = kvstore != "dist_async"  # one mode with IEEE denormals: the setting reaches every worker either way
     job, metrics, roles = _train(shards, s3_prefix, tmp_path, caplog,
                                  cluster={"kvstore": kvstore, "num_workers": workers, "num_servers": servers,
-                                          "devices_per_worker": contexts},
+                                          "devices_per_worker": contexts, "flush_denormals": flush},
                                  optim={"optimizer": optimizer, "learning_rate": lr})
     _assert_trains(metrics)
     workers_started = [r for r in roles if r.startswith("worker-")]
@@ -96,9 +97,11 @@ def test_every_kvstore_mode_trains(shards, s3_prefix, tmp_path, caplog, kvstore,
         assert roles == ["worker-0"], f"a single-process kvstore needs no scheduler or servers: {roles}"
     else:
         assert roles[:1 + servers] == ["scheduler"] + [f"server-{i}" for i in range(servers)]
-    contexts_logged = re.findall(r"worker 0/\d+ started \(kvstore=(\w+)\).*contexts \[(.*)\]", caplog.text)
+    contexts_logged = re.findall(r"worker 0/\d+ started \(kvstore=(\w+)\).*contexts \[(.*?)\]", caplog.text)
     assert contexts_logged and contexts_logged[0][0] == kvstore
     assert contexts_logged[0][1] == ", ".join(f"cpu({i})" for i in range(contexts))
+    modes = re.findall(r"worker \d+/\d+ started .*; denormals (flushed to zero|kept \(IEEE\))", caplog.text)
+    assert modes == ["flushed to zero" if flush else "kept (IEEE)"] * workers, modes
     # The per-epoch progress line: step, loss, samples/s (this worker and all), ETA.
     lines = PROGRESS.findall(caplog.text)
     assert sorted(int(m[0]) for m in lines) == sorted([0, 1] * workers), caplog.text[-3000:]
