@@ -214,9 +214,9 @@ def main() -> int:
         single_cfg = _config(source, epochs, SINGLE)
         shards = os.path.join(root, "shards")
         shard_dataset(single_cfg, shards)
+        ieee_cfg = single_cfg.replace(cluster={"flush_denormals": False})
         for r in range(rounds):
             # Alternating order within a round too, so neither side always runs first.
-            ieee_cfg = single_cfg.replace(cluster={"flush_denormals": False})
             sides = [("pipeline", lambda: run_pipeline(root, single_cfg, shards, "single")),
                      ("bare", lambda: run_bare(root, single_cfg, shards)),
                      ("bare_ieee", lambda: run_bare(root, ieee_cfg, shards))]
