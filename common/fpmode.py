@@ -1,7 +1,7 @@
 """Flush denormal floats to zero in a role process (x86-64: the MXCSR FTZ and DAZ bits).
 
-Why: an operation on a denormal float (|x| < 1.18e-38 in float32) takes tens to hundreds of
-cycles on x86 instead of one. Adam's first moment of a weight whose gradient has become zero
+Why: on x86 an operation on a denormal float (|x| < 1.18e-38 in float32) is many times slower
+than on a normal one. Adam's first moment of a weight whose gradient has become zero
 (a dead ReLU unit) decays by beta1 = 0.9 a step and crosses the denormal range a few hundred
 steps later; in the LeNet job of ``benchmarks/trainer_throughput.py`` about 350,000 moments were
 denormal from the third epoch on and each step took 1.5x as long (see benchmarks/README.md).
@@ -84,8 +84,7 @@ def flush_denormals() -> bool:
     return True
 
 
-def apply_from_env(environ: os._Environ[str] | dict[str, str] | None = None) -> bool:
+def apply_from_env() -> bool:
     """``flush_denormals()`` when ``ENV`` is ``1`` in the role's environment; call it before
     ``import mxnet``."""
-    env = os.environ if environ is None else environ
-    return env.get(ENV) == "1" and flush_denormals()
+    return os.environ.get(ENV) == "1" and flush_denormals()

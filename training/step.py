@@ -22,7 +22,7 @@
   one, so the tail of one step no longer overlaps the head of the next. The bare Gluon loop
   never waits inside an epoch. Measured on the LeNet benchmark job (2 cores, denormals
   flushed, one process, variants alternating by epoch): a read every 8 steps ran at 0.94 of
-  the bare loop, every 32 at 0.99, none at 1.00. So a sync costs about half a step, and reads
+  the bare loop, every 32 at 0.99, none at 0.97-1.00 (two runs). So a sync costs about half a step, and reads
   are kept rare. Reading each step's loss 2 or 8 steps behind, instead of all at once, was
   worse (0.87-0.88): each read still waits in the engine's queue. The NaN/inf failure stays
   deterministic and names the exact step. It is raised at the next read: at most
