@@ -45,7 +45,7 @@ sys.path.insert(0, REPO)
 from benchmarks import chaos_jobs as cj  # noqa: E402
 from benchmarks.result_file import write_json  # noqa: E402
 from common import storage  # noqa: E402
-from training.config import TrainConfig, recipe  # noqa: E402
+from common.config import TrainConfig, recipe  # noqa: E402
 
 EXACT_ATOL = 1e-6
 ROLES = ("worker", "server", "scheduler")

@@ -25,11 +25,11 @@ import numpy as np
 
 from common import storage
 from common.procs import GroupSpawner, tagged_processes
-from training.checkpoint import CheckpointStore, store_for
-from training.config import TrainConfig
-from training.job import JobSpec
-from training.launcher import JobFailed, Supervisor
-from training.ports import free_port
+from training.checkpoint.store import CheckpointStore, store_for
+from common.config import TrainConfig
+from training.launch.job import JobSpec
+from training.launch.launcher import JobFailed, Supervisor
+from training.launch.ports import free_port
 
 TAG = "MXPIPE_CHAOS_TAG"
 ORPHAN_WAIT_S = 10.0

@@ -35,7 +35,7 @@ from netns_hosts import namespace_hosts, netns_available, netns_pids  # noqa: E4
 from benchmarks import chaos_jobs as cj  # noqa: E402
 from common import storage  # noqa: E402
 from common.procs import tagged_processes  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
+from common.config import TrainConfig  # noqa: E402
 
 STALL_S = 20.0  # the job's stall timeout in R4: short enough to keep the long cut brief
 CUT_WAIT_S = 300.0  # bound on waiting for the first checkpoint before the cut
@@ -71,7 +71,7 @@ def _cut_link(ns: str, events: Path, cut_s: float, marks: dict[str, float], erro
 
 
 def _attempt(job: Any, job_uri: str, cluster: Any, events: Path) -> tuple[str | None, float]:
-    from training.launcher import JobFailed, Supervisor
+    from training.launch.launcher import JobFailed, Supervisor
 
     env = {**os.environ, "MXPIPE_EVENTS_FILE": str(events)}
     started = time.monotonic()

@@ -37,7 +37,7 @@ from typing import Any
 
 from benchmarks import chaos
 from benchmarks import chaos_jobs as cj
-from training.config import TrainConfig
+from common.config import TrainConfig
 
 OUTAGE_WAIT_S = 300.0  # bound on waiting for the job to reach the kill step
 KILL_AT_CHECKPOINT = 5  # the outage starts at the 5th checkpoint step (4 committed before it)
@@ -151,7 +151,7 @@ def _trial(job: Any, run: cj.Attempt, outage: dict[str, float], errors: list[Bas
 
 
 def _verifies(job: Any, step: int) -> bool:
-    from training.checkpoint import store_for
+    from training.checkpoint.store import store_for
 
     try:
         store_for(job.checkpoint_prefix, job.config.checkpoint).load(step)

@@ -54,8 +54,8 @@ def _model(mx):
 
 
 def _train(mx, steps: int, every: int, writer) -> dict:
-    from training import checkpoint_state as cs
-    from training.kvstore_sync import make_trainer
+    from training.checkpoint import state as cs
+    from training.loop.kvstore_sync import make_trainer
 
     mx.random.seed(1)
     net = _model(mx)
@@ -118,9 +118,9 @@ def main() -> int:
     from common.mx import import_mxnet
     from infra.s3_service import start_s3, stop_s3
     from infra.stack_config import StackConfig, stack_env
-    from training import checkpoint_state as cs
-    from training.checkpoint import CheckpointStore
-    from training.checkpoint_async import Checkpointer
+    from training.checkpoint import state as cs
+    from training.checkpoint.store import CheckpointStore
+    from training.checkpoint.writer import Checkpointer
 
     mx = import_mxnet()
     with tempfile.TemporaryDirectory(prefix="mxpipe-bench-") as tmp:
@@ -170,7 +170,7 @@ def main() -> int:
                 restore.append(time.monotonic() - t0)
                 assert got is not None
             # Loading into a model + trainer, timed once.
-            from training.kvstore_sync import make_trainer
+            from training.loop.kvstore_sync import make_trainer
 
             net = _model(mx)
             t0 = time.monotonic()

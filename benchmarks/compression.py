@@ -2,8 +2,8 @@
 
 Two real 2-worker ``dist_sync`` jobs (1 server; scheduler, server and workers under the
 project's Supervisor) run back to back in one invocation: the same MLP, data and steps, the
-engine's own trainer path (``training.kvstore_sync.make_trainer``, ``with_gradient_compression``,
-``training.step.StepRunner``, optimizer on the workers), once plain and once with 2-bit
+engine's own trainer path (``training.loop.kvstore_sync.make_trainer``, ``with_gradient_compression``,
+``training.loop.step.StepRunner``, optimizer on the workers), once plain and once with 2-bit
 compression, alternating for ``--rounds`` pairs (the fastest job of each kind is kept). Each
 worker (``--child``) times ``--steps`` steps after a warm-up and reports:
 
@@ -75,11 +75,11 @@ def child(args: argparse.Namespace) -> None:
     import numpy as np
 
     from common.mx import import_mxnet
-    from training.config import recipe
-    from training.kvstore_sync import make_trainer, with_gradient_compression
-    from training.model import build_model
-    from training.optim import optimizer_params
-    from training.step import StepRunner
+    from common.config import recipe
+    from training.loop.kvstore_sync import make_trainer, with_gradient_compression
+    from training.loop.model import build_model
+    from training.loop.optim import optimizer_params
+    from training.loop.step import StepRunner
 
     mx = import_mxnet()
     cfg = recipe("debug").replace(model={"hidden": tuple(args.hidden)},
@@ -124,9 +124,9 @@ def child(args: argparse.Namespace) -> None:
 
 def run_job(args: argparse.Namespace, compression: bool, out: str) -> list[dict[str, Any]]:
     from common.procs import GroupSpawner, group_members
-    from training.config import TrainConfig
-    from training.launcher import Supervisor
-    from training.ports import free_port
+    from common.config import TrainConfig
+    from training.launch.launcher import Supervisor
+    from training.launch.ports import free_port
 
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--out", out, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--batch", str(args.batch), "--threshold", str(args.threshold),

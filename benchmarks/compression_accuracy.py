@@ -26,7 +26,7 @@ for path in (REPO, HERE):
 
 from data_checks.shard import shard_dataset  # noqa: E402
 from kvstore_modes import _source  # noqa: E402
-from training.config import recipe  # noqa: E402
+from common.config import recipe  # noqa: E402
 
 
 def run(root: str, source: str, shards: str, threshold: str, epochs: int) -> dict:

@@ -30,10 +30,10 @@ from benchmarks.result_file import write_json  # noqa: E402
 from common import storage  # noqa: E402
 from common.procs import GroupSpawner, group_members  # noqa: E402
 from data_checks.shard import shard_dataset  # noqa: E402
-from training.config import TrainConfig, recipe  # noqa: E402
-from training.job import JobSpec  # noqa: E402
-from training.launcher import Supervisor  # noqa: E402
-from training.ports import free_port  # noqa: E402
+from common.config import TrainConfig, recipe  # noqa: E402
+from training.launch.job import JobSpec  # noqa: E402
+from training.launch.launcher import Supervisor  # noqa: E402
+from training.launch.ports import free_port  # noqa: E402
 
 CHOSEN = "dist_sync/workers"
 

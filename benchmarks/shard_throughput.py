@@ -36,7 +36,7 @@ CHILD_SHARD = """
 import json, logging, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
 from data_checks.shard import shard_dataset
-from training.config import TrainConfig
+from common.config import TrainConfig
 cfg = TrainConfig.from_json(sys.argv[1])
 t = time.perf_counter()
 manifest = shard_dataset(cfg, sys.argv[2], work_dir=sys.argv[3])
@@ -49,7 +49,7 @@ import json, logging, sys, time
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 from data_checks.validate import validate_shard
 from common.manifest import load_manifest
-from training.config import TrainConfig
+from common.config import TrainConfig
 cfg = TrainConfig.from_json(sys.argv[1])
 manifest = load_manifest(sys.argv[2])
 validate_shard(sys.argv[2], manifest["shards"][-1]["name"], cfg, manifest=manifest)  # warm-up: GX's first run
@@ -160,7 +160,7 @@ def main() -> None:
 
 def bench(bucket: str, home: str, rows: int, args: argparse.Namespace, env: dict[str, str]) -> dict:
     from common import storage
-    from training.config import ClusterConfig, DataConfig, TrainConfig
+    from common.config import ClusterConfig, DataConfig, TrainConfig
 
     local = os.path.join(home, "source.csv")
     t = time.perf_counter()

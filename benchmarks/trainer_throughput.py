@@ -7,7 +7,7 @@ One dataset (synthetic 1x28x28 "images", 10 classes, sharded once by ``shard_dat
 2 train shards) and one model (``lenet``: two 3x3 convolutions, Dense 128; Adam, batch 64),
 so that a step is compute (tens of ms), not Python overhead.
 
-- P1: the real trainer (``training.worker`` under the Supervisor: a ``local`` kvstore job,
+- P1: the real trainer (``training.loop.worker`` under the Supervisor: a ``local`` kvstore job,
   1 worker with 2 threads) ÷ a bare Gluon loop over the same rows, model, optimizer, kvstore
   and threads in a process of its own (``--bare-child``). Both report their steady state: the
   median over epochs after the first of samples / loop time per epoch (the worker's epoch
@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.result_file import write_json  # noqa: E402
 from common import storage  # noqa: E402
-from training.config import CheckpointConfig, ClusterConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig  # noqa: E402
+from common.config import CheckpointConfig, ClusterConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig  # noqa: E402
 
 SHAPE = (1, 28, 28)
 CLASSES = 10
@@ -96,9 +96,9 @@ def _steady(rates: list[float]) -> float:
 
 def run_pipeline(root: str, cfg: TrainConfig, shards: str, label: str) -> dict[str, Any]:
     from common.procs import GroupSpawner, group_members
-    from training.job import JobSpec
-    from training.launcher import Supervisor
-    from training.ports import free_port
+    from training.launch.job import JobSpec
+    from training.launch.launcher import Supervisor
+    from training.launch.ports import free_port
 
     prefix = tempfile.mkdtemp(prefix=f"{label}-", dir=root)
     job = JobSpec(config=cfg, shards_prefix=shards, checkpoint_prefix=os.path.join(prefix, "ckpt"),
@@ -149,8 +149,8 @@ def bare_child(spec_path: str) -> None:
     """What a person writes with Gluon alone: same rows, model, optimizer and kvstore."""
     from common import fpmode
     from common.mx import import_mxnet
-    from training import data
-    from training.model import build_model
+    from training.feed import data
+    from training.loop.model import build_model
 
     with open(spec_path) as fh:
         spec = json.load(fh)

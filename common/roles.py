@@ -1,6 +1,6 @@
 """The roles of one ps-lite job, and the environment each role is started with.
 
-Shared by the supervisor (``training.launcher``) and every cluster backend (``infra``): a backend
+Shared by the supervisor (``training.launch.launcher``) and every cluster backend (``infra``): a backend
 decides *where* a role runs, this module decides *what* runs there and with which ``DMLC_*`` /
 ``PS_*`` variables, so the local, hosts and EC2 backends start byte-for-byte the same roles.
 

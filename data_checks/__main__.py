@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 
-    from training.config import ConfigError, TrainConfig
+    from common.config import ConfigError, TrainConfig
 
     try:
         with open(args.config) as fh:

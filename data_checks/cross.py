@@ -23,7 +23,7 @@ from common.manifest import load_manifest
 from data_checks.errors import DataError
 
 if TYPE_CHECKING:
-    from training.config import TrainConfig
+    from common.config import TrainConfig
 
 log = logging.getLogger(__name__)
 

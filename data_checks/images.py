@@ -26,7 +26,7 @@ from data_checks.errors import DataError
 from data_checks.readers import Chunk, Layout, canonical_label, hash_ids
 
 if TYPE_CHECKING:
-    from training.config import DataConfig
+    from common.config import DataConfig
 
 log = logging.getLogger(__name__)
 

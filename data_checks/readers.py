@@ -29,7 +29,7 @@ from data_checks.errors import DataError
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from training.config import DataConfig
+    from common.config import DataConfig
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from data_checks.errors import DataError
 from data_checks.readers import Chunk, TableReader, canonical_label
 
 if TYPE_CHECKING:
-    from training.config import TrainConfig
+    from common.config import TrainConfig
 
 __all__ = ["shard_dataset", "shard_content_addressed", "fingerprint", "load_manifest", "manifest_digest",
            "download_shard"]

@@ -35,7 +35,7 @@ from data_checks.suites import NONFINITE_COLUMN, RANGE_COLUMN, SuiteSpec, descri
 if TYPE_CHECKING:
     import pandas as pd
 
-    from training.config import TrainConfig
+    from common.config import TrainConfig
 
 log = logging.getLogger(__name__)
 

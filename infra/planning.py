@@ -29,7 +29,7 @@ own links are the limit). The instance type is the fitting one with the lowest p
 TFLOP of the devices the plan uses (unused GPUs are still paid for). Speed is not predicted.
 
 No Airflow and no mxnet here: a model comes in as its counts (``ModelShape``). Counting a model of
-the zoo by name needs the trainer (``training.model.count_model``, mxnet shape inference) and
+the zoo by name needs the trainer (``training.loop.model.count_model``, mxnet shape inference) and
 infra does not import training, so ``main`` takes the counting function from its caller:
 ``scripts/plan.py`` (which may import both) passes it for ``--model``.
 """

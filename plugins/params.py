@@ -1,6 +1,6 @@
 """The training DAG's trigger form: ``Param``s with JSON-schema types, bounds, enums, descriptions.
 
-Enums come from the authoritative tuples in ``training.config`` (and ``infra.cluster``), so a
+Enums come from the authoritative tuples in ``common.config`` (and ``infra.cluster``), so a
 model or optimizer added there appears in the form without touching this file; defaults come
 from the ``digits`` recipe. These modules are stdlib-only, so a DAG file importing this stays
 light at parse time. The form rejects a bad value when the run is triggered; what only the
@@ -14,8 +14,8 @@ from airflow.sdk import Param
 
 from infra.cluster import BACKEND_NAMES
 from plugins.assets import DEFAULT_MODEL_NAME, dataset_uri
-from training.config import KVSTORES, MODELS, OPTIMIZERS, recipe
-from training.warm_start import MODEL_URI_PATTERN
+from common.config import KVSTORES, MODELS, OPTIMIZERS, recipe
+from training.tracking.warm_start import MODEL_URI_PATTERN
 
 # s3:// URI (bucket 3–63 chars of [a-z0-9.-], then a key) or an absolute path; a table file, a
 # glob of them, or a folder ending in "/".

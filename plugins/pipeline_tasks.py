@@ -35,7 +35,7 @@ def artifact_root() -> str:
 
 def resolve_config(params: dict[str, Any]) -> Any:
     """DAG params → the one typed ``TrainConfig`` (an invalid combination fails here, at once)."""
-    from training.config import ConfigError, recipe
+    from common.config import ConfigError, recipe
 
     try:
         base = recipe(params.get("recipe", "digits"), params["dataset_uri"])
@@ -114,13 +114,13 @@ def warm_start_checkpoint(params: dict[str, Any], dag_id: str, run_id: str, cfg:
     """The ``warm_start`` run's newest valid checkpoint as ``{"run_id", "prefix", "step"}``, or None.
 
     ``warm_start`` is a run id of this DAG, or a registered version (``models:/name/3``,
-    ``models:/name@alias``: its training run, from the version's tags, ``training.warm_start``;
+    ``models:/name@alias``: its training run, from the version's tags, ``training.tracking.warm_start``;
     the result then also names the version). Only an explicitly named run is used: a new DAG
     run never picks up another run's checkpoints by itself. A missing run, model, version or
     alias, or one with no checkpoint that verifies, fails without a retry.
     """
-    from training.checkpoint import CorruptCheckpoint, store_for
-    from training.warm_start import is_model_uri
+    from training.checkpoint.store import CorruptCheckpoint, store_for
+    from training.tracking.warm_start import is_model_uri
 
     source = (params.get("warm_start") or "").strip()
     if not source:
@@ -149,7 +149,7 @@ def _warm_start_model(source: str) -> Any:
     """The registered version ``source`` names; a missing one fails without a retry."""
     import mlflow
 
-    from training.warm_start import WarmStartError, resolve_model
+    from training.tracking.warm_start import WarmStartError, resolve_model
 
     try:
         return resolve_model(source, os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri())
@@ -279,9 +279,9 @@ def train(params: dict[str, Any], cluster: dict[str, Any], shards: dict[str, Any
           run_id: str, try_number: int) -> dict[str, Any]:
     from common import storage
     from infra.cluster import attach
-    from training.checkpoint import CheckpointStore
-    from training.job import JobSpec
-    from training.launcher import JobFailed, Supervisor
+    from training.checkpoint.store import CheckpointStore
+    from training.launch.job import JobSpec
+    from training.launch.launcher import JobFailed, Supervisor
 
     cfg = resolve_config(params)
     paths = run_paths(dag_id, run_id)
@@ -319,10 +319,10 @@ def register(params: dict[str, Any], shards: dict[str, Any], trained: dict[str, 
     import mlflow
 
     from common import storage
-    from training import data
-    from training.evaluation import evaluate_classifier
-    from training.registry import log_model_run
-    from training.run_extras import plot_artifacts
+    from training.feed import data
+    from training.tracking.evaluation import evaluate_classifier
+    from training.tracking.registry import log_model_run
+    from training.tracking.run_extras import plot_artifacts
 
     cfg = resolve_config(params)
     manifest = data.load_manifest(shards["shards_prefix"])

@@ -65,7 +65,7 @@ def resolve(params: Mapping[str, Any], triggering_events: Mapping[Any, Iterable[
     """Which version to review: the triggering event's, else the Params' (empty = the challenger)."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from training.review import ReviewError, resolve_target
+    from training.tracking.review import ReviewError, resolve_target
 
     event_name, event_version = _from_events(triggering_events)
     name = event_name or params["model_name"]
@@ -83,7 +83,7 @@ def compare(target: Mapping[str, Any], dag_id: str, run_id: str) -> dict[str, An
     """Evaluate challenger and champion on the same test split; log the review run."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from training.review import ReviewError, Target, review
+    from training.tracking.review import ReviewError, Target, review
 
     try:
         return review(_tracking_uri(), Target(**target), run_name=f"{dag_id}/{run_id}",
@@ -108,7 +108,7 @@ def _decision(approval: Mapping[str, Any] | None) -> tuple[str, str, str]:
 def apply_approval(target: Mapping[str, Any], reviewed: Mapping[str, Any],
                    approval: Mapping[str, Any] | None) -> dict[str, Any]:
     """Runs only on "Approve" (the operator skips it on "Reject"): ``champion`` moves."""
-    from training.review import promote
+    from training.tracking.review import promote
 
     _, reviewer, comment = _decision(approval)
     return promote(_tracking_uri(), target["name"], target["challenger"], reviewer=reviewer, comment=comment,
@@ -118,7 +118,7 @@ def apply_approval(target: Mapping[str, Any], reviewed: Mapping[str, Any],
 def apply_rejection(target: Mapping[str, Any], reviewed: Mapping[str, Any],
                     approval: Mapping[str, Any] | None) -> dict[str, Any]:
     """Runs only on "Reject": the version is tagged, the aliases stay."""
-    from training.review import reject
+    from training.tracking.review import reject
 
     _, reviewer, comment = _decision(approval)
     return reject(_tracking_uri(), target["name"], target["challenger"], reviewer=reviewer, comment=comment,

@@ -26,11 +26,11 @@ from common.mx import import_mxnet
 
 def _worker(job_uri: str) -> int:
     from common.errors import DataError
-    from training.config import ConfigError
-    from training.job import EXIT_BAD_INPUT, EXIT_NAN_LOSS, JobSpec
-    from training.worker import NaNLossError, run
+    from common.config import ConfigError
+    from training.launch.job import EXIT_BAD_INPUT, EXIT_NAN_LOSS, JobSpec
+    from training.loop.worker import NaNLossError, run
 
-    log = logging.getLogger("training.worker")
+    log = logging.getLogger("training.loop.worker")
     # The supervisor sends SIGUSR1 to a stalled local worker before stopping it: every thread's
     # Python stack goes to the role's output, so a stall report says where the worker waited.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -56,10 +56,10 @@ def _worker(job_uri: str) -> int:
 def _run(args: argparse.Namespace) -> int:
     from common import storage
     from common.procs import GroupSpawner
-    from training.config import TrainConfig
-    from training.job import JobSpec
-    from training.launcher import JobFailed, Supervisor
-    from training.ports import free_port
+    from common.config import TrainConfig
+    from training.launch.job import JobSpec
+    from training.launch.launcher import JobFailed, Supervisor
+    from training.launch.ports import free_port
 
     cfg = TrainConfig.from_json(open(args.config).read())
     out = args.out.rstrip("/")

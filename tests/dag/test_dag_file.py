@@ -58,8 +58,8 @@ def test_params_defaults_resolve_to_a_valid_config(dag):
 
 
 def test_form_enums_and_defaults_follow_training_config(dag):
-    """Models and optimizers come from training.config's tuples, defaults from the recipe."""
-    from training.config import MODELS, OPTIMIZERS, recipe
+    """Models and optimizers come from common.config's tuples, defaults from the recipe."""
+    from common.config import MODELS, OPTIMIZERS, recipe
 
     schema = {k: dag.params.get_param(k).schema for k in dag.params}
     assert schema["model"]["enum"] == list(MODELS) and schema["optimizer"]["enum"] == list(OPTIMIZERS)

@@ -1,5 +1,5 @@
 """One worker of a 2-bit compression probe job: push known gradients through the engine's
-compressing kvstore view (``training.kvstore_sync.with_gradient_compression``) and save what
+compressing kvstore view (``training.loop.kvstore_sync.with_gradient_compression``) and save what
 every pull returned, so the test can compare it with MXNet's quantisation written out in numpy.
 
 Every push's gradient is a pure function of ``(seed, rank, step)``; run by
@@ -18,7 +18,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from common.mx import import_mxnet  # noqa: E402
-from training.kvstore_sync import with_gradient_compression  # noqa: E402
+from training.loop.kvstore_sync import with_gradient_compression  # noqa: E402
 
 # Two keys: one a multiple of 16 values (whole 2-bit words), one not (a partly filled last word).
 SHAPES = ((8, 16), (37,))

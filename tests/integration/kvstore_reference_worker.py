@@ -6,7 +6,7 @@ by the launcher), or as a plain process (no ``DMLC_*``) for the single-process k
 (initial parameters, every step's global batch) is a pure function of ``(seed, trial, step)``,
 so the single-process reference in the test can recompute it.
 
-Each trial uses a fresh model and fresh kvstore keys (``training.kvstore_sync.with_key_offset`` shifts a trainer's keys by
+Each trial uses a fresh model and fresh kvstore keys (``training.loop.kvstore_sync.with_key_offset`` shifts a trainer's keys by
 ``trial * KEY_STRIDE``), so K trials run back to back inside one job launch, each starting from
 an empty server-side state: the repetitions that catch a race cost one cluster start-up.
 
@@ -15,7 +15,7 @@ correct kvstore mode must overwrite them with rank 0's values before the first u
 initial parameter sync is under test too.
 
 With ``--placement split`` the model is split over the worker's contexts the way the pipeline
-does it (``training.placement``: ``SplitNet``, one Trainer per stage from
+does it (``training.loop.placement``: ``SplitNet``, one Trainer per stage from
 ``make_split_trainer`` on key-shifted views of the trial's view); the batch then enters whole
 on the first context. The reference stays one unsplit process.
 """
@@ -35,7 +35,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from common.mx import import_mxnet  # noqa: E402
-from training.kvstore_sync import with_gradient_compression, with_key_offset  # noqa: E402
+from training.loop.kvstore_sync import with_gradient_compression, with_key_offset  # noqa: E402
 
 IN_UNITS, HIDDEN, CLASSES = 10, 16, 4
 KEY_STRIDE = 100
@@ -180,8 +180,8 @@ def reference_two_bit(seed: int, trial: int, steps: int, num_workers: int, batch
 
 def run_trials(args: argparse.Namespace) -> dict[str, Any]:
     mx = import_mxnet()
-    from training.kvstore_sync import make_trainer
-    from training.placement import SplitNet, make_split_trainer
+    from training.loop.kvstore_sync import make_trainer
+    from training.loop.placement import SplitNet, make_split_trainer
 
     kv = mx.kv.create(args.kvstore)
     rank, num_workers = kv.rank, kv.num_workers
@@ -241,7 +241,7 @@ def run_async_checks(args: argparse.Namespace) -> dict[str, Any]:
     A worker barrier closes every phase, so no push of one phase meets the next phase's optimizer.
     """
     mx = import_mxnet()
-    from training.kvstore_sync import make_trainer
+    from training.loop.kvstore_sync import make_trainer
 
     kv = mx.kv.create("dist_async")
     rank, W = kv.rank, kv.num_workers
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--contexts", type=int, default=1)
     p.add_argument("--placement", default="replicated", choices=("replicated", "split"),
-                   help="split: the model's blocks in stages over the contexts (training.placement)")
+                   help="split: the model's blocks in stages over the contexts (training.loop.placement)")
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--same-init", action="store_true", help="every rank starts from rank 0's values")
     p.add_argument("--compression", type=float, default=0.0,

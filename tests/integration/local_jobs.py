@@ -4,9 +4,9 @@ import os
 
 from common import storage
 from common.procs import GroupSpawner, group_members
-from training.job import JobSpec
-from training.launcher import Supervisor
-from training.ports import free_port
+from training.launch.job import JobSpec
+from training.launch.launcher import Supervisor
+from training.launch.ports import free_port
 
 
 def make_job(cfg, shards_prefix, prefix, **overrides):

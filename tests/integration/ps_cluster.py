@@ -10,9 +10,9 @@ import os
 from collections.abc import Mapping, Sequence
 
 from common.procs import GroupSpawner, group_members
-from training.config import TrainConfig
-from training.launcher import Supervisor
-from training.ports import free_port
+from common.config import TrainConfig
+from training.launch.launcher import Supervisor
+from training.launch.ports import free_port
 
 
 class ScriptSupervisor(Supervisor):

@@ -27,7 +27,7 @@ import time
 import pytest
 
 from common import storage
-from training.checkpoint import CheckpointStore
+from training.checkpoint.store import CheckpointStore
 from infra.airflow_client import (
     AirflowClient,
     trigger_dag_run,

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from common import storage
 from data_checks.shard import shard_dataset
-from training.checkpoint import CheckpointKeyError, CheckpointStore, store_for
-from training.config import recipe
-from training.job import EXIT_PREEMPTED
-from training.launcher import JobFailed
+from training.checkpoint.store import CheckpointKeyError, CheckpointStore, store_for
+from common.config import recipe
+from training.launch.job import EXIT_PREEMPTED
+from training.launch.launcher import JobFailed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from local_jobs import make_job as _job, run_job as _run  # noqa: E402
@@ -74,7 +74,7 @@ def reference_steps(reference, s3_server):
 
 
 def _resumes_exactly(job, prefix, tmp_path, caplog, reference, expect_step, reference_steps=None):
-    caplog.set_level(logging.INFO, logger="training.launcher")
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")
     caplog.clear()
     _run(job, prefix, tmp_path)
     resumed = re.findall(r"resumed from step (\d+) .*optimizer state (\w+)", caplog.text)
@@ -144,7 +144,7 @@ def test_elastic_resume_two_workers_to_one(shards, s3_prefix, tmp_path, caplog):
         _run(strict, s3_prefix, tmp_path)
     assert refused.value.deterministic and "checkpoint.elastic" in str(refused.value)
 
-    caplog.set_level(logging.INFO, logger="training.launcher")
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")
     job1 = _job(cfg, shards_prefix, s3_prefix, cluster={"num_workers": 1}, checkpoint={"elastic": True})
     _run(job1, s3_prefix, tmp_path)
     # 28 steps x 64 samples consumed; epoch 1 had used 8 steps x 64 = 512 samples, so with a
@@ -231,7 +231,7 @@ def test_sse_kms_header_is_sent_and_a_refusal_is_a_clear_storage_error(s3_prefix
 
 
 def test_big_file_goes_up_in_parts_and_verifies(s3_prefix, monkeypatch):
-    from training import checkpoint
+    from training.checkpoint import store as checkpoint
 
     monkeypatch.setattr(checkpoint, "MULTIPART_THRESHOLD", 5 << 20)
     store = CheckpointStore(s3_prefix, keep=2, sse={"ServerSideEncryption": "AES256"})

@@ -22,10 +22,10 @@ import pytest
 
 from common import storage
 from data_checks.shard import shard_dataset
-from training.checkpoint import store_for
-from training.config import OPTIMIZERS, recipe
-from training.job import EXIT_PREEMPTED
-from training.launcher import JobFailed
+from training.checkpoint.store import store_for
+from common.config import OPTIMIZERS, recipe
+from training.launch.job import EXIT_PREEMPTED
+from training.launch.launcher import JobFailed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kvstore_reference_worker import two_bit as _two_bit  # noqa: E402
@@ -51,7 +51,7 @@ def shards(s3_server, digits_csv):
 def _train(shards, s3_prefix, tmp_path, caplog, env=None, **overrides):
     cfg, prefix, _ = shards
     job = make_job(cfg, prefix, s3_prefix, **overrides)
-    caplog.set_level(logging.INFO, logger="training.launcher")
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")
     spawner = run_job(job, s3_prefix, tmp_path, env=env)
     metrics = json.loads(storage.get_bytes(job.metrics_uri))
     return job, metrics, [r.name for r in spawner.records]
@@ -118,9 +118,9 @@ def test_every_optimizer_takes_a_training_step():
     of a fixed batch falls over a few steps. One dist job per optimizer would add minutes for
     no new code path (the distributed runs above use five of them)."""
     from common.mx import import_mxnet
-    from training.kvstore_sync import make_trainer
-    from training.optim import optimizer_params
-    from training.step import StepRunner, prepare
+    from training.loop.kvstore_sync import make_trainer
+    from training.loop.optim import optimizer_params
+    from training.loop.step import StepRunner, prepare
 
     mx = import_mxnet()
     rng = np.random.RandomState(0)
@@ -160,7 +160,7 @@ def test_warmup_cosine_schedule_follows_the_global_step_across_a_resume(shards, 
     resume from an earlier checkpoint. The rate recorded at every epoch end (what the next step
     uses) must be the schedule's value at that global step, whether the epoch ran before or
     after the resume; the optimizer's update count must equal the global step."""
-    from training.launcher import JobFailed
+    from training.launch.launcher import JobFailed
 
     cfg, prefix, manifest = shards
     steps = _steps_per_epoch(manifest, 2, 32)
@@ -171,7 +171,7 @@ def test_warmup_cosine_schedule_follows_the_global_step_across_a_resume(shards, 
     kill_at = steps + 7
     fault = {"MXPIPE_FAULT_KILL_STEP": str(kill_at), "MXPIPE_FAULT_KILL_RANK": "1",
              "MXPIPE_FAULT_ONCE_FILE": str(tmp_path / "fault-fired")}
-    caplog.set_level(logging.INFO, logger="training.launcher")
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")
     with pytest.raises(JobFailed):
         run_job(job, s3_prefix, tmp_path, env=fault)
     run_job(job, s3_prefix, tmp_path, env=fault)
@@ -254,7 +254,7 @@ def split_run(shards, s3_server, tmp_path_factory):
     lines = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: lines.append(record.getMessage())
-    launcher = logging.getLogger("training.launcher")
+    launcher = logging.getLogger("training.launch.launcher")
     old_level = launcher.level
     launcher.addHandler(handler)
     launcher.setLevel(logging.INFO)
@@ -296,7 +296,7 @@ def test_split_model_resumes_exactly_after_sigterm(shards, split_run, s3_prefix,
         run_job(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_TERM_STEP": "27", "MXPIPE_FAULT_KILL_RANK": "0"})
     assert failed.value.exit_code == EXIT_PREEMPTED, str(failed.value)
     assert store_for(job.checkpoint_prefix, job.config.checkpoint).committed_steps()[0] == 27
-    caplog.set_level(logging.INFO, logger="training.launcher")
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")
     caplog.clear()
     run_job(job, s3_prefix, tmp_path)
     resumed = re.findall(r"resumed from step (\d+) .*optimizer state (\w+)", caplog.text)
@@ -314,9 +314,9 @@ def test_learning_rate_follows_warmup_then_cosine_at_every_step():
     a trainer rebuilt at a later step (what a resume does) and with accumulation (k=2 micro-
     batches still count as one step)."""
     from common.mx import import_mxnet
-    from training.kvstore_sync import make_trainer
-    from training.optim import learning_rate_at, optimizer_params
-    from training.step import StepRunner, prepare
+    from training.loop.kvstore_sync import make_trainer
+    from training.loop.optim import learning_rate_at, optimizer_params
+    from training.loop.step import StepRunner, prepare
 
     mx = import_mxnet()
     steps_per_epoch, epochs, warmup, peak = 4, 3, 5, 0.02
@@ -353,11 +353,11 @@ def test_split_model_computes_what_the_unsplit_model_computes():
     MLP on one context, ends 6 Adam steps (k=2 accumulation) with the same parameters up to
     float32 noise; and each stage's parameters exist on its own context only."""
     from common.mx import import_mxnet
-    from training.kvstore_sync import make_trainer
-    from training.model import build_model
-    from training.optim import optimizer_params
-    from training.placement import SplitNet, make_split_trainer
-    from training.step import StepRunner, prepare
+    from training.loop.kvstore_sync import make_trainer
+    from training.loop.model import build_model
+    from training.loop.optim import optimizer_params
+    from training.loop.placement import SplitNet, make_split_trainer
+    from training.loop.step import StepRunner, prepare
 
     mx = import_mxnet()
     cfg = recipe("debug").replace(cluster={"kvstore": "local", "num_workers": 1, "devices_per_worker": 2},

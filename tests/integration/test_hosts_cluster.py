@@ -19,9 +19,9 @@ from common import storage
 from common.procs import tagged_processes
 from data_checks.shard import shard_dataset
 from infra.cluster import ClusterSpec, ProvisionError, provision
-from training.config import recipe
-from training.job import JobSpec
-from training.launcher import JobFailed, Supervisor
+from common.config import recipe
+from training.launch.job import JobSpec
+from training.launch.launcher import JobFailed, Supervisor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from netns_hosts import namespace_hosts, netns_available, netns_pids  # noqa: E402

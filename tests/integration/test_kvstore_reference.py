@@ -40,7 +40,7 @@ if HERE not in sys.path:
 import kvstore_reference_worker as ref  # noqa: E402
 from ps_cluster import run_script_job  # noqa: E402
 
-from training.config import ConfigError, TrainConfig  # noqa: E402
+from common.config import ConfigError, TrainConfig  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""training.registry against a real MLflow tracking server (fixture ``mlflow_server``; its
+"""training.tracking.registry against a real MLflow tracking server (fixture ``mlflow_server``; its
 artifacts live in a real SeaweedFS S3 bucket behind the server's artifact proxy).
 
 A tiny Gluon MLP is trained on separable synthetic data with *string* classes (so the original
@@ -22,9 +22,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from training.evaluation import evaluate_classifier
-from training.mlflow_params import ParamConflictError
-from training.registry import CHALLENGER_ALIAS, log_model_run
+from training.tracking.evaluation import evaluate_classifier
+from training.tracking.mlflow_params import ParamConflictError
+from training.tracking.registry import CHALLENGER_ALIAS, log_model_run
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny_model import blobs, train_and_export  # noqa: E402

@@ -42,7 +42,7 @@ def shards(s3_server) -> dict:
     """Real shards (train/val/test + manifest) of a blob table with string labels."""
     from common import storage
     from data_checks.shard import shard_dataset
-    from training.config import recipe
+    from common.config import recipe
 
     X, yi = blobs(len(CLASSES), NUM_FEATURES, 600)
     frame = pd.DataFrame(X, columns=[f"f{i}" for i in range(NUM_FEATURES)])
@@ -57,7 +57,7 @@ def shards(s3_server) -> dict:
 
 def _register(mlflow_server, shards: dict, tmp_path, steps: int, **extra) -> tuple[str, str]:
     """A new version of MODEL trained for ``steps`` steps: ``(version, MLflow run id)``."""
-    from training.registry import log_model_run
+    from training.tracking.registry import log_model_run
 
     model_dir = str(tmp_path / f"model-{steps}")
     manifest = shards["manifest"]

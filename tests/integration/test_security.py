@@ -11,7 +11,7 @@ be able to use it, so it cannot be fake; it is as recognisable as a fake: 20 and
 characters); the MLflow token (``MLFLOW_TRACKING_TOKEN``, which the MLflow client sends as a
 bearer token; the test server ignores it) and the checkpoint encryption key are fake and
 recognisable. The DAG does not expose ``checkpoint.encryption_key_env``, so the encryption key is
-checked on the local-job path only (``training.launcher.Supervisor`` as the ``train`` task runs
+checked on the local-job path only (``training.launch.launcher.Supervisor`` as the ``train`` task runs
 it). Every scan also plants a control secret in each kind of source it reads and requires the
 scanner to find it there: a scan that read nothing could not pass.
 """
@@ -31,7 +31,7 @@ from common import storage
 from common.procs import tagged_processes
 from data_checks.shard import shard_dataset
 from infra.s3_service import s3_client
-from training.config import recipe
+from common.config import recipe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from airflow_runs import airflow_env, run_confs  # noqa: E402

@@ -10,7 +10,7 @@ from common import storage
 from data_checks import DataError
 from data_checks.shard import shard_content_addressed, shard_dataset
 from data_checks.validate import validate_shards
-from training.config import DataConfig, TrainConfig
+from common.config import DataConfig, TrainConfig
 
 pytestmark = pytest.mark.integration
 

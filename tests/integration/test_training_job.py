@@ -10,9 +10,9 @@ import pytest
 
 from common import storage
 from data_checks.shard import shard_dataset
-from training.checkpoint import CheckpointStore
-from training.config import recipe
-from training.launcher import JobFailed
+from training.checkpoint.store import CheckpointStore
+from common.config import recipe
+from training.launch.launcher import JobFailed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from local_jobs import make_job as _job, run_job as _run  # noqa: E402
@@ -59,7 +59,7 @@ def test_killed_worker_stops_the_job_and_the_retry_resumes(digits_shards, s3_pre
     committed = CheckpointStore(job.checkpoint_prefix, keep=cfg.checkpoint.keep).committed_steps()
     assert committed and 0 < committed[0] < 30
 
-    caplog.set_level(logging.INFO, logger="training.launcher")
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")
     _run(job, s3_prefix, tmp_path, env=fault)  # the once-file makes the retry run clean
     resumed = [int(m.group(1)) for m in re.finditer(r"resumed from step (\d+)", caplog.text)]
     assert resumed and resumed[0] == committed[0], caplog.text[-2000:]
@@ -70,7 +70,7 @@ def test_killed_worker_stops_the_job_and_the_retry_resumes(digits_shards, s3_pre
 def test_stalled_worker_is_detected_and_every_role_stopped(digits_shards, s3_prefix, tmp_path, caplog):
     cfg, shards = digits_shards
     job = _job(cfg, shards, s3_prefix, cluster={"stall_timeout_s": 8.0})
-    caplog.set_level(logging.INFO, logger="training.launcher")
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")
     with pytest.raises(JobFailed, match="stalled") as failed:
         _run(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_HANG_STEP": "5", "MXPIPE_FAULT_KILL_RANK": "0"})
     # It stalled after it had started training, not while starting up.

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from common import storage
 from data_checks.shard import shard_dataset
-from training.checkpoint import store_for
-from training.config import recipe
-from training.launcher import JobFailed
+from training.checkpoint.store import store_for
+from common.config import recipe
+from training.launch.launcher import JobFailed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from local_jobs import make_job, run_job  # noqa: E402

@@ -40,9 +40,9 @@ def registered(s3_server, mlflow_server, digits_csv, tmp_path_factory):
     import pandas as pd
 
     from plugins.pipeline_tasks import run_paths
-    from training import data
-    from training.config import recipe
-    from training.registry import log_model_run
+    from training.feed import data
+    from common.config import recipe
+    from training.tracking.registry import log_model_run
 
     tmp = tmp_path_factory.mktemp("warm-model")
     root = f"s3://{s3_server.bucket}/warm-model-{uuid.uuid4().hex[:8]}"
@@ -91,7 +91,7 @@ def _version_params(uri, tmp):
     """The arrays of a registered version's exported ``-NNNN.params`` file, as downloaded from MLflow."""
     import mlflow
 
-    from training.pyfunc_model import _import_mxnet
+    from training.tracking.pyfunc_model import _import_mxnet
 
     local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp))
     found = [os.path.join(d, f) for d, _, fs in os.walk(local) for f in fs if f.endswith(".params")]
@@ -119,7 +119,7 @@ def test_both_forms_resolve_to_the_source_runs_final_checkpoint(registered, monk
 def test_a_job_warm_started_from_the_version_starts_from_its_parameters(registered, monkeypatch, tmp_path, caplog):
     import logging
 
-    from training.checkpoint import store_for
+    from training.checkpoint.store import store_for
 
     caplog.set_level(logging.INFO)
     monkeypatch.setenv("MXPIPE_ARTIFACT_ROOT", registered["root"])
@@ -140,7 +140,7 @@ def test_per_step_metrics_are_in_mlflow_once_per_step_even_after_a_retry(registe
     register (same run) adds no point twice."""
     from mlflow import MlflowClient
 
-    from training.registry import log_model_run
+    from training.tracking.registry import log_model_run
 
     run_id = registered["version"]["run_id"]
     again = log_model_run(run_name=f"{DAG_ID}/{SOURCE_RUN}", registered_model_name=registered["name"],

@@ -21,7 +21,7 @@ def blobs(num_classes: int, num_features: int, n: int, seed: int = 7) -> tuple[n
 def train_and_export(model_dir: str, X: np.ndarray, yi: np.ndarray, classes: Sequence[Any],
                      features: Sequence[str], *, steps: int = 80, seed: int = 7) -> None:
     """``steps`` Adam steps of a 16-unit MLP on ``(X, yi)``, exported into ``model_dir``."""
-    from training.pyfunc_model import _import_mxnet
+    from training.tracking.pyfunc_model import _import_mxnet
 
     mx = _import_mxnet()
     from mxnet import autograd, gluon

@@ -4,7 +4,7 @@ import os
 import pytest
 
 from common import storage
-from training.checkpoint import CheckpointStore, CorruptCheckpoint
+from training.checkpoint.store import CheckpointStore, CorruptCheckpoint
 
 pytestmark = pytest.mark.unit
 
@@ -89,7 +89,7 @@ KEY = "11" * 32
 
 
 def _enc_store(path, key=KEY, env="MXPIPE_TEST_CKPT_KEY"):
-    from training.checkpoint_crypto import Envelope, parse_key
+    from training.checkpoint.crypto import Envelope, parse_key
 
     return CheckpointStore(str(path), keep=2, envelope=Envelope(parse_key(key, env), env))
 
@@ -107,7 +107,7 @@ def test_encrypted_checkpoint_roundtrips_and_is_unreadable_at_rest(tmp_path):
 
 
 def test_wrong_or_missing_key_fails_with_the_checkpoint_named(tmp_path):
-    from training.checkpoint import CheckpointKeyError
+    from training.checkpoint.store import CheckpointKeyError
 
     _enc_store(tmp_path).save(10, {"model.params": b"x"}, {"global_step": 10})
     with pytest.raises(CheckpointKeyError, match=r"step-00000010.*another key.*MXPIPE_TEST_CKPT_KEY"):
@@ -118,7 +118,7 @@ def test_wrong_or_missing_key_fails_with_the_checkpoint_named(tmp_path):
 
 
 def test_swapped_ciphertext_files_fail_to_decrypt(tmp_path):
-    from training.checkpoint import CheckpointKeyError
+    from training.checkpoint.store import CheckpointKeyError
 
     store = _enc_store(tmp_path)
     store.save(10, {"a": b"aaaa", "b": b"bbbb"}, {"global_step": 10})
@@ -135,7 +135,7 @@ def test_swapped_ciphertext_files_fail_to_decrypt(tmp_path):
 
 
 def test_key_from_env_rejects_bad_values(monkeypatch):
-    from training.checkpoint_crypto import CheckpointKeyError, key_from_env
+    from training.checkpoint.crypto import CheckpointKeyError, key_from_env
 
     monkeypatch.delenv("MXPIPE_NOKEY", raising=False)
     with pytest.raises(CheckpointKeyError, match="not set"):
@@ -158,7 +158,7 @@ def _snap(step, nbytes=16):
 
     import numpy as np
 
-    from training.checkpoint_state import Snapshot
+    from training.checkpoint.state import Snapshot
 
     return Snapshot(step=step, params={"w": np.full(nbytes // 4, step, np.float32)},
                     states={0: np.zeros(2, np.float32)}, optimizer=pickle.dumps({"num_update": step}),
@@ -168,7 +168,7 @@ def _snap(step, nbytes=16):
 def test_async_writer_skips_periodic_and_waits_for_required(tmp_path, monkeypatch):
     import threading
 
-    from training.checkpoint_async import Checkpointer
+    from training.checkpoint.writer import Checkpointer
 
     store = CheckpointStore(str(tmp_path), keep=5)
     gate = threading.Event()
@@ -193,8 +193,8 @@ def test_async_writer_skips_periodic_and_waits_for_required(tmp_path, monkeypatc
 
 
 def test_async_writer_retries_storage_errors_with_backoff(tmp_path, monkeypatch):
-    from training import checkpoint_async
-    from training.checkpoint_async import Checkpointer
+    from training.checkpoint import writer as checkpoint_async
+    from training.checkpoint.writer import Checkpointer
 
     monkeypatch.setattr(checkpoint_async, "BACKOFF_FIRST_S", 0.01)
     store = CheckpointStore(str(tmp_path), keep=3)
@@ -215,8 +215,8 @@ def test_async_writer_retries_storage_errors_with_backoff(tmp_path, monkeypatch)
 
 
 def test_async_writer_gives_up_after_its_timeout(tmp_path, monkeypatch):
-    from training import checkpoint_async
-    from training.checkpoint_async import Checkpointer
+    from training.checkpoint import writer as checkpoint_async
+    from training.checkpoint.writer import Checkpointer
 
     monkeypatch.setattr(checkpoint_async, "BACKOFF_FIRST_S", 0.05)
 
@@ -231,7 +231,7 @@ def test_async_writer_gives_up_after_its_timeout(tmp_path, monkeypatch):
 
 
 def test_step_seed_depends_on_seed_step_and_rank():
-    from training.checkpoint_state import step_seed
+    from training.checkpoint.state import step_seed
 
     seeds = {step_seed(s, g, r) for s in (1, 2) for g in (0, 1, 2) for r in (0, 1)}
     assert len(seeds) == 12 and all(0 <= x < 2**31 for x in seeds)
@@ -239,7 +239,7 @@ def test_step_seed_depends_on_seed_step_and_rank():
 
 
 def test_checkpoint_config_validates_new_fields():
-    from training.config import CheckpointConfig, ConfigError
+    from common.config import CheckpointConfig, ConfigError
 
     CheckpointConfig(sse="aws:kms", sse_kms_key_id="alias/x", encryption_key_env="MXPIPE_KEY", every_n_seconds=30)
     for bad in ({"sse": "DES"}, {"sse_kms_key_id": "k"}, {"every_n_seconds": -1}, {"keep_every_n_steps": -1},
@@ -262,8 +262,8 @@ def test_snapshot_holds_the_values_of_its_step_while_training_goes_on():
     import numpy as np
 
     from common.mx import import_mxnet
-    from training import checkpoint_state as cs
-    from training.kvstore_sync import make_trainer
+    from training.checkpoint import state as cs
+    from training.loop.kvstore_sync import make_trainer
 
     mx = import_mxnet()
     mx.random.seed(3)
@@ -308,9 +308,9 @@ def test_snapshot_holds_the_values_of_its_step_while_training_goes_on():
 def _split_mlp(num_ctxs, begin_num_update=0):
     """The debug MLP (3 Dense blocks) split over cpu(0..n-1), per-stage Adam on a local kvstore."""
     from common.mx import import_mxnet
-    from training.config import recipe
-    from training.model import build_model
-    from training.placement import SplitNet, make_split_trainer
+    from common.config import recipe
+    from training.loop.model import build_model
+    from training.loop.placement import SplitNet, make_split_trainer
 
     mx = import_mxnet()
     cfg = recipe("debug").replace(model={"hidden": (16, 8)})
@@ -347,7 +347,7 @@ def test_split_model_checkpoint_holds_every_stage_and_resumes_exactly():
     import numpy as np
 
     from common.mx import import_mxnet
-    from training import checkpoint_state as cs
+    from training.checkpoint import state as cs
 
     mx = import_mxnet()
     net, trainer = _split_mlp(2)
@@ -384,8 +384,8 @@ def test_split_checkpoint_without_stage_states_restarts_the_optimizer_and_replic
     still loads, with the optimizer from zero (logged); a replicated model's snapshot keeps its
     one trainer.states file and no stage layout."""
     from common.mx import import_mxnet
-    from training import checkpoint_state as cs
-    from training.kvstore_sync import make_trainer
+    from training.checkpoint import state as cs
+    from training.loop.kvstore_sync import make_trainer
 
     mx = import_mxnet()
     net, trainer = _split_mlp(2)

@@ -107,8 +107,8 @@ def test_role_env_sets_the_ps_lite_variables_on_purpose():
 
 
 def test_a_single_process_kvstore_job_is_its_worker_without_ps_lite():
-    from training.config import recipe
-    from training.launcher import launch_for
+    from common.config import recipe
+    from training.launch.launcher import launch_for
 
     cfg = recipe("debug").replace(cluster={"kvstore": "local", "num_workers": 1})
     launch = launch_for(cfg, "s3://b/job.json")

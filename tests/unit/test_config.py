@@ -1,6 +1,6 @@
 import pytest
 
-from training.config import ConfigError, TrainConfig, recipe
+from common.config import ConfigError, TrainConfig, recipe
 
 pytestmark = pytest.mark.unit
 
@@ -84,7 +84,7 @@ def test_shards_must_cover_every_worker():
 
 def test_every_constant_is_a_valid_value():
     """The DAG derives its Param enums from these tuples: each member must build a config."""
-    from training import config as c
+    from common import config as c
 
     base = recipe("debug")
     for name in c.OPTIMIZERS:

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from training.data import EpochOrder, shards_for_rank, steps_per_epoch
+from training.feed.data import EpochOrder, shards_for_rank, steps_per_epoch
 
 pytestmark = pytest.mark.unit
 

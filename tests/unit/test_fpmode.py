@@ -56,8 +56,8 @@ def test_without_the_flag_denormals_are_kept():
 
 
 def test_every_role_gets_the_configured_mode():
-    from training.config import recipe
-    from training.launcher import launch_for
+    from common.config import recipe
+    from training.launch.launcher import launch_for
 
     base = {"PATH": "/bin", fpmode.ENV: "1"}  # an inherited value never overrides the config
     for setting, flag in ((True, "1"), (False, "0")):
@@ -73,7 +73,7 @@ def test_every_role_gets_the_configured_mode():
 
 
 def test_flush_denormals_must_be_a_boolean():
-    from training.config import ConfigError, recipe
+    from common.config import ConfigError, recipe
 
     with pytest.raises(ConfigError, match="cluster.flush_denormals must be true or false"):
         recipe("debug").replace(cluster={"flush_denormals": "yes"})

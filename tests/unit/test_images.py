@@ -14,7 +14,7 @@ from common import records
 from data_checks import DataError, DataValidationError
 from data_checks.shard import download_shard, shard_dataset
 from data_checks.validate import validate_shards
-from training.config import ClusterConfig, DataConfig, TrainConfig
+from common.config import ClusterConfig, DataConfig, TrainConfig
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The kvstore views of ``training.kvstore_sync`` on an in-process ``local`` store: keys shift,
+"""The kvstore views of ``training.loop.kvstore_sync`` on an in-process ``local`` store: keys shift,
 views compose, and the base store lives exactly as long as its last view (its destructor is a
 dist worker's exit barrier, so it must not wait for a garbage collection)."""
 import gc
@@ -7,7 +7,7 @@ import weakref
 import pytest
 
 from common.mx import import_mxnet
-from training.kvstore_sync import with_key_offset
+from training.loop.kvstore_sync import with_key_offset
 
 pytestmark = pytest.mark.unit
 

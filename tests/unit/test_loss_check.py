@@ -1,11 +1,11 @@
-"""The batched NaN/inf check (training.step.LossCheck): same figures as a per-step asscalar,
+"""The batched NaN/inf check (training.loop.step.LossCheck): same figures as a per-step asscalar,
 and a non-finite loss fails naming its own step even when read back steps later."""
 import math
 
 import pytest
 
 from common.mx import import_mxnet
-from training.step import LossCheck, NaNLossError
+from training.loop.step import LossCheck, NaNLossError
 
 pytestmark = pytest.mark.unit
 

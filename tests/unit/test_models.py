@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from common.mx import import_mxnet
-from training.config import MODELS, ConfigError, DataConfig, ModelConfig, TrainConfig
-from training.model import build_model
+from common.config import MODELS, ConfigError, DataConfig, ModelConfig, TrainConfig
+from training.loop.model import build_model
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +59,7 @@ def test_image_models_need_an_input_shape(name):
 
 
 def test_resnet18_exports_and_loads_through_the_pyfunc_path(tmp_path):
-    from training.pyfunc_model import find_export_files, load_exported
+    from training.tracking.pyfunc_model import find_export_files, load_exported
 
     mx = import_mxnet()
     net = _net("resnet18", classes=4)
@@ -79,7 +79,7 @@ def test_resnet18_exports_and_loads_through_the_pyfunc_path(tmp_path):
 def test_draws_random_only_with_dropout(name):
     """The worker skips the per-step MXNet seed (1.9 ms of engine CPU) for nets that never read
     the RNG; dropout, or any operator outside the known-deterministic set, keeps it."""
-    from training.model import draws_random
+    from training.loop.model import draws_random
 
     mlp_shape = () if name == "mlp" else SHAPE
     plain = TrainConfig(data=DataConfig(input_shape=mlp_shape), model=ModelConfig(name=name))
@@ -90,7 +90,7 @@ def test_draws_random_only_with_dropout(name):
 
 
 def test_reseed_without_mxnet_leaves_its_generator_alone():
-    from training.checkpoint_state import reseed
+    from training.checkpoint.state import reseed
 
     mx = import_mxnet()
     mx.random.seed(11)

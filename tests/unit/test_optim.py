@@ -1,8 +1,8 @@
 """The optimizer and schedule a worker builds: the rate is a function of the global step."""
 import pytest
 
-from training.config import ConfigError, recipe
-from training.optim import learning_rate_at, lr_scheduler, optimizer_params
+from common.config import ConfigError, recipe
+from training.loop.optim import learning_rate_at, lr_scheduler, optimizer_params
 
 pytestmark = pytest.mark.unit
 

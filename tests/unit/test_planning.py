@@ -9,7 +9,7 @@ import pytest
 
 from infra.catalogue import CATALOGUE, by_name
 from infra.planning import ModelShape, memory_per_device, plan, servers_for, size_on, state_per_param
-from training.model import count_model
+from training.loop.model import count_model
 
 pytestmark = pytest.mark.unit
 
@@ -119,7 +119,7 @@ def test_cli_prints_a_plan_and_fails_when_nothing_fits():
 
 def test_a_model_by_name_is_planned_by_scripts_plan_not_by_infra():
     """infra does not import the trainer: ``--model`` needs scripts/plan.py, which counts with
-    training.model and hands the counts to the same CLI."""
+    training.loop.model and hands the counts to the same CLI."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     flags = ["--model", "lenet", "--input-shape", "1,28,28", "--classes", "10", "--batch-size", "64", "--json"]
     refused = subprocess.run([sys.executable, "-m", "infra.planning", *flags], capture_output=True, text=True,

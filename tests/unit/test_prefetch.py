@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from training.config import ConfigError, DataConfig, TrainConfig
-from training.data import EpochOrder
-from training.prefetch import PrefetchError, prefetched
+from common.config import ConfigError, DataConfig, TrainConfig
+from training.feed.data import EpochOrder
+from training.feed.prefetch import PrefetchError, prefetched
 
 pytestmark = pytest.mark.unit
 
@@ -31,7 +31,7 @@ def prefetch_threads() -> list[threading.Thread]:
 
 def step_runner(k: int, batch: int, num_ctx: int):
     from common.mx import import_mxnet
-    from training.step import StepRunner
+    from training.loop.step import StepRunner
 
     mx = import_mxnet()
     ctxs = [mx.cpu(i) for i in range(num_ctx)]
@@ -70,7 +70,7 @@ def test_training_through_the_thread_gives_the_inline_parameters_bit_for_bit():
         net.initialize(mx.init.Xavier(), ctx=ctxs, force_reinit=True)
         trainer = mx.gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 0.05}, kvstore="device",
                                    update_on_kvstore=False)
-        from training.step import prepare
+        from training.loop.step import prepare
 
         prepare(net, trainer, 2, False)
         runner = make(trainer)
@@ -151,6 +151,6 @@ def test_prefetch_depth_is_validated_and_does_not_change_the_resume_digest():
         DataConfig(prefetch_batches=-1)
     with pytest.raises(ConfigError, match="prefetch_batches"):
         DataConfig(prefetch_batches=1.5)  # type: ignore[arg-type]
-    from training.worker import resume_digest
+    from training.loop.worker import resume_digest
 
     assert resume_digest(TrainConfig(data=DataConfig(prefetch_batches=0))) == resume_digest(TrainConfig())

@@ -1,5 +1,5 @@
-"""Param flattening, limits, batching and retry bookkeeping of training.registry and
-training.mlflow_params, and label reading of training.evaluation (no server)."""
+"""Param flattening, limits, batching and retry bookkeeping of training.tracking.registry and
+training.tracking.mlflow_params, and label reading of training.tracking.evaluation (no server)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from training import mlflow_params, registry
-from training.evaluation import label_indices
-from training.mlflow_params import (
+from training.tracking import mlflow_params
+from training.tracking import registry
+from training.tracking.evaluation import label_indices
+from training.tracking.mlflow_params import (
     ParamConflictError,
     chunked,
     flatten_params,
@@ -19,7 +20,7 @@ from training.mlflow_params import (
     params_to_log,
     truncate_value,
 )
-from training.registry import bounded_mlflow_env, run_url
+from training.tracking.registry import bounded_mlflow_env, run_url
 
 pytestmark = pytest.mark.unit
 
@@ -159,10 +160,10 @@ def test_registry_and_pyfunc_modules_do_not_import_mxnet():
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # registry (and the helpers it imports), evaluation: stdlib only at import time;
     # pyfunc_model: mlflow (it subclasses PythonModel), never mxnet.
-    code = ("import sys, training.registry, training.evaluation; "
+    code = ("import sys, training.tracking.registry, training.tracking.evaluation; "
             "assert not {'mlflow', 'mxnet', 'numpy'} & set(sys.modules), sys.modules.keys()")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=repo)
-    code = "import sys, training.pyfunc_model; assert 'mxnet' not in sys.modules"
+    code = "import sys, training.tracking.pyfunc_model; assert 'mxnet' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=180, cwd=repo)
 
 

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from training.review import ReviewError, Target, comparison, confusion, markdown, scores
+from training.tracking.review import ReviewError, Target, comparison, confusion, markdown, scores
 
 pytestmark = pytest.mark.unit
 

@@ -1,7 +1,7 @@
-"""training.run_extras: the PNGs and the mlflow.data input a training run carries (no server)."""
+"""training.tracking.run_extras: the PNGs and the mlflow.data input a training run carries (no server)."""
 import pytest
 
-from training.run_extras import manifest_dataset, plot_artifacts
+from training.tracking.run_extras import manifest_dataset, plot_artifacts
 
 pytestmark = pytest.mark.unit
 

@@ -19,7 +19,7 @@ from common import records, storage
 from data_checks import DataError
 from data_checks.assign import SplitBlock, expected_bounds
 from data_checks.shard import download_shard, load_manifest, manifest_digest, shard_content_addressed, shard_dataset
-from training.config import ClusterConfig, DataConfig, TrainConfig
+from common.config import ClusterConfig, DataConfig, TrainConfig
 
 pytestmark = pytest.mark.unit
 

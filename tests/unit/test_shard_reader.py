@@ -13,9 +13,9 @@ import pytest
 
 from common import records
 from data_checks.shard import download_shard, shard_dataset
-from training import data
-from training.config import ClusterConfig, DataConfig, TrainConfig
-from training.shard_reader import LoadedShard, MappedShard, ShardSet, open_shard
+from training.feed import data
+from common.config import ClusterConfig, DataConfig, TrainConfig
+from training.feed.shard_reader import LoadedShard, MappedShard, ShardSet, open_shard
 
 pytestmark = pytest.mark.unit
 
@@ -74,7 +74,7 @@ def test_a_shard_without_the_fixed_layout_is_loaded_into_memory_with_a_warning(t
         writer.write_batch(X, y, np.arange(30))
     with pytest.raises(records.LayoutError, match="not 52 bytes apart"):
         records.scan_fixed_layout(idx, rec, 5)
-    with caplog.at_level(logging.WARNING, logger="training.shard_reader"):
+    with caplog.at_level(logging.WARNING, logger="training.feed.shard_reader"):
         source, labels = open_shard(idx, rec, 5)
     assert isinstance(source, LoadedShard)
     assert "loaded into memory" in caplog.text and "a.rec" in caplog.text

@@ -5,10 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from training import registry
-from training.config import ConfigError, recipe
-from training.metrics import StepRecorder
-from training.mlflow_params import MAX_METRICS_PER_BATCH, step_metric_points
+from training.tracking import registry
+from common.config import ConfigError, recipe
+from training.loop.metrics import StepRecorder
+from training.tracking.mlflow_params import MAX_METRICS_PER_BATCH, step_metric_points
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +59,7 @@ def test_config_bounds():
 
 
 def test_step_metric_changes_do_not_change_the_resume_digest():
-    from training.worker import resume_digest
+    from training.loop.worker import resume_digest
 
     cfg = recipe("debug")
     assert resume_digest(cfg) == resume_digest(cfg.replace(checkpoint={"step_metrics_every_n": 5}))

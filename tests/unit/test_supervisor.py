@@ -11,8 +11,8 @@ import uuid
 import pytest
 from common.procs import GroupSpawner, ProcessRole, kill_groups, tagged_processes
 from common.roles import JobLaunch
-from training.config import TrainConfig
-from training.launcher import JobFailed, Supervisor
+from common.config import TrainConfig
+from training.launch.launcher import JobFailed, Supervisor
 
 pytestmark = pytest.mark.unit
 

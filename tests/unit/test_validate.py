@@ -19,7 +19,7 @@ from common.records import RecordWriter
 from data_checks import DataValidationError
 from data_checks.shard import shard_dataset
 from data_checks.validate import finish_validation, load_outcome, save_outcome, validate_shard, validate_shards
-from training.config import DataConfig, TrainConfig
+from common.config import DataConfig, TrainConfig
 
 pytestmark = pytest.mark.unit
 

@@ -1,11 +1,11 @@
 """The forms a ``warm_start`` value may take: the trigger form's pattern and the resolver's parse
-agree (one pattern text, ``training.warm_start.MODEL_URI_PATTERN``); resolving a registry
+agree (one pattern text, ``training.tracking.warm_start.MODEL_URI_PATTERN``); resolving a registry
 reference against a real server is tests/integration/test_warm_start_model.py."""
 import re
 
 import pytest
 
-from training.warm_start import MODEL_URI_PATTERN, WarmStartError, is_model_uri, resolve_model
+from training.tracking.warm_start import MODEL_URI_PATTERN, WarmStartError, is_model_uri, resolve_model
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.mx import import_mxnet
-from training.config import DataConfig, ModelConfig, TrainConfig
+from common.config import DataConfig, ModelConfig, TrainConfig
 
 # gluon.model_zoo.vision ResNets by config name → depth. Version 1 (post-activation, He et al.
 # 2015), the same network the checkpoint benchmark trains.
@@ -88,7 +88,7 @@ def draws_random(net: Any) -> bool:
 
     Decided from the operators of its symbolic graph against ``DETERMINISTIC_OPS``; a network
     that cannot be traced counts as drawing. The worker re-seeds MXNet every step only when
-    this is true (``training.checkpoint_state.reseed``).
+    this is true (``training.checkpoint.state.reseed``).
     """
     mx = import_mxnet()
     try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from common.mx import import_mxnet
-from training.config import ConfigError, TrainConfig
+from common.config import ConfigError, TrainConfig
 
 
 def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
@@ -93,7 +93,7 @@ def reposition(trainer: Any, cfg: TrainConfig, num_workers: int, steps_per_epoch
     The restored optimizer carries the scheduler it was pickled with; replacing it keeps the
     rate a pure function of (config, worker count, global step) also across an elastic resume,
     where the scaled learning rate changes with the worker count. A split model's stages
-    (``training.placement.StagedTrainer``) each get their own scheduler, as when they were built.
+    (``training.loop.placement.StagedTrainer``) each get their own scheduler, as when they were built.
     """
     for stage in getattr(trainer, "trainers", None) or [trainer]:
         opt = stage._optimizer

@@ -9,7 +9,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from common import storage
-from training.config import TrainConfig
+from common.config import TrainConfig
 
 # Role exit codes. A deterministic failure is not worth a retry; anything else may be.
 EXIT_OK = 0

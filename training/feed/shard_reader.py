@@ -77,7 +77,7 @@ def open_shard(idx_path: str, rec_path: str, num_features: int) -> tuple[Feature
 class ShardSet:
     """A worker's shards as one row space, in shard order (what ``np.concatenate`` of them gives).
 
-    ``gather(idx)`` equals ``(X[idx], y[idx])`` of the concatenated arrays: ``training.data.EpochOrder``
+    ``gather(idx)`` equals ``(X[idx], y[idx])`` of the concatenated arrays: ``training.feed.data.EpochOrder``
     indexes it exactly as it indexed the in-memory split.
     """
 

@@ -11,7 +11,7 @@
   of k·b (tests/integration/test_engine_modes.py).
 - Feeding: ``load`` turns a step's rows into its micro-batches (``split_and_load`` per context);
   ``run_batch`` trains on them. The worker calls ``load`` ahead of time in a prefetch thread
-  (``training.prefetch``); ``run`` does both inline, for callers holding whole arrays.
+  (``training.feed.prefetch``); ``run`` does both inline, for callers holding whole arrays.
 - Mixed precision (``optim.precision='fp16'``, GPU only): ``mxnet.contrib.amp`` scales the loss
   (dynamic loss scaling) before backward. The config refuses it on CPU; untested here.
 - The loss stays on the device. ``__call__`` reads it back at once (one host sync per step);
@@ -38,7 +38,7 @@ from typing import Any, Callable
 import numpy as np
 
 from common.mx import import_mxnet
-from training.config import TrainConfig
+from common.config import TrainConfig
 
 
 # One micro-batch as the step consumes it: (features per context, labels per context), NDArrays.
@@ -114,7 +114,7 @@ class StepRunner:
         """The step's k micro-batches of rows ``idx`` as NDArrays split over the contexts.
 
         ``gather(rows)`` returns ``(features, labels)``. Safe to call from another thread
-        (``training.prefetch`` does, a few steps ahead): it reads only fixed attributes.
+        (``training.feed.prefetch`` does, a few steps ahead): it reads only fixed attributes.
         """
         mx = import_mxnet()
         split = mx.gluon.utils.split_and_load

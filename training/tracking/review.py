@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from training.registry import CHALLENGER_ALIAS, bounded_mlflow_env
-from training.run_extras import confusion_png
+from training.tracking.registry import CHALLENGER_ALIAS, bounded_mlflow_env
+from training.tracking.run_extras import confusion_png
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def load_test_split(shards_prefix: str, work_dir: str) -> tuple[Any, list[Any], 
     """The test split of a sharded dataset: features ``[n, f]``, label *values*, columns, classes."""
     import numpy as np
 
-    from training import data
+    from training.feed import data
 
     manifest = data.load_manifest(shards_prefix)
     test = [s for s in manifest["shards"] if s["split"] == "test"]
@@ -227,8 +227,8 @@ def _log_review_run(tracking_uri: str, target: Target, comp: Mapping[str, Any], 
                     run_name: str, tags: dict[str, str]) -> str:
     from mlflow.entities import Metric
 
-    from training.mlflow_params import MAX_METRICS_PER_BATCH, chunked
-    from training.registry import _get_or_create_experiment
+    from training.tracking.mlflow_params import MAX_METRICS_PER_BATCH, chunked
+    from training.tracking.registry import _get_or_create_experiment
 
     with bounded_mlflow_env():
         c = client(tracking_uri)

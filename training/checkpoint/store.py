@@ -8,9 +8,9 @@ bytes do not match it, does not exist as far as restore is concerned. Retention 
 of every window of M steps, forever) and deletes older ones only after a newer one is committed.
 
 Options (``CheckpointConfig``): server-side encryption headers on every object (``sse``), and
-client-side envelope encryption (``training.checkpoint_crypto``); large files go up in parts.
-Asynchronous writing is ``training.checkpoint_async``; what a worker puts in a checkpoint is
-``training.checkpoint_state``.
+client-side envelope encryption (``training.checkpoint.crypto``); large files go up in parts.
+Asynchronous writing is ``training.checkpoint.writer``; what a worker puts in a checkpoint is
+``training.checkpoint.state``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import storage
-from training.checkpoint_crypto import CheckpointKeyError, Envelope
+from training.checkpoint.crypto import CheckpointKeyError, Envelope
 
 __all__ = ["Checkpoint", "CheckpointKeyError", "CheckpointStore", "CorruptCheckpoint", "MANIFEST", "store_for"]
 
@@ -56,7 +56,7 @@ class CheckpointStore:
         self.keep_every_n_steps = keep_every_n_steps
         self.sse = dict(sse or {})
         self.envelope = envelope
-        # Test hook (training.faults): called after the data files, before the manifest.
+        # Test hook (training.loop.faults): called after the data files, before the manifest.
         self.before_commit: Any = None
 
     def step_uri(self, step: int) -> str:
@@ -177,7 +177,7 @@ def _context(step: int) -> str:
 
 def store_for(prefix: str, ckpt_cfg: Any) -> CheckpointStore:
     """The store a job's ``CheckpointConfig`` describes (SSE headers, encryption key, retention)."""
-    from training.checkpoint_crypto import key_from_env
+    from training.checkpoint.crypto import key_from_env
 
     envelope = None
     if ckpt_cfg.encryption_key_env:

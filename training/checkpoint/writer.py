@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from training.checkpoint import CheckpointStore
-from training.checkpoint_state import Snapshot
+from training.checkpoint.store import CheckpointStore
+from training.checkpoint.state import Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Run as a role process by the launcher (``python -m training worker JOB_URI``) wi
 Optimizer placement (``cluster.optimizer_on``): on the workers by default (gradients summed
 through the servers, every worker applies the same step; the state a later change needs for
 ``Trainer.save_states``), or on the servers (required by ``dist_async``). The trainer comes
-from ``training.kvstore_sync.make_trainer``, which syncs the kvstore before the first forward:
+from ``training.loop.kvstore_sync.make_trainer``, which syncs the kvstore before the first forward:
 gluon's lazy sync inside the first ``step()`` is what made the worker-side optimizer give
 wrong models under ``dist_sync`` (DESIGN.md, "Correctness trap"; docs/kvstore-correctness.md).
 Resume is exact with the optimizer on the workers: rank 0's checkpoints hold parameters,
@@ -14,16 +14,16 @@ optimizer state (``Trainer.save_states`` bytes, one file per stage for a split m
 worker holds the same in ``dist_sync``),
 data position, metric history, and every step re-seeds the RNGs from (seed, step, rank;
 MXNet's only if the network draws from it), so a resumed job computes the same parameters as an uninterrupted one
-(``training.checkpoint_state``). With the optimizer on the servers the optimizer state
+(``training.checkpoint.state``). With the optimizer on the servers the optimizer state
 restarts from zero (logged). Checkpoints are written in the background
-(``training.checkpoint_async``); SIGTERM makes rank 0 write an emergency checkpoint and every
+(``training.checkpoint.writer``); SIGTERM makes rank 0 write an emergency checkpoint and every
 worker exit with ``EXIT_PREEMPTED`` (retryable).
 
-What one optimizer step does (contexts, gradient accumulation, AMP) is ``training.step``; the
+What one optimizer step does (contexts, gradient accumulation, AMP) is ``training.loop.step``; the
 optimizer and its learning-rate schedule, positioned at the resumed global step, are
-``training.optim``. ``global_step`` counts optimizer steps (one push each). The train rows are
-memory-mapped shards (``training.shard_reader``); each step's batch is built ahead of it in a
-thread (``training.prefetch``, ``data.prefetch_batches`` deep).
+``training.loop.optim``. ``global_step`` counts optimizer steps (one push each). The train rows are
+memory-mapped shards (``training.feed.shard_reader``); each step's batch is built ahead of it in a
+thread (``training.feed.prefetch``, ``data.prefetch_batches`` deep).
 """
 from __future__ import annotations
 
@@ -41,18 +41,19 @@ import numpy as np
 
 from common import fpmode, storage
 from common.mx import import_mxnet
-from training import checkpoint_state as ckpt_state
-from training import data, faults
-from training.checkpoint import store_for
-from training.checkpoint_async import Checkpointer
-from training.job import EXIT_PREEMPTED, JobSpec
-from training.kvstore_sync import make_trainer, with_gradient_compression
-from training.metrics import StepRecorder, ThroughputMeter
-from training.model import build_model, draws_random
-from training.optim import learning_rate_at, optimizer_params, reposition
-from training.placement import SplitNet, make_split_trainer
-from training.prefetch import prefetched
-from training.step import LossCheck, NaNLossError, StepRunner, contexts, init_amp, prepare
+from training.checkpoint import state as ckpt_state
+from training.feed import data
+from training.loop import faults
+from training.checkpoint.store import store_for
+from training.checkpoint.writer import Checkpointer
+from training.launch.job import EXIT_PREEMPTED, JobSpec
+from training.loop.kvstore_sync import make_trainer, with_gradient_compression
+from training.loop.metrics import StepRecorder, ThroughputMeter
+from training.loop.model import build_model, draws_random
+from training.loop.optim import learning_rate_at, optimizer_params, reposition
+from training.loop.placement import SplitNet, make_split_trainer
+from training.feed.prefetch import prefetched
+from training.loop.step import LossCheck, NaNLossError, StepRunner, contexts, init_amp, prepare
 
 __all__ = ["NaNLossError", "run", "evaluate", "resume_digest"]
 
@@ -90,7 +91,7 @@ def run(job: JobSpec) -> dict[str, Any]:
     step_rows = cfg.optim.batch_size * cfg.optim.accumulate_steps
     steps = data.steps_per_epoch(manifest, num_workers, step_rows)
     with tempfile.TemporaryDirectory(prefix="mxpipe-shards-") as work_dir:
-        # Mapped, not loaded; readable after work_dir is removed (training.shard_reader).
+        # Mapped, not loaded; readable after work_dir is removed (training.feed.shard_reader).
         rows = data.open_split(manifest, job.shards_prefix, data.shards_for_rank(manifest, rank, num_workers), work_dir)
         val = [s for s in manifest["shards"] if s["split"] == "val"]
         Xv, yv = data.fetch_split(manifest, job.shards_prefix, val, work_dir) if rank == 0 else (None, None)
@@ -192,11 +193,11 @@ def run(job: JobSpec) -> dict[str, Any]:
         net(mx.nd.zeros((1, manifest["num_features"]), ctx=ctx))  # export needs one hybridized forward
     while epoch < cfg.optim.epochs:
         # Losses are read back at most LOSS_CHECK_EVERY steps at a time (each read drains the
-        # engine: training.step), and before anything that needs them or must not see a
+        # engine: training.loop.step), and before anything that needs them or must not see a
         # diverged model (checkpoint, progress line, epoch end).
         losses = LossCheck(on_loss=record_step)
         meter.start_epoch()
-        # The epoch's batches, built data.prefetch_batches ahead in a thread (training.prefetch).
+        # The epoch's batches, built data.prefetch_batches ahead in a thread (training.feed.prefetch).
         feed = prefetched(order.batches(epoch, start_step), lambda ix: train_step.load(rows.gather, ix),
                           cfg.data.prefetch_batches, label=f"epoch {epoch}")
         for step, idx, batch in feed:

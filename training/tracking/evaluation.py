@@ -53,7 +53,7 @@ def evaluate_classifier(model_dir: str, X: Any, y: Any, *, labels: str = "auto")
     """
     import numpy as np
 
-    from training.pyfunc_model import find_export_files, load_exported
+    from training.tracking.pyfunc_model import find_export_files, load_exported
 
     files = find_export_files(model_dir)
     loaded = load_exported(files["symbol"], files["params"], files["meta"])

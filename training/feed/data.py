@@ -7,7 +7,7 @@ The order of rows is a deterministic function of (seed, epoch, rank), so a resum
 to the exact position inside an epoch.
 
 The train rows are opened, not loaded (``open_split``: memory-mapped shards,
-``training.shard_reader``); ``fetch_split`` loads a split into memory for the small ones
+``training.feed.shard_reader``); ``fetch_split`` loads a split into memory for the small ones
 (validation, test) and for callers that want whole arrays.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 
 from common import records
 from common.manifest import download_shard, load_manifest, manifest_digest
-from training.shard_reader import ShardSet
+from training.feed.shard_reader import ShardSet
 
 __all__ = ["load_manifest", "manifest_digest", "fetch_split", "open_split", "shards_for_rank", "steps_per_epoch", "EpochOrder"]
 
@@ -60,7 +60,7 @@ def open_split(manifest: dict[str, Any], shards_prefix: str, shards: list[dict[s
                work_dir: str) -> ShardSet:
     """Download and verify (size + sha256) ``shards`` into ``work_dir`` and open them for random access.
 
-    The returned set keeps working after ``work_dir`` is removed (see ``training.shard_reader``).
+    The returned set keeps working after ``work_dir`` is removed (see ``training.feed.shard_reader``).
     """
     pairs = [download_shard(manifest, shards_prefix, s["name"], work_dir) for s in shards]
     return ShardSet.open(pairs, manifest["num_features"])

@@ -6,8 +6,8 @@ and metric points that are already there, and reuses a model version already reg
 the same run with the same model bytes. MLflow params are immutable, so a retry that brings a
 *different* value for a logged key fails at once with ``ParamConflictError`` (deterministic:
 not worth an Airflow retry) instead of the server's generic 400. What is sent (flattened
-params, metric points, batch sizes) is worked out by ``training.mlflow_params``; evaluating an
-export is ``training.evaluation``.
+params, metric points, batch sizes) is worked out by ``training.tracking.mlflow_params``; evaluating an
+export is ``training.tracking.evaluation``.
 
 Bounded waits: every MLflow HTTP call runs under ``bounded_mlflow_env()``, which sets
 ``MLFLOW_HTTP_REQUEST_TIMEOUT`` / ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / backoff (only where the
@@ -33,7 +33,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
-from training.mlflow_params import (
+from training.tracking.mlflow_params import (
     MAX_METRICS_PER_BATCH,
     MAX_PARAMS_PER_BATCH,
     chunked,
@@ -235,7 +235,7 @@ def _log_pyfunc(*, files: Mapping[str, str], input_example: Any, step: int, tags
     import mlflow
     from mlflow.models import infer_signature
 
-    from training import pyfunc_model
+    from training.tracking import pyfunc_model
 
     loaded = pyfunc_model.load_exported(files["symbol"], files["params"], files["meta"])
     example = _example_frame(input_example, loaded.feature_columns)
@@ -330,7 +330,7 @@ def log_model_run(
     """
     from mlflow import MlflowClient
 
-    from training.pyfunc_model import find_export_files
+    from training.tracking.pyfunc_model import find_export_files
 
     # Deterministic checks first: they must fail before anything is created.
     files = find_export_files(model_dir)
@@ -358,7 +358,7 @@ def log_model_run(
                 _log_tags(client, rid, str_tags)
             n_metrics = _log_metrics(client, run, points)
             if dataset is not None:
-                from training.run_extras import log_dataset_input
+                from training.tracking.run_extras import log_dataset_input
 
                 log_dataset_input(dataset["manifest"], dataset["manifest_uri"], dataset["digest"])
             for dest, path in extra.items():

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.mx import import_mxnet
-from training.config import OPTIMIZER_PLACEMENTS
+from common.config import OPTIMIZER_PLACEMENTS
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def with_key_offset(kv: Any, offset: int) -> Any:
     """``kv`` with every key shifted by ``offset``: several gluon Trainers on one kvstore.
 
     A Trainer numbers its parameters' keys from 0, and one process has one distributed kvstore,
-    so the per-stage trainers of a split model (``training.placement``) would share keys. The
+    so the per-stage trainers of a split model (``training.loop.placement``) would share keys. The
     view forwards to ``kv``'s own methods, so it composes with ``with_gradient_compression``.
     """
     return _views().KeyOffset(kv, offset)

@@ -32,7 +32,7 @@ COMPRESSION_KVSTORES = ("dist_sync",)
 DEVICE_TYPES = ("cpu", "gpu")
 PRECISIONS = ("fp32", "fp16")
 # "replicated": every context of a worker holds the whole model and a slice of the batch;
-# "split": the model's blocks are split over the contexts (model parallelism, training.placement).
+# "split": the model's blocks are split over the contexts (model parallelism, training.loop.placement).
 PLACEMENTS = ("replicated", "split")
 # Where the optimizer runs: on the parameter servers (gluon update_on_kvstore=True) or on every
 # worker after the gradients are summed through the servers (update_on_kvstore=False).
@@ -87,7 +87,7 @@ class DataConfig:
     # total variation distance above drift_threshold is reported ("warn") or fails ("fail").
     drift_action: str = "warn"
     drift_threshold: float = 0.1
-    # Train batches a background thread prepares ahead of the step (training.prefetch); bounds the
+    # Train batches a background thread prepares ahead of the step (training.feed.prefetch); bounds the
     # memory of prepared batches. 0 = none: each batch is built inline when the step needs it.
     prefetch_batches: int = 2
 
@@ -128,7 +128,7 @@ class ModelConfig:
     dropout: float = 0.0
     # Model parallelism inside a worker: "split" puts contiguous stages of the model's blocks on
     # the worker's cluster.devices_per_worker contexts, one stage each (data parallelism across
-    # workers stays: hybrid). See training/placement.py for what MXNet 1.9 gluon allows.
+    # workers stays: hybrid). See training/loop/placement.py for what MXNet 1.9 gluon allows.
     placement: str = "replicated"
 
     def __post_init__(self) -> None:
@@ -156,7 +156,7 @@ class OptimConfig:
     # the (scaled) learning rate over ``warmup_steps``. "step" multiplies by lr_decay_factor at
     # the start of each epoch in lr_decay_epochs; "cosine" and "poly" (power poly_power) decay
     # to final_lr at the last step. The position is a function of the global step, so a
-    # resumed job continues the same curve (training.optim).
+    # resumed job continues the same curve (training.loop.optim).
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     lr_decay_epochs: tuple[int, ...] = ()
@@ -292,7 +292,7 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """When rank 0 checkpoints, what is kept, how it is protected (training/checkpoint*.py).
+    """When rank 0 checkpoints, what is kept, how it is protected (training/checkpoint/).
 
     None of these fields changes what is trained: a resume may change them (they are left out
     of the digest a checkpoint is matched against).
@@ -323,7 +323,7 @@ class CheckpointConfig:
     elastic: bool = False
     # Per-step metrics (train loss, learning rate; logged to MLflow as ``*_step`` at the global
     # step): every N-th step, at most ``max_step_metrics`` records (over the cap the stride
-    # doubles and every other record is dropped: training.metrics.StepRecorder). Here, not in
+    # doubles and every other record is dropped: training.loop.metrics.StepRecorder). Here, not in
     # ``optim``: they change nothing that is trained (left out of the resume digest), and the
     # records up to a checkpoint live in its train state.
     step_metrics_every_n: int = 1

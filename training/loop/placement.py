@@ -22,7 +22,7 @@ What MXNet 1.9 gluon allows, and what that costs here:
   context holds only its stage's parameters, gradients and optimizer state), not speed.
 - Only with the optimizer on the workers: with it on the servers every stage's Trainer would
   send its own optimizer to the servers, each replacing the last. A checkpoint holds every
-  stage's optimizer state and optimizer (``training.checkpoint_state``: one states file per
+  stage's optimizer state and optimizer (``training.checkpoint.state``: one states file per
   stage), so a resume is exact as for a replicated model.
 - fp16 (AMP) is not combined with it (untested; the config refuses it).
 """
@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from common.mx import import_mxnet
-from training.kvstore_sync import make_trainer, with_key_offset
+from training.loop.kvstore_sync import make_trainer, with_key_offset
 
 # Keys per stage: each stage's Trainer gets keys [i * KEY_STRIDE, i * KEY_STRIDE + its params).
 KEY_STRIDE = 10_000

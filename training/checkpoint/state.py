@@ -7,7 +7,7 @@
   counts drive Adam's bias correction). Only with the optimizer on the workers; with it on the
   servers (``dist_async`` or ``optimizer_on='servers'``) a worker cannot read it, and a resume
   restarts it from zero (logged).
-- A split model (``training.placement``) has one Trainer per stage: stage ``i``'s bytes go to
+- A split model (``training.loop.placement``) has one Trainer per stage: stage ``i``'s bytes go to
   ``trainer-stage{i}.states`` (each what that stage's ``Trainer.save_states`` writes), and the
   state records every stage's parameter names (``optimizer_stages``), so a resume loads each
   file into the stage holding the same parameters. A replicated model's layout is unchanged
@@ -16,7 +16,7 @@
   optimizer state from zero (logged), as it did then. With another stage layout (a resume with
   another ``cluster.devices_per_worker``) the per-parameter states are moved by name into the
   new stages and the optimizer objects are the fresh ones, built at the checkpoint's global step
-  (``training.optim``: the same update counts); see ``restore_optimizer``.
+  (``training.loop.optim``: the same update counts); see ``restore_optimizer``.
 - The snapshot does not wait for the engine: it queues a ``copyto`` of every parameter and state
   array. MXNet's engine orders each copy after the update that wrote the array and before the
   next step's update overwrites it, so the copies hold exactly this step's values while the
@@ -25,7 +25,7 @@
 - RNG: MXNet's generator state cannot be read back, so every step re-seeds Python, NumPy and
   (when the network draws from it, e.g. dropout) MXNet from ``(seed, global_step, rank)``. An uninterrupted run and one resumed at any step
   then draw the same numbers (dropout masks, ...). Data order is a pure function of
-  ``(seed, epoch, rank)`` already (``training.data.EpochOrder``).
+  ``(seed, epoch, rank)`` already (``training.feed.data.EpochOrder``).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 PARAMS = "params.npz"
 STATES = "trainer.states"
-STAGE_STATES = "trainer-stage{}.states"  # split model: stage i's Trainer (training.placement)
+STAGE_STATES = "trainer-stage{}.states"  # split model: stage i's Trainer (training.loop.placement)
 
 
 @dataclass
@@ -127,7 +127,7 @@ def reseed(seed: int, global_step: int, rank: int, *, mxnet: bool = True) -> Non
     engine work that re-seeds every CPU generator (1024 Mersenne Twisters in the parallel one):
     1.9 ms of CPU per call measured here, about 4 % of a LeNet step on 2 cores. The worker
     passes ``mxnet=False`` when its network draws no MXNet random numbers
-    (``training.model.draws_random``): the generator is then never read, so its seed changes
+    (``training.loop.model.draws_random``): the generator is then never read, so its seed changes
     nothing.
     """
     s = step_seed(seed, global_step, rank)

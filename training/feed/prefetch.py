@@ -1,6 +1,6 @@
 """Batches prepared ahead of the step, in a background thread, in the order they were given.
 
-The step loop asks for ``(step, idx)`` batches from ``training.data.EpochOrder`` and needs each
+The step loop asks for ``(step, idx)`` batches from ``training.feed.data.EpochOrder`` and needs each
 one as device arrays (what ``StepRunner.load`` builds: the rows gathered from the mapped shards,
 split over the worker's contexts, per micro-batch). Done inline, that gather and copy sit
 between two steps; here a thread does it ``depth`` batches ahead, so the step only waits when

@@ -40,8 +40,8 @@ from typing import Any, Protocol
 
 from common.procs import ProcessRole, kill_groups
 from common.roles import JobLaunch, forwarded_env, role_argv, role_env
-from training.config import TrainConfig
-from training.job import DETERMINISTIC_EXIT_CODES
+from common.config import TrainConfig
+from training.launch.job import DETERMINISTIC_EXIT_CODES
 
 __all__ = ["JobFailed", "Supervisor", "role_argv", "launch_for"]
 
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.2
 TAIL_LINES = 30
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # How long the scheduler and servers get to exit on their own once every worker succeeded.
 DRAIN_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
