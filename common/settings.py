@@ -1,0 +1,137 @@
+"""Every environment variable the project reads, in one typed place.
+
+Each field of ``Settings`` is one variable (its alias is the variable's name), with its type,
+default and what it does. Code reads ``settings().field``; nothing else in the project calls
+``os.environ.get`` for its own configuration (``tests/unit/test_settings.py`` walks the code to
+check, and checks the README's table of variables against this class). A bad value fails with
+pydantic's error, which names the variable and the expected type.
+
+``settings()`` builds a fresh object from the current environment on each call (under 1 ms):
+tests and the stack set variables at run time, and a role reads its settings once, outside its
+training loop. Variables *passed through* to child processes (the role environment, the AWS
+credentials boto3 reads by itself) are not configuration read here; only those the project's
+own code interprets are.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The registered model the demo trains and the review DAG watches by default.
+DEFAULT_MODEL_NAME = "digits-classifier"
+DEFAULT_DATASET_URI = "s3://mxpipe/datasets/digits/digits.csv"
+DEFAULT_ARTIFACT_ROOT = "s3://mxpipe/runs"
+
+
+def _var(default: Any, name: str, doc: str, *, group: str) -> Any:
+    return Field(default, validation_alias=AliasChoices(name), description=doc,
+                 json_schema_extra={"env": name, "group": group})
+
+
+class Settings(BaseSettings):
+    """The project's environment variables (see the README's "Environment variables" table)."""
+
+    model_config = SettingsConfigDict(case_sensitive=True, extra="ignore", populate_by_name=False,
+                                      frozen=True)
+
+    # --- the local stack -------------------------------------------------------------------
+    home: str | None = _var(None, "MXPIPE_HOME", "Folder of the embedded stack's state (S3 data, "
+                            "databases, logs, credentials); default `.local/` in the checkout", group="stack")
+    pycache: str | None = _var(None, "MXPIPE_PYCACHE", "Bytecode cache folder of the stack's "
+                               "processes; default `.local/pycache`", group="stack")
+    pythonpath: str = _var("", "PYTHONPATH", "Kept after the checkout on the Airflow processes' "
+                           "`PYTHONPATH`", group="stack")
+
+    # --- storage and tracking --------------------------------------------------------------
+    artifact_root: str = _var(DEFAULT_ARTIFACT_ROOT, "MXPIPE_ARTIFACT_ROOT", "Root of every run's "
+                              "partition (shards, checkpoints, model, reports)", group="storage")
+    s3_endpoint_url: str | None = _var(None, "AWS_ENDPOINT_URL_S3", "S3 endpoint (wins over "
+                                       "`AWS_ENDPOINT_URL`)", group="storage")
+    endpoint_url: str | None = _var(None, "AWS_ENDPOINT_URL", "Endpoint of every AWS service "
+                                    "(S3 when `AWS_ENDPOINT_URL_S3` is unset)", group="storage")
+    aws_region: str = _var("us-east-1", "AWS_DEFAULT_REGION", "Region of the S3 client", group="storage")
+    aws_access_key_id: str | None = _var(None, "AWS_ACCESS_KEY_ID", "Part of the S3 client cache "
+                                         "key (boto3 reads the credentials itself)", group="storage")
+    mlflow_tracking_uri: str | None = _var(None, "MLFLOW_TRACKING_URI", "MLflow tracking server; "
+                                           "unset: MLflow's own default", group="storage")
+
+    # --- the DAGs --------------------------------------------------------------------------
+    schedule: str = _var("0 3 * * *", "MXPIPE_SCHEDULE", "Cron schedule of the training DAG "
+                         "(`none`: triggered only)", group="dags")
+    max_active_runs: int = _var(1, "MXPIPE_MAX_ACTIVE_RUNS", "Concurrent runs of the training DAG",
+                                group="dags")
+    retry_delay_s: float = _var(30.0, "MXPIPE_RETRY_DELAY_S", "First retry delay of the training "
+                                "DAG's tasks (exponential backoff after it)", group="dags")
+    reaper_schedule: str = _var("*/15 * * * *", "MXPIPE_REAPER_SCHEDULE", "Cron schedule of the "
+                                "`cluster_reaper` DAG", group="dags")
+    dataset_uri: str = _var(DEFAULT_DATASET_URI, "MXPIPE_DATASET_URI", "The dataset the "
+                            "`dataset_landed` asset stands for, and the training form's default",
+                            group="dags")
+    review_models: str = _var(DEFAULT_MODEL_NAME, "MXPIPE_REVIEW_MODELS", "Comma-separated "
+                              "registered models the review DAG is scheduled on", group="dags")
+    review_timeout_h: float = _var(72.0, "MXPIPE_REVIEW_TIMEOUT_H", "Hours a review waits for "
+                                   "a reviewer", group="dags")
+    gx_data_docs: bool = _var(True, "MXPIPE_GX_DATA_DOCS", "Render the Great Expectations HTML "
+                              "report (`0`: JSON report only)", group="dags")
+    git_sha: str | None = _var(None, "MXPIPE_GIT_SHA", "Code version tagged on MLflow runs where "
+                               "the checkout has no `.git` (images)", group="dags")
+
+    # --- clusters --------------------------------------------------------------------------
+    cluster_ttl_s: float = _var(6 * 3600.0, "MXPIPE_CLUSTER_TTL_S", "Age after which "
+                                "`cluster_reaper` tears a cluster down", group="cluster")
+    hosts_file: str | None = _var(None, "MXPIPE_HOSTS_FILE", "JSON list of hosts of the `hosts` "
+                                  "backend", group="cluster")
+    ec2_file: str | None = _var(None, "MXPIPE_EC2_FILE", "JSON object of EC2 options of the "
+                                "`ec2` backend", group="cluster")
+    flush_denormals: bool = _var(False, "MXPIPE_FLUSH_DENORMALS", "Set by the launcher for each "
+                                 "role from `cluster.flush_denormals`", group="cluster")
+
+    # --- fault injection (tests, benchmarks) ------------------------------------------------
+    fault_kill_step: int | None = _var(None, "MXPIPE_FAULT_KILL_STEP", "SIGKILL the chosen worker "
+                                       "(or the pid in the pid file) at this global step", group="faults")
+    fault_kill_rank: int = _var(1, "MXPIPE_FAULT_KILL_RANK", "Worker rank the faults pick", group="faults")
+    fault_kill_pid_file: str | None = _var(None, "MXPIPE_FAULT_KILL_PID_FILE", "File with the pid "
+                                           "(negative: process group) the kill goes to", group="faults")
+    fault_hang_step: int | None = _var(None, "MXPIPE_FAULT_HANG_STEP", "The chosen worker hangs "
+                                       "at this global step (a stall)", group="faults")
+    fault_term_step: int | None = _var(None, "MXPIPE_FAULT_TERM_STEP", "SIGTERM the chosen worker "
+                                       "at this global step (a preemption)", group="faults")
+    fault_kill_in_upload_step: int | None = _var(None, "MXPIPE_FAULT_KILL_IN_UPLOAD_STEP", "SIGKILL "
+                                                 "rank 0 between this step's checkpoint files and "
+                                                 "its manifest", group="faults")
+    fault_step_delay_s: float | None = _var(None, "MXPIPE_FAULT_STEP_DELAY_S", "Every step of the "
+                                            "chosen worker takes this much longer", group="faults")
+    fault_once_file: str | None = _var(None, "MXPIPE_FAULT_ONCE_FILE", "A fault fires only if "
+                                       "this file does not exist yet, and creates it", group="faults")
+
+    @property
+    def local_home(self) -> str:
+        return os.path.abspath(self.home or os.path.join(REPO_ROOT, ".local"))
+
+
+def settings() -> Settings:
+    """The settings of the current environment (read now)."""
+    return Settings()
+
+
+def secret(name: str) -> str | None:
+    """The value of a variable whose *name* is configuration (``checkpoint.encryption_key_env``):
+    a secret, never a field here, so it is not in any table, log or model dump."""
+    return os.environ.get(name) or None
+
+
+def env_table() -> str:
+    """The README's table of variables, generated from ``Settings``."""
+    rows = ["| variable | type | default | what it does |", "|---|---|---|---|"]
+    for field in Settings.model_fields.values():
+        extra = field.json_schema_extra or {}
+        ann = str(field.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+        ann = ann.replace(" | None", ", optional")  # a bare | would split the Markdown cell
+        default = "—" if field.default is None else f"`{field.default}`"
+        rows.append(f"| `{extra['env']}` | {ann} | {default} | {field.description} |")
+    return "\n".join(rows)
