@@ -4,6 +4,7 @@ Owns: the worker's ``run`` (set up → resume → steps → export, ``worker``),
 (``step``), the optimizer and learning-rate schedule (``optim``), kvstore views and trainer
 construction (``kvstore_sync``), split (model-parallel) placement (``placement``), the model
 zoo (``model``), throughput and per-step records (``metrics``) and test fault injection
-(``faults``). May import ``common``, ``training.feed`` and ``training.checkpoint``; never
+(``faults``). May import ``common``, ``training.feed``, ``training.checkpoint`` and
+``training.launch.job`` (the job spec and exit codes a role shares with its supervisor); never
 ``training.tracking`` (no MLflow in a role process) nor ``training.launch``'s supervisor.
 """
