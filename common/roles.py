@@ -15,8 +15,9 @@ ps-lite settings, chosen on purpose (``PsLiteKnobs``):
   ``DMLC_NODE_HOST`` set, ps-lite never consults it, but setting both keeps a mis-typed address
   from silently binding elsewhere.
 - ``PS_HEARTBEAT_INTERVAL`` stays 0 (off) by default: a heartbeat never unblocked a
-  ``dist_sync`` job after a lost peer here (DESIGN.md); the supervisor's exit and stall checks
-  detect failures from outside, within seconds.
+  ``dist_sync`` job after a lost peer here (docs/architecture.md, "A dist_sync job cannot
+  survive a lost peer"); the supervisor's exit and stall checks detect failures from outside,
+  within seconds.
 - ``PS_RESEND`` stays 0 (off) by default: resending cannot bring back a dead role, and on a
   healthy LAN it only adds traffic and duplicate-message handling. A lossy network (cross-AZ,
   not a cluster placement group) is the case for turning it on (``PS_RESEND=1``,

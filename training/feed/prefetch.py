@@ -22,12 +22,12 @@ Determinism: one producer walks the given batches in order into a FIFO queue, an
 draws no random numbers, so the loop sees exactly the inline sequence at any depth; a resumed
 job that starts mid-epoch gets the same batches as an uninterrupted one.
 
-Every wait is bounded (DESIGN.md principle 6): the loop waits at most ``wait_s`` for a batch
-and polls the thread's health meanwhile; the thread's puts time out and re-check a stop flag.
-An exception while loading is re-raised in the loop as ``PrefetchError`` naming the step. The
-thread ends at the epoch's end, and when the loop stops early (a break, an exception, the
-generator closed); it is a daemon, so a worker leaving through ``os._exit`` (preemption) is
-never held up by it.
+Every wait is bounded (docs/architecture.md, "Every wait is bounded"): the loop waits at most
+``wait_s`` for a batch and polls the thread's health meanwhile; the thread's puts time out and
+re-check a stop flag. An exception while loading is re-raised in the loop as ``PrefetchError``
+naming the step. The thread ends at the epoch's end, and when the loop stops early (a break,
+an exception, the generator closed); it is a daemon, so a worker leaving through ``os._exit``
+(preemption) is never held up by it.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ through the servers, every worker applies the same step; the state a later chang
 ``Trainer.save_states``), or on the servers (required by ``dist_async``). The trainer comes
 from ``training.loop.kvstore_sync.make_trainer``, which syncs the kvstore before the first forward:
 gluon's lazy sync inside the first ``step()`` is what made the worker-side optimizer give
-wrong models under ``dist_sync`` (DESIGN.md, "Correctness trap"; docs/kvstore-correctness.md).
+wrong models under ``dist_sync`` (docs/architecture.md, "Correctness trap"; docs/kvstore-correctness.md).
 Resume is exact with the optimizer on the workers: rank 0's checkpoints hold parameters,
 optimizer state (``Trainer.save_states`` bytes, one file per stage for a split model; every
 worker holds the same in ``dist_sync``),
