@@ -414,11 +414,15 @@ class TrainConfig:
         """Build from a nested dict, rejecting unknown keys by name."""
         sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig,
                     "cluster": ClusterConfig, "checkpoint": CheckpointConfig}
+        _check(isinstance(raw, dict), f"a config is a JSON object of sections, got {type(raw).__name__}")
         unknown = set(raw) - set(sections) - {"seed"}
         _check(not unknown, f"unknown config keys: {sorted(unknown)}")
         kwargs: dict[str, Any] = {}
         for name, section_cls in sections.items():
-            values = dict(raw.get(name) or {})
+            section = raw.get(name) or {}
+            _check(isinstance(section, dict), f"config section {name!r} must be a JSON object, got "
+                                              f"{type(section).__name__}")
+            values = dict(section)
             known = {f.name: f for f in dataclasses.fields(section_cls)}
             bad = set(values) - set(known)
             _check(not bad, f"unknown keys in config section {name!r}: {sorted(bad)}")
@@ -436,6 +440,24 @@ class TrainConfig:
     @classmethod
     def from_json(cls, text: str) -> "TrainConfig":
         return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_file(cls, path: str) -> "TrainConfig":
+        """The config in the JSON file ``path``; a ConfigError names the file and what is wrong."""
+        try:
+            with open(path) as fh:
+                text = fh.read()
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        try:
+            return cls.from_json(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                              f"column {exc.colno}") from None
+        except ConfigError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
 
     def replace(self, **sections: dict[str, Any]) -> "TrainConfig":
         """Copy with some fields of some sections changed: ``cfg.replace(optim={"epochs": 3})``."""

@@ -27,6 +27,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from common.cli import parser as cli_parser
+
 log = logging.getLogger(__name__)
 
 
@@ -249,9 +251,18 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+EXAMPLES = """
+python -m common.procs exec-role --record /tmp/job/procs/worker-0.json -- python -m training worker JOB_URI
+python -m common.procs kill-records /tmp/job/procs --grace-s 5
+python -m common.procs free-port 127.0.0.1
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Host-side helpers a cluster runs through its transport (nothing here imports mxnet)."""
-    parser = argparse.ArgumentParser(prog="python -m common.procs")
+    parser = cli_parser("Host-side helpers a cluster runs through its transport (ssh, ip netns exec, SSM): "
+                        "start a role as the leader of a recorded process group, stop the recorded groups, "
+                        "find a free port.", EXAMPLES, prog="python -m common.procs")
     sub = parser.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("exec-role", help="lead a new process group, record it, exec ARGV")
     e.add_argument("--record", required=True)

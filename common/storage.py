@@ -66,6 +66,9 @@ def _client_for(endpoint: str | None, key_id: str | None, region: str) -> Any:
     import boto3
     from botocore.config import Config
 
+    # botocore logs at INFO where it found the credentials ("Found credentials in environment
+    # variables."): one line per client in every CLI, task and role log. Its warnings still pass.
+    logging.getLogger("botocore.credentials").setLevel(logging.WARNING)
     cfg = Config(
         connect_timeout=_CONNECT_TIMEOUT_S,
         read_timeout=_READ_TIMEOUT_S,

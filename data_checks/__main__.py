@@ -8,19 +8,30 @@
                                    [--previous MANIFEST] [--docs]
         Runs the Great Expectations suites over the shards and the cross-shard checks (drift
         against a previous manifest if given); exit code 1 on failure.
+
+A missing or invalid config file is a usage error: one line on stderr, exit code 2.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
 
+from common.cli import parser as cli_parser
+from common.cli import usage_errors
 from common.errors import DataError
+
+EXAMPLES = """
+python -m training config --recipe digits --dataset digits.csv > cfg.json
+python -m data_checks shard    --config cfg.json --out shards/
+python -m data_checks validate --config cfg.json --shards shards/ --report report/
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data_checks")
+    parser = cli_parser("The data stage without Airflow: shard a config's source dataset into RecordIO shards "
+                        "and validate them with Great Expectations (exit status 1 when a check fails).",
+                        EXAMPLES, prog="python -m data_checks")
     sub = parser.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("shard", help="shard the config's source dataset")
     s.add_argument("--config", required=True, help="TrainConfig JSON file")
@@ -28,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--out", help="prefix for shards and manifest.json")
     where.add_argument("--under", help="root for content-addressed shards (ROOT/{fingerprint[:16]})")
     v = sub.add_parser("validate", help="validate shards with Great Expectations")
-    v.add_argument("--config", required=True)
+    v.add_argument("--config", required=True, help="TrainConfig JSON file")
     v.add_argument("--shards", required=True, help="prefix holding manifest.json")
     v.add_argument("--report", help="prefix to write validation.json / validation.html to")
     v.add_argument("--previous", help="a previous manifest (or its prefix) to check label drift against")
@@ -38,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from common.config import ConfigError, TrainConfig
 
+    with usage_errors(ConfigError):
+        cfg = TrainConfig.from_file(args.config)
     try:
-        with open(args.config) as fh:
-            cfg = TrainConfig.from_json(fh.read())
         if args.cmd == "shard":
             from data_checks.shard import shard_content_addressed, shard_dataset
 

@@ -98,9 +98,27 @@ def image_suite(spec: SuiteSpec) -> list[Any]:
 SUITES: dict[str, Callable[[SuiteSpec], list[Any]]] = {"table": table_suite, "images": image_suite}
 
 
+def _import_gx() -> Any:
+    """Great Expectations, with its INFO records off and its warnings kept.
+
+    GX logs at INFO what only its own developers need, about 260 lines per validation: "Skipping
+    registering function …" from its public-API decorator (``great_expectations._docs_decorators``)
+    for every function it imports, then per context "Loading 'datasources'", "Created temporary
+    directory …" and "_get_default_value called with key …" per expectation. The level must be
+    set before the import (the decorator logs as modules load); ``data_context.types.base`` sets
+    its own logger to INFO when it loads, so that one is set again after it.
+    """
+    logging.getLogger("great_expectations").setLevel(logging.WARNING)
+    import great_expectations as gx
+    import great_expectations.data_context.types.base as gx_base
+
+    logging.getLogger(gx_base.__name__).setLevel(logging.WARNING)
+    return gx
+
+
 def run_suite(kind: str, spec: SuiteSpec, frame: "pd.DataFrame", docs_dir: str | None = None) -> tuple[dict[str, Any], str | None]:
     """Run the suite of ``kind`` on ``frame``; returns (GX result as JSON, Data Docs page or None)."""
-    import great_expectations as gx
+    gx = _import_gx()
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
     context = gx.get_context(mode="ephemeral")

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+from common.cli import parser as cli_parser
 from common.home import mxpipe_home
 from common.paths import safe_component
 from common.roles import JobLaunch
@@ -236,13 +237,19 @@ def reap(older_than_s: float = 0.0, *, home: str | None = None, now: float | Non
     return reaped
 
 
+EXAMPLES = """
+python -m infra.cluster leaked                       # one JSON line per cluster past its TTL
+python -m infra.cluster reap --older-than-s 600      # tear down those expired 10 minutes ago or more
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m infra.cluster leaked|reap [--older-than-s N]``: the reaper without Airflow."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m infra.cluster")
+    parser = cli_parser("The cluster reaper without Airflow: list (leaked) or tear down (reap) the clusters "
+                        "recorded under $MXPIPE_HOME whose time to live ran out.", EXAMPLES,
+                        prog="python -m infra.cluster")
     parser.add_argument("cmd", choices=("leaked", "reap"))
-    parser.add_argument("--older-than-s", type=float, default=0.0)
+    parser.add_argument("--older-than-s", type=float, default=0.0, help="only clusters expired this long ago")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "leaked":

@@ -44,6 +44,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+from common.cli import parser as cli_parser
+from common.cli import usage_errors
+from common.config import MODELS
 from infra.catalogue import CATALOGUE, InstanceType
 
 log = logging.getLogger(__name__)
@@ -229,13 +232,42 @@ def format_plan(p: Plan) -> str:
 
 ModelCounter = Callable[[str, Sequence[int], int], Mapping[str, int]]
 
+EXAMPLES = """
+python -m infra.planning --params 10e9 --optimizer adam --batch-size 32      # a parameter count
+scripts/plan.py --model resnet50 --input-shape 3,224,224 --classes 1000 \\
+    --batch-size 256 --optimizer sgd --momentum 0.9 --precision fp32           # a model of the zoo
+"""
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """A ValueError names the first flag whose number is out of range."""
+    if args.params is not None and not (math.isfinite(args.params) and args.params >= 1):
+        raise ValueError(f"--params must be a finite count >= 1, got {args.params}")
+    if not (math.isfinite(args.activations_per_sample) and args.activations_per_sample >= 0):
+        raise ValueError(f"--activations-per-sample must be a finite count >= 0, got {args.activations_per_sample}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.classes < 1:
+        raise ValueError(f"--classes must be >= 1, got {args.classes}")
+    if not 0 <= args.momentum < 1:
+        raise ValueError(f"--momentum must be in [0, 1), got {args.momentum}")
+    if args.model is not None and args.model not in MODELS:
+        raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {args.model!r}")
+
+
+def _dims(text: str) -> list[int]:
+    parts = text.split(",")
+    if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--input-shape must be positive integers C,H,W (or F), got {text!r}")
+    return [int(p) for p in parts]
+
 
 def main(argv: Sequence[str] | None = None, *, count_model: ModelCounter | None = None,
          prog: str = "python -m infra.planning") -> int:
     """The planning CLI; ``count_model(name, input_shape, classes)`` serves ``--model``."""
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    ap = cli_parser(__doc__.split("\n")[0] + " Exit status 1 when no instance type fits.", EXAMPLES, prog=prog)
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="a model of the zoo: mlp, lenet, resnet18, resnet50")
+    src.add_argument("--model", help=f"a model of the zoo: {', '.join(MODELS)}")
     src.add_argument("--params", type=float, help="trainable parameter count instead of a model (e.g. 10e9)")
     ap.add_argument("--input-shape", default="3,224,224", help="C,H,W of one example (or F for an MLP)")
     ap.add_argument("--classes", type=int, default=1000)
@@ -249,14 +281,15 @@ def main(argv: Sequence[str] | None = None, *, count_model: ModelCounter | None 
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)  # the warnings are printed with the plan
-    if args.model:
-        if count_model is None:
-            ap.error("--model counts a network of the trainer's model zoo, which infra does not import: "
-                     "run scripts/plan.py with the same flags, or give --params")
-        counts = count_model(args.model, [int(d) for d in args.input_shape.split(",")], args.classes)
-        shape = ModelShape(**counts)
-    else:
-        shape = ModelShape(params=int(args.params), activations_per_sample=int(args.activations_per_sample))
+    with usage_errors(ValueError):  # a ConfigError too: the trainer refusing the model the flags describe
+        _check_numbers(args)
+        if args.model:
+            if count_model is None:
+                raise ValueError("--model counts a network of the trainer's model zoo, which infra does not "
+                                 "import: run scripts/plan.py with the same flags, or give --params")
+            shape = ModelShape(**count_model(args.model, _dims(args.input_shape), args.classes))
+        else:
+            shape = ModelShape(params=int(args.params), activations_per_sample=int(args.activations_per_sample))
     result = plan(shape, optimizer=args.optimizer, momentum=args.momentum, centered=args.centered,
                   global_batch=args.batch_size, precision=args.precision, optimizer_on=args.optimizer_on)
     print(json.dumps(result.as_dict(), indent=2) if args.json else format_plan(result))

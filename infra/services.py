@@ -22,7 +22,6 @@ job runner; not used here).
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
@@ -30,6 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import fields, replace
 from pathlib import Path
 
+from common.cli import parser as cli_parser
 from infra.airflow_service import AIRFLOW_COMPONENTS, airflow_env, start_airflow
 from infra.processes import ServiceHandle, http_get, launch, load_handle, running_handle, stop_all, wait_http
 from infra.s3_service import start_s3, stop_s3
@@ -154,8 +154,17 @@ def status(home: Path, echo: Callable[[str], None] = print) -> None:
         echo(f"{name:<22} {state} pid {handle.pid}{port}{health}  log {handle.log_path}")
 
 
+EXAMPLES = """
+python -m infra.services up                      # start S3, MLflow and Airflow (or find them running)
+python -m infra.services status
+eval "$(python -m infra.services env)"           # use the stack's S3 and MLflow from this shell
+python -m infra.services down --only airflow
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.services", description=__doc__.split("\n")[0])
+    parser = cli_parser(__doc__.split("\n")[0] + " All state lives under one folder ($MXPIPE_HOME or <repo>/.local).",
+                        EXAMPLES, prog="python -m infra.services")
     parser.add_argument("--home", help="state folder (default $MXPIPE_HOME or <repo>/.local)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up", help="start s3 → mlflow → airflow (idempotent)")

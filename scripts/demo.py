@@ -10,7 +10,6 @@ stay browsable); ``make down`` stops them.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -19,11 +18,16 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from common.cli import parser as cli_parser  # noqa: E402
 from infra import airflow_client, services  # noqa: E402
 from infra.stack_config import StackConfig, mxpipe_home, stack_env  # noqa: E402
 
 DAG_ID = "mxnet_training"
 DATASET_KEY = "datasets/digits/digits.csv"
+EXAMPLES = """
+.venv/bin/python scripts/demo.py                                   # what make demo runs
+.venv/bin/python scripts/demo.py --conf '{"epochs": 30, "num_workers": 3}' --timeout 1200
+"""
 
 
 def _say(msg: str) -> None:
@@ -47,7 +51,10 @@ def upload_digits(bucket: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli_parser("The main job, end to end, on the embedded stack: start S3, MLflow and Airflow under .local/ "
+                        "(or reuse them), upload the digits dataset, trigger the mxnet_training DAG, follow it and "
+                        "print the run state, MLflow run, registered model and test accuracy.", EXAMPLES,
+                        prog="scripts/demo.py")
     parser.add_argument("--conf", default="{}", help="JSON of DAG params to override")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the run")
     args = parser.parse_args()

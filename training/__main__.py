@@ -4,6 +4,10 @@
         Runs the distributed job (1 scheduler, S servers, W workers as local processes) over
         shards written by ``python -m data_checks shard``; checkpoints, metrics and the exported
         model go under ``--out``. Rerunning the same command resumes from the latest checkpoint.
+        A missing or invalid config file: one line on stderr, exit code 2; a failed job: 1.
+
+    python -m training config [--recipe digits|debug] [--dataset URI]
+        Prints a recipe's full config as JSON: a config file to start from.
 
     python -m training worker JOB_URI
         One worker role (started by the launcher with the DMLC_* variables set).
@@ -20,8 +24,16 @@ import signal
 import sys
 import tempfile
 
+from common.cli import parser as cli_parser
+from common.cli import usage_errors
 from common.fpmode import apply_from_env
 from common.mx import import_mxnet
+
+EXAMPLES = """
+python -m training config --recipe digits --dataset s3://mxpipe/datasets/digits/digits.csv > cfg.json
+python -m data_checks shard --config cfg.json --out s3://mxpipe/manual/shards
+python -m training run --config cfg.json --shards s3://mxpipe/manual/shards --out s3://mxpipe/manual/run
+"""
 
 
 def _worker(job_uri: str) -> int:
@@ -56,12 +68,13 @@ def _worker(job_uri: str) -> int:
 def _run(args: argparse.Namespace) -> int:
     from common import storage
     from common.procs import GroupSpawner
-    from common.config import TrainConfig
+    from common.config import ConfigError, TrainConfig
     from training.launch.job import JobSpec
     from training.launch.launcher import JobFailed, Supervisor
     from training.launch.ports import free_port
 
-    cfg = TrainConfig.from_json(open(args.config).read())
+    with usage_errors(ConfigError):
+        cfg = TrainConfig.from_file(args.config)
     out = args.out.rstrip("/")
     job = JobSpec(config=cfg, shards_prefix=args.shards, checkpoint_prefix=storage.join(out, "checkpoints"),
                   model_prefix=storage.join(out, "model"), metrics_uri=storage.join(out, "metrics", "train.json"))
@@ -81,16 +94,32 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_config(args: argparse.Namespace) -> int:
+    from common.config import ConfigError, recipe
+
+    with usage_errors(ConfigError):
+        cfg = recipe(args.recipe, args.dataset)
+    print(cfg.to_json())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training")
+    parser = cli_parser("The trainer without Airflow: a distributed MXNet job (scheduler, servers, workers) "
+                        "as local processes, over shards written by python -m data_checks shard.",
+                        EXAMPLES, prog="python -m training")
     sub = parser.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("worker", help="run one worker role (started by the launcher)")
     w.add_argument("job_uri")
-    r = sub.add_parser("run", help="run a distributed job on local processes")
+    r = sub.add_parser("run", help="run a distributed job on local processes; rerun to resume")
     r.add_argument("--config", required=True, help="TrainConfig JSON file")
     r.add_argument("--shards", required=True, help="prefix holding manifest.json and the shards")
     r.add_argument("--out", required=True, help="prefix for checkpoints, metrics and the model")
+    c = sub.add_parser("config", help="print a recipe's full config as JSON, to start a config file from")
+    c.add_argument("--recipe", default="digits", help="digits (default) or debug")
+    c.add_argument("--dataset", default="", help="data.source_uri of the config")
     args = parser.parse_args(argv)
+    if args.cmd == "config":
+        return _print_config(args)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "worker":
