@@ -5,6 +5,11 @@ strings: they never pass through ``pathlib``. The S3 client takes its endpoint a
 from the standard AWS environment variables (``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``), so tests point it at a local S3 server by
 setting the environment, not by passing clients around.
+
+Source datasets are read through fsspec/s3fs instead (``data_checks.filesystems``, whose
+``s3fs_options`` resolves the same endpoint and region). Shards, checkpoints and run artifacts
+stay on boto3: the trainer image carries boto3 but not fsspec, s3fs or aiobotocore, and
+checkpoints need the bounded retries and the multipart uploads tuned here.
 """
 from __future__ import annotations
 

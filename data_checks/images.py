@@ -50,15 +50,16 @@ class ImageReader:
         self.files_read: list[dict[str, Any]] = []
         self.rows = 0
         self.id_column = data.id_column
-        self._sizes = {f.uri: f.bytes for f in plan.files}
+        self._files = {f.uri: f for f in plan.files}
 
     def chunks(self) -> Iterator[Chunk]:
         import pyarrow as pa
         import pyarrow.csv as pcsv
 
         labels_uri = storage.join(self.plan.root, sources.LABELS_FILE)
+        listed = self._files[labels_uri]
         try:
-            table = pcsv.read_csv(io.BytesIO(sources.read_bytes(labels_uri)),
+            table = pcsv.read_csv(io.BytesIO(sources.read_bytes(listed)),
                                   convert_options=pcsv.ConvertOptions(strings_can_be_null=True),
                                   read_options=pcsv.ReadOptions(use_threads=False))
         except (pa.ArrowInvalid, UnicodeDecodeError) as exc:
@@ -75,7 +76,6 @@ class ImageReader:
             raise DataError(f"id column {id_col!r} (data.id_column) not found in {labels_uri}; columns: {names}")
         if table.num_rows == 0:
             raise DataError(f"source dataset has no rows (header only): {labels_uri}")
-        listed = next(f for f in self.plan.files if f.uri == labels_uri)
         self.files_read.append({"uri": labels_uri, "bytes": listed.bytes,
                                 **({"sha256": listed.sha256} if listed.sha256 else {"etag": listed.etag})})
         files = [str(v) if v is not None else "" for v in table.column(file_col).to_pylist()]
@@ -92,11 +92,11 @@ class ImageReader:
                 start = stop
 
     def _check_listed(self, files: list[str], labels_uri: str) -> None:
-        missing = [f for f in files if storage.join(self.plan.root, f) not in self._sizes]
+        missing = [f for f in files if storage.join(self.plan.root, f) not in self._files]
         if missing:
             raise DataError(f"{len(missing)} files listed in {labels_uri} are not in {self.plan.root}: "
                             f"{missing[:_EXAMPLES]}{' …' if len(missing) > _EXAMPLES else ''}")
-        unlisted = len(self._sizes) - 1 - len(set(files))
+        unlisted = len(self._files) - 1 - len(set(files))
         if unlisted > 0:
             log.warning("%d files under %s are not listed in %s: ignored", unlisted, self.plan.root, labels_uri)
 
@@ -139,9 +139,8 @@ class ImageReader:
         """The image as a (C, H, W) uint8 array, or why it cannot be used."""
         from PIL import Image, UnidentifiedImageError
 
-        uri = storage.join(self.plan.root, name)
         try:
-            data = sources.read_bytes(uri)
+            data = sources.read_bytes(self._files[storage.join(self.plan.root, name)])
         except DataError as exc:
             return str(exc)
         if self.on_bytes is not None:

@@ -1,8 +1,8 @@
 """Stream a table source (CSV, CSV.gz, Parquet; one or many files) as bounded chunks.
 
 Memory follows ``data.chunk_rows`` (and pyarrow's CSV block, sized from it), never the
-dataset: CSV is parsed by pyarrow's streaming reader straight from the byte stream (S3 GET or
-local file); Parquet is read row group by row group from a local copy. Every problem that
+dataset: CSV is parsed by pyarrow's streaming reader straight from the byte stream (an fsspec
+file read in blocks); Parquet is read row group by row group from a local copy. Every problem that
 stops rows from being decoded at all is a ``DataError`` naming the file and, where known, the
 column and the value: a missing label column, a non-numeric feature column, a truncated gzip
 or Parquet file, bytes that are not UTF-8, a file whose columns differ from the first file's.
@@ -190,7 +190,7 @@ class TableReader:
         convert = pcsv.ConvertOptions(column_types=types, strings_can_be_null=True,
                                       include_columns=[lay.label_column, *([lay.id_column] if lay.id_column else []),
                                                        *lay.feature_columns])
-        with sources.open_stream(source.uri, self.on_bytes) as stream:
+        with sources.open_stream(source, self.on_bytes) as stream:
             raw: Any = pa.CompressedInputStream(pa.PythonFile(stream, mode="r"), "gzip") if gz else stream
             try:
                 reader = pcsv.open_csv(raw, read_options=pcsv.ReadOptions(block_size=block),
@@ -317,7 +317,7 @@ def _first_non_numeric(column: Any) -> Any:
 
 def _csv_head(source: sources.SourceFile, gz: bool) -> bytes:
     """The header and the first rows (whole lines), to learn the columns and their types."""
-    raw = sources.read_head(source.uri, _HEAD_BYTES)
+    raw = sources.read_head(source, _HEAD_BYTES)
     if gz:
         try:
             raw = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(raw, 4 * _HEAD_BYTES)

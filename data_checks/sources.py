@@ -2,29 +2,33 @@
 
 A source is a file (``.csv``, ``.csv.gz``, ``.parquet``/``.pq``), a glob of files, or a folder
 (a URI ending in ``/``): its table files, or an image folder when it holds ``labels.csv``.
-Local paths and ``s3://`` URIs work alike. The listing is cheap (S3 ``ListObjectsV2`` /
-``HeadObject``), and so is the fingerprint: S3 ETag + size per object (content-derived), sha256
-per local file. Streams hash what they read, so the manifest records every source file's
-sha256 without a second pass.
+Every URI goes through fsspec (``filesystems``): local paths and ``file://``, ``s3://`` (s3fs),
+``gs://``, ``az://``, and single files over ``http(s)://`` (HTTP has no folder listing). URIs
+stay as the user spelled them. The listing is cheap (one ``fs.info`` / ``fs.find`` /
+``fs.glob``), and so is the fingerprint: the store's content identity + size per file (S3
+ETag; see ``filesystems.store_identity``), sha256 per local file or file of a store that
+reports none. Streams hash what they read, so the manifest records every source file's sha256
+without a second pass.
 """
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import io
 import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from common import storage
+from data_checks import filesystems
 from data_checks.errors import DataError
 
 _FORMATS = {".csv": "csv", ".csv.gz": "csv.gz", ".parquet": "parquet", ".pq": "parquet"}
 LABELS_FILE = "labels.csv"
 _READ_BLOCK = 8 << 20
+_GLOB_CHARS = "*?["
 
 
 def table_format(uri: str) -> str:
@@ -40,8 +44,11 @@ def table_format(uri: str) -> str:
 class SourceFile:
     uri: str
     bytes: int
-    etag: str | None = None  # S3 objects
-    sha256: str | None = None  # local files (computed by the fingerprint)
+    etag: str | None = None  # the store's content identity (S3 ETag; filesystems.store_identity)
+    sha256: str | None = None  # local files, and files of stores that report no identity
+    # Where the bytes are read from: the fsspec filesystem and the path on it (not the identity).
+    fs: Any = field(default=None, compare=False, repr=False)
+    path: str = field(default="", compare=False, repr=False)
 
     def identity(self) -> dict[str, Any]:
         return {"uri": self.uri, "bytes": self.bytes, "etag": self.etag, "sha256": self.sha256}
@@ -70,31 +77,45 @@ class SourcePlan:
         return hashlib.sha256(canon.encode()).hexdigest()
 
 
+class _Listed(NamedTuple):
+    uri: str  # as the user spells it
+    path: str  # on the filesystem
+    info: dict[str, Any]  # what the filesystem reported (size, ETag, …)
+
+
 def plan_source(spec: str) -> SourcePlan:
     """List the source's files (cheap: no data is read except local files' hashes)."""
     if not spec:
         raise DataError("data.source_uri is empty: nothing to shard")
-    if any(ch in spec for ch in "*?["):
-        files = _glob(spec)
-    elif spec.endswith("/") or (not storage.is_s3(spec) and os.path.isdir(_local(spec))):
+    fs, path = filesystems.resolve(spec)
+    if _is_glob(spec, fs):
+        listed = _glob(fs, spec, path)
+    else:
+        if not spec.endswith("/"):
+            with filesystems.read_errors(spec):
+                info = fs.info(path)
+            if info["type"] != "directory":
+                table_format(spec)  # an unknown extension fails before reading any data
+                return _table_plan(spec, fs, [_Listed(spec, path, info)])
+            if not filesystems.is_local(fs):  # object stores: a key and a prefix may share a name
+                raise DataError(f"source dataset not found: {spec} ({spec}/ is a folder: end the URI with '/')")
         folder = spec.rstrip("/") + "/"
-        listed = _list(folder)
+        listed = _list(fs, folder, path)
         labels = storage.join(folder, LABELS_FILE)
         if any(f.uri == labels for f in listed):
             files = sorted(listed, key=lambda f: (f.uri != labels, f.uri))  # labels.csv first
-            return SourcePlan(spec, "images", "images", tuple(_with_local_sha(files)), root=folder.rstrip("/"))
-        files = [f for f in listed if _is_table(f.uri)]
-        if not files:
+            return SourcePlan(spec, "images", "images", _identified(fs, files), root=folder.rstrip("/"))
+        listed = [f for f in listed if _is_table(f.uri)]
+        if not listed:
             raise DataError(f"no CSV or Parquet files (and no {LABELS_FILE}) under {folder}")
-    else:
-        if not _is_table(spec) and storage.is_s3(spec) and _s3_folder(spec):
-            raise DataError(f"source dataset not found: {spec} ({spec}/ is a folder: end the URI with '/')")
-        table_format(spec)  # an unknown extension fails before reading any data
-        files = [_stat(spec)]
-    formats = {table_format(f.uri) for f in files}
+    return _table_plan(spec, fs, listed)
+
+
+def _table_plan(spec: str, fs: Any, listed: list[_Listed]) -> SourcePlan:
+    formats = {table_format(f.uri) for f in listed}
     if len(formats) > 1:
         raise DataError(f"source {spec} mixes formats {sorted(formats)}: use one format per dataset")
-    return SourcePlan(spec, "table", formats.pop(), tuple(_with_local_sha(sorted(files, key=lambda f: f.uri))))
+    return SourcePlan(spec, "table", formats.pop(), _identified(fs, sorted(listed, key=lambda f: f.uri)))
 
 
 def _is_table(uri: str) -> bool:
@@ -105,80 +126,87 @@ def _is_table(uri: str) -> bool:
         return False
 
 
-def _local(uri: str) -> str:
-    return uri[len("file://"):] if uri.startswith("file://") else uri
+def _is_glob(spec: str, fs: Any) -> bool:
+    text = spec.split("?", 1)[0] if filesystems.is_http(fs) else spec  # "?" starts an HTTP query
+    return any(ch in text for ch in _GLOB_CHARS)
 
 
-def _stat(uri: str) -> SourceFile:
-    if storage.is_s3(uri):
-        from botocore.exceptions import ClientError
-
-        bucket, key = storage.split_s3(uri)
-        try:
-            head = storage.s3_client().head_object(Bucket=bucket, Key=key)
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                hint = f" ({uri}/ is a folder: end the URI with '/')" if _s3_folder(uri) else ""
-                raise DataError(f"source dataset not found: {uri}{hint}") from None
-            raise
-        return SourceFile(uri, int(head["ContentLength"]), etag=head.get("ETag", "").strip('"'))
-    path = _local(uri)
-    if not os.path.exists(path):
-        raise DataError(f"source dataset not found: {uri}")
-    return SourceFile(uri, os.path.getsize(path))
+def _refuse_http_listing(fs: Any, spec: str) -> None:
+    if filesystems.is_http(fs):
+        raise DataError(f"cannot list {spec}: HTTP has no folder listing, so a glob or a folder is not "
+                        f"supported over http(s); give the URL of one file (…/data.csv)")
 
 
-def _s3_folder(uri: str) -> bool:
-    bucket, key = storage.split_s3(uri)
-    listed = storage.s3_client().list_objects_v2(Bucket=bucket, Prefix=key.rstrip("/") + "/", MaxKeys=1)
-    return bool(listed.get("KeyCount"))
-
-
-def _list(folder: str) -> list[SourceFile]:
-    """Every object under ``folder`` (recursive), hidden files and folder markers skipped."""
-    out: list[SourceFile] = []
-    if storage.is_s3(folder):
-        bucket, key = storage.split_s3(folder)
-        paginator = storage.s3_client().get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=bucket, Prefix=key):
-            for obj in page.get("Contents", []):
-                name = obj["Key"][len(key):]
-                if name and not name.endswith("/") and not name.rsplit("/", 1)[-1].startswith("."):
-                    out.append(SourceFile(f"s3://{bucket}/{obj['Key']}", int(obj["Size"]),
-                                          etag=obj.get("ETag", "").strip('"')))
-    else:
-        root = _local(folder).rstrip("/")
-        if not os.path.isdir(root):
-            raise DataError(f"source folder not found: {folder}")
-        for dirpath, dirs, names in os.walk(root):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            for name in sorted(names):
-                if not name.startswith("."):
-                    path = os.path.join(dirpath, name)
-                    out.append(SourceFile(path, os.path.getsize(path)))
+def _list(fs: Any, folder: str, path: str) -> list[_Listed]:
+    """Every file under ``folder`` (recursive), hidden files and folders and folder markers skipped."""
+    _refuse_http_listing(fs, folder)
+    with filesystems.read_errors(folder, "source folder not found"):
+        found = fs.find(path, detail=True)
+    if path in found:  # find() on a file returns the file
+        raise DataError(f"source {folder} is a file, not a folder: drop the trailing '/'")
+    out = _below(folder, path.rstrip("/") + "/", found)
     if not out:
         raise DataError(f"source folder is empty or missing: {folder}")
+    return out
+
+
+def _glob(fs: Any, spec: str, path: str) -> list[_Listed]:
+    _refuse_http_listing(fs, spec)
+    with filesystems.read_errors(spec):
+        matched = fs.glob(path, detail=True)
+    out = _below(spec[:_literal_end(spec)], path[:_literal_end(path)], matched)
+    if not out:
+        raise DataError(f"no source files match {spec}")
+    return out
+
+
+def _literal_end(pattern: str) -> int:
+    """Where the folder part before a glob's first wildcard ends (after its last ``/``)."""
+    first = min(pattern.index(ch) for ch in _GLOB_CHARS if ch in pattern)
+    return pattern.rfind("/", 0, first) + 1
+
+
+def _below(base_uri: str, base_path: str, found: dict[str, dict[str, Any]]) -> list[_Listed]:
+    """The files in ``found`` (paths under ``base_path``), named as ``base_uri`` + the rest."""
+    out = []
+    for path, info in found.items():
+        if not path.startswith(base_path):
+            raise RuntimeError(f"the filesystem listed {path} outside {base_path}")
+        rest = path[len(base_path):]
+        hidden = any(part.startswith(".") for part in rest.split("/"))
+        if info.get("type") == "file" and rest and not rest.endswith("/") and not hidden:
+            out.append(_Listed(base_uri + rest, path, info))
     return sorted(out, key=lambda f: f.uri)
 
 
-def _glob(spec: str) -> list[SourceFile]:
-    first = min(spec.index(ch) for ch in "*?[" if ch in spec)
-    base = spec[:first].rsplit("/", 1)[0] + "/"
-    try:
-        listed = _list(base)
-    except DataError:
-        listed = []
-    pattern = spec if storage.is_s3(spec) else _local(spec)
-    matched = [f for f in listed if fnmatch.fnmatchcase(f.uri, pattern)]
-    if not matched:
-        raise DataError(f"no source files match {spec}")
-    return matched
+def _identified(fs: Any, listed: list[_Listed]) -> tuple[SourceFile, ...]:
+    """The files with their fingerprint: the store's content identity and size, else (local
+    files, HTTP servers without ETag) the sha256 and size of the bytes, read now."""
+    out = []
+    for f in listed:
+        tag = filesystems.store_identity(f.info)
+        if tag is not None and f.info.get("size") is not None:
+            out.append(SourceFile(f.uri, int(f.info["size"]), etag=tag, fs=fs, path=f.path))
+            continue
+        with HashingReader(_open(fs, f.path, f.uri)) as reader:
+            while reader.read(_READ_BLOCK):
+                pass
+        out.append(SourceFile(f.uri, reader.count, sha256=reader.sha256.hexdigest(), fs=fs, path=f.path))
+    return tuple(out)
 
 
-def _with_local_sha(files: list[SourceFile]) -> list[SourceFile]:
-    """Local files get their sha256 now (the fingerprint); S3 objects are identified by ETag."""
-    return [f if storage.is_s3(f.uri) else SourceFile(f.uri, f.bytes, sha256=storage.sha256_file(_local(f.uri)))
-            for f in files]
+def _open(fs: Any, path: str, uri: str, cache_type: str = "readahead") -> Any:
+    """``path`` opened for reading in bounded blocks.
+
+    HTTP: one streaming GET (``block_size=0``): fsspec's random-access HTTP file needs Range
+    requests, which many servers (Python's ``http.server`` among them) ignore. Elsewhere,
+    ranged reads of ``_READ_BLOCK``: ``readahead`` fetches the next block with each miss,
+    ``none`` just the bytes asked for.
+    """
+    options: dict[str, Any] = ({"block_size": 0} if filesystems.is_http(fs)
+                               else {"block_size": _READ_BLOCK, "cache_type": cache_type})
+    with filesystems.read_errors(uri, "source file not found"):
+        return fs.open(path, "rb", **options)
 
 
 class HashingReader(io.RawIOBase):
@@ -194,7 +222,7 @@ class HashingReader(io.RawIOBase):
         return True
 
     def read(self, size: int = -1) -> bytes:
-        data = self._raw.read(size if size is not None and size >= 0 else None) or b""
+        data = self._raw.read(size if size is not None and size >= 0 else -1) or b""
         self.sha256.update(data)
         self.count += len(data)
         if self._on_bytes is not None and data:
@@ -214,27 +242,24 @@ class HashingReader(io.RawIOBase):
 
 
 @contextmanager
-def open_stream(uri: str, on_bytes: Callable[[int], None] | None = None) -> Iterator[HashingReader]:
-    """A hashing byte stream of ``uri`` (one GET for S3; bounded by the client's read timeout)."""
-    if storage.is_s3(uri):
-        bucket, key = storage.split_s3(uri)
-        raw: Any = storage.s3_client().get_object(Bucket=bucket, Key=key)["Body"]
-    else:
-        raw = open(_local(uri), "rb")
-    reader = HashingReader(raw, on_bytes)
+def open_stream(source: SourceFile, on_bytes: Callable[[int], None] | None = None) -> Iterator[HashingReader]:
+    """A hashing byte stream of ``source``, read in blocks of at most ``_READ_BLOCK`` ahead."""
+    reader = HashingReader(_open(source.fs, source.path, source.uri), on_bytes)
     try:
         yield reader
     finally:
         reader.close()
 
 
-def read_head(uri: str, limit: int = 1 << 20) -> bytes:
-    """The first ``limit`` bytes (a ranged GET on S3)."""
-    if storage.is_s3(uri):
-        bucket, key = storage.split_s3(uri)
-        return storage.s3_client().get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{limit - 1}")["Body"].read()
-    with open(_local(uri), "rb") as fh:
-        return fh.read(limit)
+def read_head(source: SourceFile, limit: int = 1 << 20) -> bytes:
+    """The first ``limit`` bytes (a ranged read where the store has them)."""
+    blocks: list[bytes] = []
+    with _open(source.fs, source.path, source.uri, cache_type="none") as raw:
+        got = 0
+        while got < limit and (block := raw.read(limit - got)):  # a stream may return fewer bytes
+            blocks.append(block)
+            got += len(block)
+    return b"".join(blocks)
 
 
 def local_copy(source: SourceFile, work_dir: str, on_bytes: Callable[[int], None] | None = None) -> tuple[str, str]:
@@ -243,24 +268,19 @@ def local_copy(source: SourceFile, work_dir: str, on_bytes: Callable[[int], None
     Parquet needs random access (its footer comes last); a local copy keeps memory bounded by
     the row group, not the file, at the price of disk space for one file at a time.
     """
-    if not storage.is_s3(source.uri):
+    if filesystems.is_local(source.fs) and source.sha256:  # hashed by the plan
         if on_bytes is not None:
             on_bytes(source.bytes)
-        return _local(source.uri), source.sha256 or storage.sha256_file(_local(source.uri))
+        return source.path, source.sha256
     path = os.path.join(work_dir, "source-" + hashlib.sha256(source.uri.encode()).hexdigest()[:16])
-    with open_stream(source.uri, on_bytes) as stream, open(path, "wb") as out:
+    with open_stream(source, on_bytes) as stream, open(path, "wb") as out:
         while block := stream.read(_READ_BLOCK):
             out.write(block)
         digest = stream.sha256.hexdigest()
     return path, digest
 
 
-def read_bytes(uri: str) -> bytes:
-    """A whole (small) object, e.g. one image; a missing one is a ``DataError`` naming it."""
-    try:
-        return storage.get_bytes(uri)
-    except FileNotFoundError as exc:
-        raise DataError(f"source file not found: {uri}") from exc
-    except IsADirectoryError as exc:
-        raise DataError(f"source path is a folder, not a file: {uri}") from exc
-
+def read_bytes(source: SourceFile) -> bytes:
+    """A whole (small) file, e.g. one image; a missing one is a ``DataError`` naming it."""
+    with filesystems.read_errors(source.uri, "source file not found"):
+        return source.fs.cat_file(source.path)
