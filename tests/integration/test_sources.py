@@ -25,7 +25,7 @@ from common.config import DataConfig, TrainConfig
 from data_checks import DataError
 from data_checks.shard import shard_dataset
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration  # a real HTTP server on loopback
 
 
 def config(source: str) -> TrainConfig:
