@@ -27,8 +27,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import platform
+
+from common.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,6 @@ def flush_denormals() -> bool:
 
 
 def apply_from_env() -> bool:
-    """``flush_denormals()`` when ``ENV`` is ``1`` in the role's environment; call it before
-    ``import mxnet``."""
-    return os.environ.get(ENV) == "1" and flush_denormals()
+    """``flush_denormals()`` when the role's environment asks for it (``ENV``, which the launcher
+    sets to ``1`` or ``0``); call it before ``import mxnet``."""
+    return settings().flush_denormals and flush_denormals()

@@ -10,15 +10,17 @@ pydantic's error, which names the variable and the expected type.
 tests and the stack set variables at run time, and a role reads its settings once, outside its
 training loop. Variables *passed through* to child processes (the role environment, the AWS
 credentials boto3 reads by itself) are not configuration read here; only those the project's
-own code interprets are.
+own code interprets are. ``mlflow_tracking_uri()`` is the one way to find the MLflow server;
+``secret(name)`` reads a variable whose *name* is configuration (an encryption key).
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, InitSettingsSource, SettingsConfigDict
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,14 +63,15 @@ class Settings(BaseSettings):
                                            "unset: MLflow's own default", group="storage")
 
     # --- the DAGs --------------------------------------------------------------------------
-    schedule: str = _var("0 3 * * *", "MXPIPE_SCHEDULE", "Cron schedule of the training DAG "
-                         "(`none`: triggered only)", group="dags")
+    schedule: str = _var("0 3 * * *", "MXPIPE_SCHEDULE", "Cron schedule (UTC) of the training "
+                         "DAG, which also runs when the source dataset Asset is updated "
+                         "(`none`: neither, triggered only)", group="dags")
     max_active_runs: int = _var(1, "MXPIPE_MAX_ACTIVE_RUNS", "Concurrent runs of the training DAG",
                                 group="dags")
-    retry_delay_s: float = _var(30.0, "MXPIPE_RETRY_DELAY_S", "First retry delay of the training "
-                                "DAG's tasks (exponential backoff after it)", group="dags")
-    reaper_schedule: str = _var("*/15 * * * *", "MXPIPE_REAPER_SCHEDULE", "Cron schedule of the "
-                                "`cluster_reaper` DAG", group="dags")
+    retry_delay_s: float = _var(30.0, "MXPIPE_RETRY_DELAY_S", "First retry delay of `train` and "
+                                "`register` (exponential backoff after it)", group="dags")
+    reaper_schedule: str = _var("*/15 * * * *", "MXPIPE_REAPER_SCHEDULE", "Cron schedule (UTC) of "
+                                "the `cluster_reaper` DAG (`none`: triggered only)", group="dags")
     dataset_uri: str = _var(DEFAULT_DATASET_URI, "MXPIPE_DATASET_URI", "The dataset the "
                             "`dataset_landed` asset stands for, and the training form's default",
                             group="dags")
@@ -78,8 +81,9 @@ class Settings(BaseSettings):
                                    "a reviewer", group="dags")
     gx_data_docs: bool = _var(True, "MXPIPE_GX_DATA_DOCS", "Render the Great Expectations HTML "
                               "report (`0`: JSON report only)", group="dags")
-    git_sha: str | None = _var(None, "MXPIPE_GIT_SHA", "Code version tagged on MLflow runs where "
-                               "the checkout has no `.git` (images)", group="dags")
+    git_sha: str | None = _var(None, "MXPIPE_GIT_SHA", "Code version tagged on the MLflow run "
+                               "(`mlflow.source.git.commit`; set in images, which have no `.git`); "
+                               "unset: the checkout's `git rev-parse HEAD`", group="dags")
 
     # --- clusters --------------------------------------------------------------------------
     cluster_ttl_s: float = _var(6 * 3600.0, "MXPIPE_CLUSTER_TTL_S", "Age after which "
@@ -91,7 +95,7 @@ class Settings(BaseSettings):
     flush_denormals: bool = _var(False, "MXPIPE_FLUSH_DENORMALS", "Set by the launcher for each "
                                  "role from `cluster.flush_denormals`", group="cluster")
 
-    # --- fault injection (tests, benchmarks) ------------------------------------------------
+    # --- fault injection and measurement (tests, benchmarks) --------------------------------
     fault_kill_step: int | None = _var(None, "MXPIPE_FAULT_KILL_STEP", "SIGKILL the chosen worker "
                                        "(or the pid in the pid file) at this global step", group="faults")
     fault_kill_rank: int = _var(1, "MXPIPE_FAULT_KILL_RANK", "Worker rank the faults pick", group="faults")
@@ -108,15 +112,37 @@ class Settings(BaseSettings):
                                             "chosen worker takes this much longer", group="faults")
     fault_once_file: str | None = _var(None, "MXPIPE_FAULT_ONCE_FILE", "A fault fires only if "
                                        "this file does not exist yet, and creates it", group="faults")
+    events_file: str | None = _var(None, "MXPIPE_EVENTS_FILE", "JSON-lines file the supervisor "
+                                   "appends its events to (recovery measurements); read from the "
+                                   "environment it is given for the roles", group="faults")
 
     @property
     def local_home(self) -> str:
+        """The state folder, absolute: ``MXPIPE_HOME`` or ``<repo>/.local`` (git-ignored)."""
         return os.path.abspath(self.home or os.path.join(REPO_ROOT, ".local"))
 
 
-def settings() -> Settings:
-    """The settings of the current environment (read now)."""
-    return Settings()
+def settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings of the current environment (read now), or of ``environ`` alone.
+
+    ``environ`` is for an environment that is a parameter rather than this process's: the one a
+    supervisor was given for its roles.
+    """
+    if environ is None:
+        return Settings()
+    # The mapping as the one source, so nothing of this process's environment leaks in.
+    return Settings(_build_sources=((InitSettingsSource(Settings, dict(environ)),), {}))
+
+
+def mlflow_tracking_uri() -> str:
+    """The MLflow tracking server: ``MLFLOW_TRACKING_URI``, or where it is unset or empty, what
+    MLflow resolves itself (a URI set in this process, else its local default store)."""
+    uri = settings().mlflow_tracking_uri
+    if uri:
+        return uri
+    import mlflow  # only here: it takes seconds to import, and common/ stays cheap to import
+
+    return mlflow.get_tracking_uri()
 
 
 def secret(name: str) -> str | None:
@@ -132,6 +158,6 @@ def env_table() -> str:
         extra = field.json_schema_extra or {}
         ann = str(field.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
         ann = ann.replace(" | None", ", optional")  # a bare | would split the Markdown cell
-        default = "—" if field.default is None else f"`{field.default}`"
+        default = "—" if field.default is None else "empty" if field.default == "" else f"`{field.default}`"
         rows.append(f"| `{extra['env']}` | {ann} | {default} | {field.description} |")
     return "\n".join(rows)

@@ -21,6 +21,8 @@ import shutil
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from common.settings import settings
+
 log = logging.getLogger(__name__)
 
 # Every S3 call is bounded: connect/read timeouts plus botocore's own retry with backoff.
@@ -85,9 +87,8 @@ def _client_for(endpoint: str | None, key_id: str | None, region: str) -> Any:
 
 def s3_client() -> Any:
     """A boto3 S3 client for the endpoint and credentials in the current environment."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    region = os.environ.get("AWS_DEFAULT_REGION", "us-east-1")
-    return _client_for(endpoint, os.environ.get("AWS_ACCESS_KEY_ID"), region)
+    env = settings()
+    return _client_for(env.s3_endpoint_url or env.endpoint_url, env.aws_access_key_id, env.aws_region)
 
 
 def _is_not_found(exc: Exception) -> bool:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from common.settings import settings
 from infra.processes import ServiceHandle, http_get, launch, running_handle, stop_all, wait_until
 from infra.stack_config import (
     BIN_DIR,
@@ -45,7 +46,7 @@ def airflow_env(home: str | os.PathLike[str], *, api_port: int = 8080,
     af_home = root / "airflow"
     creds = load_credentials(root)
     base_url = f"http://{HOST}:{api_port}"
-    pythonpath = [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    pythonpath = [str(REPO_ROOT)] + [p for p in settings().pythonpath.split(os.pathsep) if p]
     conf = {
         ("core", "dags_folder"): str(dags_folder or REPO_ROOT / "dags"),
         ("core", "plugins_folder"): str(plugins_folder or REPO_ROOT / "plugins"),

@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from common.cli import parser as cli_parser
-from common.home import mxpipe_home
 from common.paths import safe_component
 from common.roles import JobLaunch
+from common.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Cluster(ABC):
     def __init__(self, cluster_id: str, spec: ClusterSpec, home: str | None = None) -> None:
         self.cluster_id = cluster_id
         self.spec = spec
-        self.home = home or mxpipe_home()
+        self.home = home or settings().local_home
 
     # -- record -----------------------------------------------------------------------------
 
@@ -194,7 +194,7 @@ def find_leaked(older_than_s: float = 0.0, *, home: str | None = None, now: floa
     A record that cannot be read counts as leaked once its folder is ``UNREADABLE_GRACE_S`` old.
     EC2 instances are also found by their tags, without any record: ``ec2_cluster.find_expired``.
     """
-    root = os.path.join(home or mxpipe_home(), "clusters")
+    root = os.path.join(home or settings().local_home, "clusters")
     now = time.time() if now is None else now
     leaked: list[Leak] = []
     if not os.path.isdir(root):
@@ -231,7 +231,7 @@ def reap(older_than_s: float = 0.0, *, home: str | None = None, now: float | Non
                 log.error("could not tear down leaked cluster %s: %s", leak.cluster_id, exc)
                 continue
         else:
-            shutil.rmtree(os.path.join(home or mxpipe_home(), "clusters", leak.cluster_id), ignore_errors=True)
+            shutil.rmtree(os.path.join(home or settings().local_home, "clusters", leak.cluster_id), ignore_errors=True)
         log.warning("reaped leaked %s cluster %s (expired at %.0f)", leak.backend, leak.cluster_id, leak.expires_at)
         reaped.append(leak.cluster_id)
     return reaped

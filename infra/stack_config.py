@@ -26,6 +26,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from common.settings import settings
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN_DIR = Path(sys.executable).parent
 HOST = "127.0.0.1"
@@ -39,11 +41,11 @@ class ServiceError(RuntimeError):
 
 
 def mxpipe_home(home: str | os.PathLike[str] | None = None) -> Path:
-    return Path(home or os.environ.get("MXPIPE_HOME") or REPO_ROOT / ".local").resolve()
+    return Path(home or settings().local_home).resolve()
 
 
 def pycache_dir() -> Path:
-    return Path(os.environ.get("MXPIPE_PYCACHE") or REPO_ROOT / ".local" / "pycache")
+    return Path(settings().pycache or REPO_ROOT / ".local" / "pycache")
 
 
 @dataclass(frozen=True)

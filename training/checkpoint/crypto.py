@@ -22,6 +22,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from common.settings import secret
+
 ALGORITHM = "AES-256-GCM/envelope-v1"
 _NONCE = 12
 
@@ -46,7 +48,7 @@ def parse_key(raw: str, env_name: str) -> bytes:
 
 
 def key_from_env(env_name: str) -> bytes:
-    raw = os.environ.get(env_name)
+    raw = secret(env_name)
     if not raw:
         raise CheckpointKeyError(f"checkpoint encryption is configured but ${env_name} is not set")
     return parse_key(raw, env_name)

@@ -20,9 +20,9 @@ variables come from ``common.roles`` (its docstring says why each ps-lite knob i
 ``PS_RESEND`` and heartbeats off, ``DMLC_NODE_HOST`` per host, ``DMLC_INTERFACE`` only when a
 backend names one).
 
-With ``MXPIPE_EVENTS_FILE`` set, the supervisor appends one JSON line per event (job start,
-roles started, each role line with the time it arrived, the failure it detected, roles
-stopped) to that file: what ``benchmarks/recovery.py`` measures recovery from.
+With ``MXPIPE_EVENTS_FILE`` set in its base environment, the supervisor appends one JSON line
+per event (job start, roles started, each role line with the time it arrived, the failure it
+detected, roles stopped) to that file: what ``benchmarks/recovery.py`` measures recovery from.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from common.procs import ProcessRole, kill_groups
 from common.roles import JobLaunch, forwarded_env, role_argv, role_env
+from common.settings import settings
 from common.config import TrainConfig
 from training.launch.job import DETERMINISTIC_EXIT_CODES
 
@@ -171,7 +172,7 @@ class Supervisor:
         self.port = port
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.roles: list[_Role] = []
-        self.events = _Events(self.base_env.get("MXPIPE_EVENTS_FILE"))
+        self.events = _Events(settings(self.base_env).events_file)
 
     # -- starting ---------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
@@ -86,21 +86,37 @@ def files_digest(paths: Sequence[str]) -> str:
 
 
 @contextlib.contextmanager
-def bounded_mlflow_env(overrides: Mapping[str, str] | None = None) -> Iterator[None]:
-    """Apply ``MLFLOW_ENV_DEFAULTS`` for the duration; explicit env settings win, ``overrides`` win over both."""
-    wanted = {**MLFLOW_ENV_DEFAULTS, **(overrides or {})}
-    saved = {k: os.environ.get(k) for k in wanted}
-    for key, value in wanted.items():
-        if overrides and key in overrides or saved[key] is None:
-            os.environ[key] = str(value)
+def environ_restored(names: Iterable[str]) -> Iterator[None]:
+    """Put the variables ``names`` back as they were (set to their value, or unset) when the block
+    ends, whatever it changed.
+
+    MLflow takes its own settings from this process's environment only, so a call's MLflow
+    options are set there for its duration. The snapshot is of values handed to MLflow, never
+    interpreted here: the one read of ``os.environ`` outside ``common.settings``
+    (``tests/unit/test_settings.py`` allows exactly this function).
+    """
+    saved = {name: os.environ.get(name) for name in names}
     try:
         yield
     finally:
-        for key, old in saved.items():
+        for name, old in saved.items():
             if old is None:
-                os.environ.pop(key, None)
+                os.environ.pop(name, None)
             else:
-                os.environ[key] = old
+                os.environ[name] = old
+
+
+@contextlib.contextmanager
+def bounded_mlflow_env(overrides: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Apply ``MLFLOW_ENV_DEFAULTS`` for the duration; explicit env settings win, ``overrides`` win over both."""
+    wanted = {**MLFLOW_ENV_DEFAULTS, **(overrides or {})}
+    with environ_restored(wanted):
+        for key, value in wanted.items():
+            if overrides and key in overrides:
+                os.environ[key] = str(value)
+            else:
+                os.environ.setdefault(key, str(value))
+        yield
 
 
 # ---------------------------------------------------------------- MLflow logging
@@ -263,25 +279,21 @@ def _tracking_uri(uri: str) -> Iterator[None]:
     """Point MLflow's fluent API (used by ``log_model``) at ``uri`` for the duration.
 
     MLflow's own restore (``_use_tracking_uri``) *unsets* ``MLFLOW_TRACKING_URI`` when no URI had
-    been set in code, wiping a value the process got from its environment: put it back.
+    been set in code, wiping a value the process got from its environment: it is put back as found.
     """
     import mlflow
 
-    saved_env = os.environ.get("MLFLOW_TRACKING_URI")
     try:
         from mlflow.tracking._tracking_service.utils import _use_tracking_uri
     except ImportError:  # private helper moved: fall back to setting it for the process
         _use_tracking_uri = None
-    try:
+    with environ_restored(["MLFLOW_TRACKING_URI"]):
         if _use_tracking_uri is None:
             mlflow.set_tracking_uri(uri)
             yield
         else:
             with _use_tracking_uri(uri):
                 yield
-    finally:
-        if saved_env is not None:
-            os.environ["MLFLOW_TRACKING_URI"] = saved_env
 
 
 def _fluent_run(run_id: str, log_system_metrics: bool = False) -> contextlib.AbstractContextManager[Any]:
