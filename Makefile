@@ -2,7 +2,7 @@
 # stack; `make test` runs the test suite. Both install what they need first.
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-fast down status benchmark
+.PHONY: setup demo test test-fast down status benchmark trainer-requirements
 
 setup:
 	@scripts/bootstrap.sh
@@ -24,3 +24,8 @@ status:
 
 benchmark: setup
 	$(PY) benchmarks/run.py
+
+# docker/trainer-requirements.txt is exported from uv.lock's `trainer` group: run this after
+# changing that group or the lock (tests/unit/test_dependencies.py fails while it is stale).
+trainer-requirements:
+	uv export --frozen --no-hashes --only-group trainer --no-emit-package mxnet -o docker/trainer-requirements.txt >/dev/null

@@ -1,5 +1,6 @@
 # Airflow image for the scaled-out stack (docker/compose.yaml): the project's locked
-# environment (uv.lock) plus the Celery executor and the PostgreSQL driver.
+# environment (uv.lock) with its `airflow-image` group (the Celery executor and the PostgreSQL
+# driver); no dev tools and no `local` group (the SeaweedFS binary of the embedded stack).
 #   docker build -f docker/airflow.Dockerfile -t mxpipe-airflow .
 FROM python:3.11-slim-bookworm
 
@@ -14,10 +15,8 @@ ENV UV_NO_CACHE=1 \
 
 WORKDIR /opt/mxpipe
 COPY pyproject.toml uv.lock /opt/mxpipe/
-# Exactly the locked set (no dev tools), then what only the scaled-out stack needs.
-RUN uv sync --frozen --no-dev --no-install-project --compile-bytecode \
-    && uv pip install --python /opt/mxpipe/.venv/bin/python \
-       apache-airflow-providers-celery==3.26.0 psycopg2-binary==2.9.13
+# Exactly the locked set of these groups (tests/integration/test_deploy_artifacts.py lists it).
+RUN uv sync --frozen --no-default-groups --group airflow-image --no-install-project --compile-bytecode
 
 COPY common/ /opt/mxpipe/common/
 COPY training/ /opt/mxpipe/training/

@@ -15,9 +15,13 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /opt/mxpipe
+# requirements.txt is the lock's `trainer` group minus mxnet itself (exported from uv.lock, see
+# its header), so each image adds its own mxnet build: --no-deps installs exactly that set and
+# `pip check` proves it complete.
 COPY docker/trainer-requirements.txt /opt/mxpipe/requirements.txt
 RUN python -m venv /opt/mxpipe/.venv \
-    && /opt/mxpipe/.venv/bin/pip install -r requirements.txt mxnet==1.9.1
+    && /opt/mxpipe/.venv/bin/pip install --no-deps -r requirements.txt mxnet==1.9.1 \
+    && /opt/mxpipe/.venv/bin/pip check
 
 COPY common/ /opt/mxpipe/common/
 COPY training/ /opt/mxpipe/training/

@@ -16,9 +16,13 @@ ENV PYTHONUNBUFFERED=1 \
 COPY --from=ghcr.io/astral-sh/uv:0.13.8 /uv /usr/local/bin/uv
 
 WORKDIR /opt/mxpipe
+# requirements.txt is the lock's `trainer` group minus mxnet (exported from uv.lock, see its
+# header); mxnet-cu117 has the CPU build's dependencies, so --no-deps installs exactly the locked
+# set plus this build, and `uv pip check` proves it complete.
 COPY docker/trainer-requirements.txt /opt/mxpipe/requirements.txt
 RUN uv venv --python 3.11 /opt/mxpipe/.venv \
-    && uv pip install --python /opt/mxpipe/.venv/bin/python -r requirements.txt mxnet-cu117==1.9.1
+    && uv pip install --python /opt/mxpipe/.venv/bin/python --no-deps -r requirements.txt mxnet-cu117==1.9.1 \
+    && uv pip check --python /opt/mxpipe/.venv/bin/python
 
 COPY common/ /opt/mxpipe/common/
 COPY training/ /opt/mxpipe/training/

@@ -8,7 +8,7 @@ Provisioning (idempotent: a retry of the task finds and reuses the run's healthy
    or spot, into the stack's ``cluster`` placement group (one rack: the low-latency network
    ps-lite wants), every instance and volume tagged with the run id and ``mxpipe:expires-at`` (TTL);
    ``ClientToken`` makes the launch call itself idempotent;
-3. wait, bounded, for ``running`` and then for both status checks ``ok``.
+3. wait, bounded, for ``running`` and then for both status checks ``ok`` (boto3's waiters).
 
 Roles are started through SSM Run Command (``AWS-RunShellScript``), one command per role,
 with the same ``python -m common.procs exec-role`` line as the hosts backend, so a role leads a
@@ -20,8 +20,9 @@ CloudWatch Logs, configured on the command), so stall detection on EC2 has the g
 that poll. The scheduler's port comes from the options (``scheduler_port``): the instances are
 the cluster's own and the security group admits ps-lite traffic only from its members.
 
-Teardown terminates every instance tagged with the cluster and waits, bounded, until they are
-gone; ``reap_expired`` terminates any instance whose ``mxpipe:expires-at`` has passed.
+Teardown terminates every instance tagged with the cluster and waits, bounded (boto3's
+``instance_terminated`` waiter), until they are gone; ``reap_expired`` terminates any instance
+whose ``mxpipe:expires-at`` has passed.
 Tested against a moto server (``tests/integration/test_ec2_cluster.py``); the real cloud path
 is the same calls with ``endpoint_url`` empty and credentials from the usual AWS chain.
 """
@@ -33,7 +34,7 @@ import logging
 import posixpath
 import shlex
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -72,6 +73,12 @@ class Ec2Options:
     poll_s: float = 5.0
     status_poll_s: float = 2.0
 
+    def __post_init__(self) -> None:
+        for name in ("running_timeout_s", "status_timeout_s", "terminate_timeout_s", "poll_s", "status_poll_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"ec2 option {name} must be a number of seconds > 0, got {value!r}")
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Ec2Options":
         if not raw.get("launch_template"):
@@ -91,12 +98,33 @@ def _clients(opts: Ec2Options) -> tuple[Any, Any]:
     return boto3.client("ec2", **kw), boto3.client("ssm", **kw)
 
 
-def _wait(what: str, check: Callable[[], bool], timeout_s: float, poll_s: float) -> None:
+def _wait(ec2: Any, what: str, waiters: Sequence[str], ids: list[str], timeout_s: float, poll_s: float, *,
+          hint: str = "", **params: Any) -> None:
+    """Run boto3's EC2 ``waiters`` on ``ids`` one after the other within one ``timeout_s`` budget:
+    each polls every ``poll_s`` for as many attempts as the budget has left. A timeout, a state
+    the waiter treats as final (terminated while awaiting running, say) or an API error raises
+    ProvisionError naming ``what`` (and the instances' states)."""
+    from botocore.exceptions import WaiterError
+
     deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise ProvisionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(poll_s)
+    for name in waiters:
+        attempts = int(max(0.0, deadline - time.monotonic()) // poll_s) + 1
+        try:
+            ec2.get_waiter(name).wait(InstanceIds=ids, WaiterConfig={"Delay": poll_s, "MaxAttempts": attempts},
+                                      **params)
+        except WaiterError as exc:
+            reason = str(exc.kwargs.get("reason", ""))
+            if reason.startswith("Max attempts exceeded"):
+                raise ProvisionError(f"timed out after {timeout_s:.0f}s waiting for {what}") from None
+            if reason.startswith("Waiter encountered a terminal failure state"):
+                raise ProvisionError(f"gave up waiting for {what}: instance states "
+                                     f"{_states(exc.last_response)}{hint}") from None
+            raise ProvisionError(f"waiting for {what} failed: {reason}") from None
+
+
+def _states(response: dict[str, Any]) -> dict[str, str]:
+    """{instance id: state} of a DescribeInstances response."""
+    return {i["InstanceId"]: i["State"]["Name"] for r in response.get("Reservations", []) for i in r["Instances"]}
 
 
 def _instances(ec2: Any, filters: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -177,8 +205,12 @@ class Ec2Cluster(Cluster):
         if need > 0:
             healthy += self._launch(need, healthy)
         ids = healthy[: self.instance_count]
-        _wait("instances running", lambda: self._all_in(ids, "running"), self.opts.running_timeout_s, self.opts.poll_s)
-        _wait("status checks ok", lambda: self._status_ok(ids), self.opts.status_timeout_s, self.opts.poll_s)
+        _wait(self.ec2, "instances running", ["instance_running"], ids, self.opts.running_timeout_s,
+              self.opts.poll_s, hint=" (spot capacity or a bad AMI?)")
+        # The instance's and the system's check, one budget for both; IncludeAllInstances lists
+        # every id, so neither waiter can succeed on a partial answer.
+        _wait(self.ec2, "status checks ok", ["instance_status_ok", "system_status_ok"], ids,
+              self.opts.status_timeout_s, self.opts.poll_s, IncludeAllInstances=True)
         by_id = {i["InstanceId"]: i for i in self._own(["running"])}
         self.instance_ids = ids
         self.addresses = [by_id[i]["PrivateIpAddress"] for i in ids]
@@ -213,22 +245,10 @@ class Ec2Cluster(Cluster):
                  self.cluster_id, ids)
         return ids
 
-    def _all_in(self, ids: list[str], state: str) -> bool:
-        found = {i["InstanceId"]: i["State"]["Name"] for i in self._own(NOT_TERMINATED + ["terminated"])}
-        bad = [i for i in ids if found.get(i) in ("terminated", "shutting-down", "stopped")]
-        if bad:
-            raise ProvisionError(f"instances {bad} ended before becoming {state} (spot capacity or a bad AMI?)")
-        return all(found.get(i) == state for i in ids)
-
     def _statuses(self, ids: list[str]) -> list[dict[str, Any]]:
         if not ids:
             return []
         return self.ec2.describe_instance_status(InstanceIds=ids, IncludeAllInstances=True)["InstanceStatuses"]
-
-    def _status_ok(self, ids: list[str]) -> bool:
-        st = self._statuses(ids)
-        return len(st) == len(ids) and all(
-            s["InstanceStatus"]["Status"] == "ok" and s["SystemStatus"]["Status"] == "ok" for s in st)
 
     def _impaired(self, ids: list[str]) -> list[str]:
         return [s["InstanceId"] for s in self._statuses(ids)
@@ -304,8 +324,8 @@ class Ec2Cluster(Cluster):
         ids = [i["InstanceId"] for i in self._own(NOT_TERMINATED)]
         if ids:
             self.ec2.terminate_instances(InstanceIds=ids)
-            _wait("instances terminated", lambda: not self._own(NOT_TERMINATED),
-                  self.opts.terminate_timeout_s, self.opts.poll_s)
+            _wait(self.ec2, "instances terminated", ["instance_terminated"], ids, self.opts.terminate_timeout_s,
+                  self.opts.poll_s)
         self.remove_record()
         log.info("tore down ec2 cluster %s: terminated %s", self.cluster_id, ids)
         return {"stopped": ids}

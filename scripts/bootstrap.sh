@@ -30,5 +30,8 @@ fi
 echo "==> installing the locked environment into .venv (first time: a few minutes)"
 # Bytecode is compiled up front: the environment may set PYTHONDONTWRITEBYTECODE, and without
 # .pyc files every role process would compile mxnet/airflow/mlflow from source at each start.
-uv sync --frozen --python 3.11 --compile-bytecode
+# Groups: `dev` (default: the test tools) and `local` (the embedded S3 server, the demo data);
+# `trainer` is a subset of the project's dependencies and `airflow-image` serves only the
+# scaled-out image (see pyproject.toml).
+uv sync --frozen --python 3.11 --compile-bytecode --group local
 touch "$stamp"

@@ -16,7 +16,7 @@ import time
 import boto3
 import pytest
 from infra.cluster import ClusterSpec, ProvisionError, find_leaked, provision, reap
-from infra.ec2_cluster import TAG_CLUSTER, TAG_EXPIRES, TAG_RUN, Ec2Options, find_expired, reap_expired
+from infra.ec2_cluster import TAG_CLUSTER, TAG_EXPIRES, TAG_RUN, Ec2Options, _wait, find_expired, reap_expired
 from common.roles import JobLaunch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -145,3 +145,25 @@ def test_reaper_terminates_only_what_outlived_its_ttl(moto, ec2, tmp_path):
     finally:
         long.teardown()
         short.teardown()
+
+
+def test_waits_fail_with_a_clear_error_on_timeout_and_on_a_final_state(moto, ec2):
+    """The waits are boto3's waiters: nothing in moto ever makes one time out or end on its own,
+    so the waits are run here on purpose against the wrong state."""
+    inst = ec2.run_instances(LaunchTemplate={"LaunchTemplateName": "mxpipe-trainer-gpu"}, MinCount=1,
+                             MaxCount=1)["Instances"][0]["InstanceId"]
+    try:
+        start = time.monotonic()
+        with pytest.raises(ProvisionError, match="timed out after 1s waiting for instances terminated"):
+            _wait(ec2, "instances terminated", ["instance_terminated"], [inst], 1.0, 0.2)
+        assert time.monotonic() - start < 10
+    finally:
+        ec2.terminate_instances(InstanceIds=[inst])
+    with pytest.raises(ProvisionError, match=rf"gave up waiting for instances running: instance states "
+                                             rf"\{{'{inst}': '(terminated|shutting-down)'\}} \(spot capacity"):
+        _wait(ec2, "instances running", ["instance_running"], [inst], 30.0, 0.1, hint=" (spot capacity or a bad AMI?)")
+
+
+def test_ec2_options_refuse_a_wait_that_cannot_poll():
+    with pytest.raises(ValueError, match="ec2 option poll_s must be a number of seconds > 0, got 0"):
+        Ec2Options.from_dict({"launch_template": "mxpipe-trainer-gpu", "poll_s": 0})
