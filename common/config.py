@@ -37,7 +37,9 @@ PLACEMENTS = ("replicated", "split")
 # Where the optimizer runs: on the parameter servers (gluon update_on_kvstore=True) or on every
 # worker after the gradients are summed through the servers (update_on_kvstore=False).
 OPTIMIZER_PLACEMENTS = ("servers", "workers")
-BACKENDS = ("local",)
+# Where a job's roles run (infra.cluster's registry holds one class per name and checks at import
+# that its names are exactly these): local processes, a static host list over SSH, EC2 instances.
+BACKENDS = ("local", "hosts", "ec2")
 DRIFT_ACTIONS = ("off", "warn", "fail")
 
 
@@ -211,6 +213,8 @@ def unsafe_combination(kvstore: str, optimizer_on: str) -> str | None:
 
 @dataclass(frozen=True)
 class ClusterConfig:
+    # Where the roles run (BACKENDS); the machines of "hosts" and "ec2" are described outside the
+    # config, in the settings files infra.cluster_settings reads.
     backend: str = "local"
     kvstore: str = "dist_sync"
     num_workers: int = 2

@@ -1,11 +1,13 @@
-"""Every artifact path is a function of run identity, built here and nowhere else.
+"""Every artifact path is a function of run (or dataset) identity, built here and nowhere else.
 
 Layout: ``{root}/{dag_id}/{run_id}/{stage}/…`` where ``root`` is ``s3://bucket/prefix`` (or a
 local folder). A retry of a task writes into its own run's partition, so no run's data can
-overwrite another's.
+overwrite another's. What outlives a run (content-addressed shards, the dataset's last validated
+manifest) sits per source dataset under ``{root}/datasets/`` (``DatasetPaths``).
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -62,3 +64,33 @@ class RunPaths:
     @property
     def config(self) -> str:
         return self.stage("config")
+
+
+DATASETS_DIR = "datasets"
+LATEST_VALIDATED = "latest_validated.json"
+
+
+@dataclass(frozen=True)
+class DatasetPaths:
+    """``{root}/datasets/{name}-{hash8}``: one folder per source URI (``base``).
+
+    Shards are a function of the data (``shards/{fingerprint[:16]}``), not of the run: a run on
+    unchanged data finds the shards a previous run made and reuses them; changed data or
+    settings get a new prefix. The pointer to the last validated manifest sits beside them.
+    """
+
+    base: str
+
+    @classmethod
+    def for_source(cls, root: str, source_uri: str) -> "DatasetPaths":
+        tail = [p for p in source_uri.replace("*", "_").split("/") if p]
+        name = safe_component(tail[-1] if tail else "dataset")[:60]
+        return cls(join(root, DATASETS_DIR, f"{name}-{hashlib.sha256(source_uri.encode()).hexdigest()[:8]}"))
+
+    @property
+    def shards(self) -> str:
+        return join(self.base, "shards")
+
+    @property
+    def latest_validated(self) -> str:
+        return join(self.base, LATEST_VALIDATED)

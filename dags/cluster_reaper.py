@@ -8,14 +8,14 @@ turns it off).
 """
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 from airflow.sdk import CronTriggerTimetable, dag, task
 
+from common.settings import settings
 from plugins import pipeline_tasks as tasks
 
-SCHEDULE = os.environ.get("MXPIPE_REAPER_SCHEDULE", "*/15 * * * *")
+SCHEDULE = settings().reaper_schedule
 
 
 @dag(

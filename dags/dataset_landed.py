@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from airflow.sdk import dag, task
 
-from plugins.assets import SOURCE_DATASET, check_landed, dataset_uri
+from common.settings import settings
+from plugins.assets import SOURCE_DATASET, check_landed
 
 
 @dag(
@@ -26,7 +27,7 @@ def dataset_landed() -> None:
     # The event is emitted only if the task succeeds: no data, no retraining run.
     @task(outlets=[SOURCE_DATASET])
     def announce() -> dict:
-        return check_landed(dataset_uri())
+        return check_landed(settings().dataset_uri)
 
     announce()
 

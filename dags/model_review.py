@@ -15,15 +15,15 @@ Or by hand, with the Params below. No answer within ``MXPIPE_REVIEW_TIMEOUT_H`` 
 """
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 from airflow.sdk import AssetAny, Param, dag, get_current_context, task
 
+from common.settings import settings
 from plugins import review as tasks
 from plugins.approval import DECISION_KEY, RecordedApprovalOperator
 
-RESPONSE_TIMEOUT = timedelta(hours=float(os.environ.get("MXPIPE_REVIEW_TIMEOUT_H", "72")))
+RESPONSE_TIMEOUT = timedelta(hours=settings().review_timeout_h)
 
 PARAMS = {
     "model_name": Param(tasks.review_models()[0], type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",

@@ -6,26 +6,30 @@ failure) releasing the cluster.
 
 This file reads like a config: Airflow's SDK and the project's light task module, nothing heavy,
 no I/O at parse time. The schedule comes from ``MXPIPE_SCHEDULE`` (a cron expression; ``none``
-turns scheduling off), read once at parse time from the environment.
+turns scheduling off), read once at parse time from the settings (``common.settings``).
+
+The shard task resolves the run's config once and pushes it as its ``config`` XCom; every later
+task takes the config from there (see ``plugins.pipeline_tasks``).
 """
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 from airflow.sdk import (AssetAlias, AssetOrTimeSchedule, CronTriggerTimetable, dag, get_current_context, setup,
                          task, teardown)
 
+from common.settings import settings
 from plugins import callbacks
 from plugins.assets import MODEL, SHARDS, SOURCE_DATASET
 from plugins import pipeline_tasks as tasks
 from plugins.params import training_params
 from plugins.review import model_asset
 
-SCHEDULE = os.environ.get("MXPIPE_SCHEDULE", "0 3 * * *")
+_SETTINGS = settings()
+SCHEDULE = _SETTINGS.schedule
 # One active run unless configured: runs of one DAG share the dataset's shard cache.
-MAX_ACTIVE_RUNS = int(os.environ.get("MXPIPE_MAX_ACTIVE_RUNS", "1"))
-RETRY_DELAY = timedelta(seconds=float(os.environ.get("MXPIPE_RETRY_DELAY_S", "30")))
+MAX_ACTIVE_RUNS = _SETTINGS.max_active_runs
+RETRY_DELAY = timedelta(seconds=_SETTINGS.retry_delay_s)
 
 PARAMS = training_params()
 # The model name is a run-time Param, so the "new version of <name>" Asset the review DAG waits
@@ -66,7 +70,8 @@ def mxnet_training() -> None:
     @task(outlets=[SHARDS])
     def shard(params: dict | None = None) -> dict:
         dag_id, run_id, _ = _ids()
-        out = tasks.shard(params, dag_id, run_id)
+        config, out = tasks.shard(params, dag_id, run_id)
+        get_current_context()["ti"].xcom_push(key=tasks.CONFIG_XCOM_KEY, value=config)
         _emit(SHARDS, {"shards_prefix": out["shards_prefix"], "manifest_digest": out["manifest_digest"]})
         return out
 
@@ -78,35 +83,35 @@ def mxnet_training() -> None:
     # One task per shard (named by the shard); a data failure fails it without a retry
     # (AirflowFailException); the one retry is for infrastructure errors.
     @task(map_index_template="{{ task.op_kwargs['shard_name'] }}", retries=1, retry_delay=timedelta(seconds=5))
-    def validate_shard(shard_name: str, shards: dict, params: dict | None = None) -> dict:
+    def validate_shard(shard_name: str, shards: dict, config: dict) -> dict:
         dag_id, run_id, _ = _ids()
-        return tasks.validate_shard(params, shards, shard_name, dag_id, run_id)
+        return tasks.validate_shard(config, shards, shard_name, dag_id, run_id)
 
     # Runs when the shards exist and every shard task is done, even failed ones: it writes the
     # whole report and fails with every failure listed; provision runs only if it succeeds.
     @task(trigger_rule="all_done_min_one_success")
-    def validate(shards: dict, params: dict | None = None) -> dict:
+    def validate(shards: dict, config: dict) -> dict:
         dag_id, run_id, _ = _ids()
-        return tasks.validate(params, shards, dag_id, run_id)
+        return tasks.validate(config, shards, dag_id, run_id)
 
     @setup
-    def provision(params: dict | None = None) -> dict:
+    def provision(config: dict, params: dict | None = None) -> dict:
         dag_id, run_id, _ = _ids()
-        return tasks.provision(params, dag_id, run_id)
+        return tasks.provision(config, params, dag_id, run_id)
 
     @task(retries=2, retry_delay=RETRY_DELAY, retry_exponential_backoff=True)
-    def train(cluster: dict, shards: dict, params: dict | None = None) -> dict:
+    def train(cluster: dict, shards: dict, config: dict, params: dict | None = None) -> dict:
         dag_id, run_id, try_number = _ids()
-        return tasks.train(params, cluster, shards, dag_id, run_id, try_number)
+        return tasks.train(config, params, cluster, shards, dag_id, run_id, try_number)
 
     @teardown
     def release(cluster: dict) -> dict:
         return tasks.teardown(cluster)
 
     @task(retries=2, retry_delay=RETRY_DELAY, outlets=[MODEL, REGISTERED_MODEL])
-    def register(shards: dict, trained: dict, validation: dict, params: dict | None = None) -> dict:
+    def register(shards: dict, trained: dict, validation: dict, config: dict, params: dict | None = None) -> dict:
         dag_id, run_id, try_number = _ids()
-        out = tasks.register(params, shards, trained, validation, dag_id, run_id, try_number)
+        out = tasks.register(config, params, shards, trained, validation, dag_id, run_id, try_number)
         _emit(MODEL, {"name": out["registered_model_name"], "version": str(out["version"]),
                       "run_url": out["run_url"]})
         # What model_review reads (plugins.review._from_events): which version to review.
@@ -116,14 +121,15 @@ def mxnet_training() -> None:
         return out
 
     shards = shard()
-    per_shard = validate_shard.partial(shards=shards).expand(shard_name=shard_names(shards))
-    checked = validate(shards)
+    config = shards[tasks.CONFIG_XCOM_KEY]
+    per_shard = validate_shard.partial(shards=shards, config=config).expand(shard_name=shard_names(shards))
+    checked = validate(shards, config)
     per_shard >> checked
-    cluster = provision()
+    cluster = provision(config)
     checked >> cluster
-    trained = train(cluster, shards)
+    trained = train(cluster, shards, config)
     trained >> release(cluster)
-    register(shards, trained, checked)
+    register(shards, trained, checked, config)
 
 
 mxnet_training()

@@ -18,6 +18,7 @@ scheduler's address comes from the cluster (``scheduler_address``), chosen for e
 """
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from common.cli import parser as cli_parser
+from common.config import BACKENDS
 from common.paths import safe_component
 from common.roles import JobLaunch
 from common.settings import settings
@@ -150,34 +152,34 @@ def cluster_id_for(run_tag: str) -> str:
     return safe_component(run_tag)
 
 
-def _backends() -> dict[str, type[Cluster]]:
-    # Imported here: the EC2 backend imports boto3, which a local run never needs.
-    from infra.hosts_cluster import HostsCluster
-    from infra.local_cluster import LocalCluster
-
-    out: dict[str, type[Cluster]] = {"local": LocalCluster, "hosts": HostsCluster}
-    try:
-        from infra.ec2_cluster import Ec2Cluster
-
-        out["ec2"] = Ec2Cluster
-    except ImportError as exc:  # pragma: no cover - boto3 is a dependency of the project
-        log.debug("ec2 backend unavailable: %s", exc)
-    return out
+# Module and class of each backend, imported on first use: the EC2 backend imports boto3, which a
+# local run never needs. The names are common.config.BACKENDS, the one list cluster.backend is
+# validated against; checked at import, so a backend added in one place and not the other fails
+# every import of this module rather than a run's provision.
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "local": ("infra.local_cluster", "LocalCluster"),
+    "hosts": ("infra.hosts_cluster", "HostsCluster"),
+    "ec2": ("infra.ec2_cluster", "Ec2Cluster"),
+}
+if tuple(_REGISTRY) != BACKENDS:
+    raise ImportError(f"infra.cluster backends {tuple(_REGISTRY)} differ from common.config.BACKENDS {BACKENDS}")
 
 
-BACKEND_NAMES = ("local", "hosts", "ec2")
+def backend_class(name: str) -> type[Cluster]:
+    """The ``Cluster`` class of backend ``name``."""
+    if name not in _REGISTRY:
+        raise ProvisionError(f"unknown cluster backend {name!r}; expected one of {BACKENDS}")
+    module, cls = _REGISTRY[name]
+    return getattr(importlib.import_module(module), cls)
 
 
 def provision(spec: ClusterSpec, home: str | None = None) -> Cluster:
-    backends = _backends()
-    if spec.backend not in backends:
-        raise ProvisionError(f"unknown cluster backend {spec.backend!r}; expected one of {sorted(backends)}")
-    return backends[spec.backend].provision(spec, home)
+    return backend_class(spec.backend).provision(spec, home)
 
 
 def attach(desc: dict[str, Any]) -> Cluster:
     """The cluster a ``describe()`` dict names (in another process, e.g. the train task)."""
-    return _backends()[desc["backend"]].from_description(desc)
+    return backend_class(desc["backend"]).from_description(desc)
 
 
 @dataclass(frozen=True)

@@ -4,19 +4,16 @@
 lands new data there declares it as an outlet (see ``dags/dataset_landed.py``), and that
 triggers a retraining run. ``shards`` and ``model`` are what a training run produces; their
 static URIs (``x-mxpipe://…``, see ``_uri``) name the collection, and each run attaches its concrete location (shards prefix,
-manifest digest, model version) as the asset event's ``extra``. Read from the environment once,
-at parse time: stdlib only.
+manifest digest, model version) as the asset event's ``extra``. Read from the settings once,
+at parse time: nothing heavy is imported.
 """
 from __future__ import annotations
 
-import os
-
 from airflow.sdk import Asset
 
-from plugins.pipeline_tasks import artifact_root
-
-DEFAULT_DATASET_URI = "s3://mxpipe/datasets/digits/digits.csv"
-DEFAULT_MODEL_NAME = "digits-classifier"
+from common import storage
+from common.paths import DATASETS_DIR
+from common.settings import DEFAULT_MODEL_NAME, settings
 
 
 def _uri(kind: str, location: str) -> str:
@@ -29,20 +26,16 @@ def _uri(kind: str, location: str) -> str:
     return f"x-mxpipe://{kind}/{location.split('://', 1)[-1].lstrip('/')}"
 
 
-def dataset_uri() -> str:
-    return os.environ.get("MXPIPE_DATASET_URI", DEFAULT_DATASET_URI)
-
-
-SOURCE_DATASET = Asset(name="mxpipe.source_dataset", uri=_uri("dataset", dataset_uri()), group="dataset")
-SHARDS = Asset(name="mxpipe.shards", uri=_uri("shards", artifact_root().rstrip("/") + "/datasets"), group="dataset")
+_SETTINGS = settings()
+SOURCE_DATASET = Asset(name="mxpipe.source_dataset", uri=_uri("dataset", _SETTINGS.dataset_uri), group="dataset")
+SHARDS = Asset(name="mxpipe.shards", uri=_uri("shards", storage.join(_SETTINGS.artifact_root, DATASETS_DIR)),
+               group="dataset")
 MODEL = Asset(name="mxpipe.model", uri=_uri("model", DEFAULT_MODEL_NAME), group="model")
 
 
 def check_landed(uri: str) -> dict[str, object]:
     """What a "dataset landed" event carries: the source exists (a folder or glob: some file
     under it does), with its URI, so the retraining run it triggers has something to read."""
-    from common import storage
-
     if "*" in uri or uri.endswith("/"):
         base = uri.split("*", 1)[0].rsplit("/", 1)[0]
         found = next(iter(storage.list_uris(base)), None) is not None

@@ -1,20 +1,18 @@
 """The training DAG's trigger form: ``Param``s with JSON-schema types, bounds, enums, descriptions.
 
-Enums come from the authoritative tuples in ``common.config`` (and ``infra.cluster``), so a
-model or optimizer added there appears in the form without touching this file; defaults come
-from the ``digits`` recipe. These modules are stdlib-only, so a DAG file importing this stays
-light at parse time. The form rejects a bad value when the run is triggered; what only the
-config itself can judge (combinations, a warm-start run's checkpoints) fails in the first task.
+Enums come from the authoritative tuples in ``common.config``, so a model, optimizer or cluster
+backend added there appears in the form without touching this file; defaults come from the
+``digits`` recipe and ``common.settings``. These modules are light (stdlib and pydantic), so a
+DAG file importing this stays light at parse time. The form rejects a bad value when the run is
+triggered; what only the config itself can judge (combinations, a warm-start run's checkpoints)
+fails in the first task.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from airflow.sdk import Param
 
-from infra.cluster import BACKEND_NAMES
-from plugins.assets import DEFAULT_MODEL_NAME, dataset_uri
-from common.config import KVSTORES, MODELS, OPTIMIZERS, recipe
+from common.config import BACKENDS, KVSTORES, MODELS, OPTIMIZERS, TrainConfig, recipe
+from common.settings import DEFAULT_MODEL_NAME, settings
 from training.tracking.warm_start import MODEL_URI_PATTERN
 
 # s3:// URI (bucket 3–63 chars of [a-z0-9.-], then a key) or an absolute path; a table file, a
@@ -28,7 +26,7 @@ RECIPES = ("digits", "debug")
 MAX_WORKERS, MAX_SERVERS = 16, 8
 
 
-def _defaults() -> Any:
+def _defaults() -> TrainConfig:
     return recipe("digits", "")
 
 
@@ -36,7 +34,7 @@ def training_params() -> dict[str, Param]:
     """The form of the training DAG, built from the config's own tuples and the recipe."""
     base = _defaults()
     return {
-        "dataset_uri": Param(dataset_uri(),
+        "dataset_uri": Param(settings().dataset_uri,
                              type="string", pattern=DATASET_URI_PATTERN,
                              description="Source: a CSV/Parquet file, a glob of them, or a folder ending in '/' "
                                          "(its table files, or images + labels.csv); s3://bucket/key or an "
@@ -66,7 +64,8 @@ def training_params() -> dict[str, Param]:
                                           description="Checkpoint to S3 every N steps (and at each epoch end)."),
         "registered_model_name": Param(DEFAULT_MODEL_NAME, type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",
                                        description="MLflow registered model to add a version to."),
-        "backend": Param(base.cluster.backend, type="string", enum=list(BACKEND_NAMES),
+        # Feeds cluster.backend of the config.
+        "backend": Param(base.cluster.backend, type="string", enum=list(BACKENDS),
                          description="Where the roles run: local processes, the hosts of MXPIPE_HOSTS_FILE "
                                      "(SSH), or EC2 instances (MXPIPE_EC2_FILE)."),
         "instance_type": Param("", type="string", pattern=r"^$|^[a-z][a-z0-9-]*\.[a-z0-9]+$",

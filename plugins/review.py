@@ -11,15 +11,14 @@ the training code are imported inside the functions.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from airflow.sdk import Asset
 
-log = logging.getLogger(__name__)
+from common.settings import settings
 
-DEFAULT_MODEL = "digits-classifier"
+log = logging.getLogger(__name__)
 
 
 def model_asset(name: str) -> Asset:
@@ -34,12 +33,12 @@ def model_asset(name: str) -> Asset:
 
 def review_models() -> list[str]:
     """Registered models whose new versions trigger a review (``MXPIPE_REVIEW_MODELS``, comma-separated)."""
-    raw = os.environ.get("MXPIPE_REVIEW_MODELS", DEFAULT_MODEL)
-    return [n.strip() for n in raw.split(",") if n.strip()]
+    return [n.strip() for n in settings().review_models.split(",") if n.strip()]
 
 
 def _tracking_uri() -> str:
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    """``MLFLOW_TRACKING_URI``, which a review requires (no fallback to MLflow's default store)."""
+    uri = settings().mlflow_tracking_uri
     if not uri:
         from airflow.sdk.exceptions import AirflowFailException
 

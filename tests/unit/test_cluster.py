@@ -74,6 +74,16 @@ def test_unreadable_record_is_reaped_after_a_grace_period(tmp_path):
     assert [(leak.cluster_id, leak.backend) for leak in leaks] == [("broken", "unknown")]
 
 
+def test_the_backend_registry_is_the_configs_backend_list():
+    """cluster.backend is validated against common.config.BACKENDS; each name has its class."""
+    from common.config import BACKENDS
+    from infra.cluster import ProvisionError, backend_class
+
+    assert {name: backend_class(name).backend for name in BACKENDS} == {name: name for name in BACKENDS}
+    with pytest.raises(ProvisionError, match="unknown cluster backend 'k8s'"):
+        backend_class("k8s")
+
+
 def test_spec_rejects_nonsense():
     with pytest.raises(ValueError):
         ClusterSpec(run_tag="x", workers=0, servers=1)

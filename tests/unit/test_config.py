@@ -43,6 +43,7 @@ def test_round_trip_and_digest_are_stable():
     ("cluster", {"gradient_compression": "2bit", "kvstore": "local", "num_workers": 1}, "refuses 'local'"),
     ("cluster", {"gradient_compression": "2bit", "kvstore": "dist_async"}, "cluster.gradient_compression"),
     ("cluster", {"compression_threshold": 0}, "cluster.compression_threshold"),
+    ("cluster", {"backend": "k8s"}, "cluster.backend"),
     ("checkpoint", {"keep": 1}, "checkpoint.keep"),
     ("data", {"label_column": ""}, "data.label_column"),
     ("model", {"name": "lenet"}, "input_shape"),
@@ -97,6 +98,8 @@ def test_every_constant_is_a_valid_value():
         assert base.replace(optim={"lr_schedule": sched, **extra}).optim.lr_schedule == sched
     for kv in c.COMPRESSION_KVSTORES:
         assert base.replace(cluster={"kvstore": kv, "gradient_compression": "2bit"}).cluster.kvstore == kv
+    for backend in c.BACKENDS:
+        assert base.replace(cluster={"backend": backend}).cluster.backend == backend
 
 
 def test_unknown_keys_are_rejected_by_name():

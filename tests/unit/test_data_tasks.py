@@ -32,10 +32,10 @@ def params(dataset_uri: str, **data_options: object) -> dict:
             "data_options": data_options}
 
 
-def run_validation(tasks, p: dict, shards: dict, run_id: str) -> dict:
+def run_validation(tasks, config: dict, shards: dict, run_id: str) -> dict:
     for name in shards["shard_names"]:
-        tasks.validate_shard(p, shards, name, "dag", run_id)
-    return tasks.validate(p, shards, "dag", run_id)
+        tasks.validate_shard(config, shards, name, "dag", run_id)
+    return tasks.validate(config, shards, "dag", run_id)
 
 
 @pytest.fixture
@@ -52,31 +52,31 @@ def test_runs_reuse_unchanged_shards_and_compare_with_the_last_validated_manifes
     digits_frame().to_csv(source, index=False)
     p = params(str(source))
 
-    first = tasks.shard(p, "dag", "run-1")
+    config, first = tasks.shard(p, "dag", "run-1")
     assert not first["reused"] and first["previous_manifest_uri"] is None
     assert first["shards_prefix"].endswith("/shards/" + first["fingerprint"][:16])
     assert first["shard_names"] == ["train-00000", "train-00001", "val", "test"]
-    checked = run_validation(tasks, p, first, "run-1")
+    checked = run_validation(tasks, config, first, "run-1")
     assert checked["success"] and checked["report_uri"].endswith("/dag/run-1/validation/validation.json")
     assert checked["drift"]["skipped"] == "no previous validated manifest"
     pointer = json.loads(open(first["dataset_root"] + "/latest_validated.json").read())
     assert pointer["manifest_uri"] == first["manifest_uri"] and pointer["run_id"] == "run-1"
 
-    second = tasks.shard(p, "dag", "run-2")  # unchanged data: nothing is resharded
+    config, second = tasks.shard(p, "dag", "run-2")  # unchanged data: nothing is resharded
     assert second["reused"] and second["shards_prefix"] == first["shards_prefix"]
     assert second["previous_manifest_uri"] == first["manifest_uri"]
-    assert run_validation(tasks, p, second, "run-2")["drift"]["distance"] == 0.0
+    assert run_validation(tasks, config, second, "run-2")["drift"]["distance"] == 0.0
 
     frame = digits_frame()
     frame = frame[(frame["label"] >= 5) | (frame.index % 5 == 0)]  # most of classes 0-4 gone
     frame.to_csv(source, index=False)
     p_fail = params(str(source), drift_action="fail")
-    third = tasks.shard(p_fail, "dag", "run-3")
+    config_fail, third = tasks.shard(p_fail, "dag", "run-3")
     assert not third["reused"] and third["shards_prefix"] != first["shards_prefix"]
     from airflow.sdk.exceptions import AirflowFailException
 
     with pytest.raises(AirflowFailException, match=r"label_drift: label distribution moved by"):
-        run_validation(tasks, p_fail, third, "run-3")
+        run_validation(tasks, config_fail, third, "run-3")
     pointer = json.loads(open(first["dataset_root"] + "/latest_validated.json").read())
     assert pointer["run_id"] == "run-2"  # a failed validation does not move the pointer
 
@@ -88,11 +88,11 @@ def test_a_bad_shard_fails_its_task_and_the_final_task_lists_everything(tasks, t
     frame.loc[[4, 5, 6], "pixel_20"] = np.inf
     frame.to_csv(tmp_path / "bad.csv", index=False)
     p = params(str(tmp_path / "bad.csv"))
-    shards = tasks.shard(p, "dag", "run-bad")
+    config, shards = tasks.shard(p, "dag", "run-bad")
     failed = []
     for name in shards["shard_names"]:
         try:
-            tasks.validate_shard(p, shards, name, "dag", "run-bad")
+            tasks.validate_shard(config, shards, name, "dag", "run-bad")
         except AirflowFailException as exc:
             failed.append(name)
             assert f"shard validation failed for shard {name}" in str(exc)
@@ -100,7 +100,7 @@ def test_a_bad_shard_fails_its_task_and_the_final_task_lists_everything(tasks, t
     assert failed
     with pytest.raises(AirflowFailException, match=r"(?s)every feature is finite.*3 unexpected in .*"
                                                    r"columns pixel_20 \(3\).*full report: .*validation\.json"):
-        tasks.validate(p, shards, "dag", "run-bad")
+        tasks.validate(config, shards, "dag", "run-bad")
 
 
 def test_bad_source_fails_the_shard_task_without_retry(tasks, tmp_path):

@@ -7,7 +7,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_env_wins_then_checkout_head(monkeypatch):
-    from plugins.pipeline_tasks import git_sha
+    from common.version import git_sha
 
     monkeypatch.setenv("MXPIPE_GIT_SHA", "abc123")
     assert git_sha() == "abc123"

@@ -152,6 +152,24 @@ def _resolve_run(client: Any, *, experiment: str, run_id: str | None, run_name: 
     return run
 
 
+def find_run(tracking_uri: str, experiment: str, tags: Mapping[str, str]) -> str | None:
+    """The id of a run of ``experiment`` carrying every one of ``tags``, or None.
+
+    A retried attempt passes this as ``log_model_run(run_id=...)``, so it reuses the run its
+    first attempt created (e.g. tagged with the Airflow dag and run ids) instead of a second one.
+    """
+    from mlflow.tracking import MlflowClient
+
+    with bounded_mlflow_env():
+        client = MlflowClient(tracking_uri)
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            return None
+        query = " and ".join(f"tags.`{key}` = '{value}'" for key, value in tags.items())
+        found = client.search_runs([exp.experiment_id], filter_string=query, max_results=1)
+    return found[0].info.run_id if found else None
+
+
 def _log_params(client: Any, run: Any, flat: Mapping[str, str]) -> int:
     from mlflow.entities import Param
 

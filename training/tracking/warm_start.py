@@ -9,6 +9,9 @@ checkpoint is at the step the version was logged from. Loading from the checkpoi
 from the exported model files keeps one loader for parameters (the worker's), and the
 checkpoint is verified by sha256 before anything is provisioned.
 
+``resolve_checkpoint`` turns either form into the checkpoint a job loads. Only an explicitly
+named run is used: a new run never picks up another run's checkpoints by itself.
+
 Stdlib-only at import time (the DAG's trigger form uses ``MODEL_URI_PATTERN``). No Airflow here: the caller turns ``WarmStartError`` into a failure that burns no retry (the
 same reference fails the same way); an unreachable MLflow server raises other errors, which
 stay retryable.
@@ -17,8 +20,12 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from common.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
@@ -93,3 +100,48 @@ def _logged_step(client: Any, mv: Any) -> int | None:
         return None
     metric = client.get_run(mv.run_id).data.metrics.get("global_step")
     return int(metric) if metric is not None else None
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """The checkpoint a warm start loads: the newest valid one of the source run."""
+
+    run_id: str
+    prefix: str
+    step: int
+    model: ModelSource | None = None  # set when the reference named a registered version
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "prefix": self.prefix, "step": self.step,
+                **(self.model.as_dict() if self.model else {})}
+
+
+def resolve_checkpoint(source: str, *, dag_id: str, run_id: str, artifact_root: str, checkpoint: CheckpointConfig,
+                       tracking_uri: Callable[[], str]) -> WarmStart:
+    """The checkpoint run ``run_id`` of ``dag_id`` warm-starts from; ``source`` is a run id of the
+    same DAG or a registered version (``tracking_uri`` is asked for only then).
+
+    A missing run, model, version or alias, a run with no checkpoint that verifies, or a version
+    whose run's newest checkpoint is not the one it was logged from raise ``WarmStartError``.
+    """
+    from common.paths import RunPaths
+    from training.checkpoint.store import CorruptCheckpoint, store_for
+
+    model = resolve_model(source, tracking_uri()) if is_model_uri(source) else None
+    source_dag, source_run = (model.dag_id, model.run_id) if model else (dag_id, source)
+    if (source_dag, source_run) == (dag_id, run_id):
+        raise WarmStartError(f"warm_start {source!r} is this run itself; a retry resumes its own checkpoints anyway")
+    prefix = RunPaths(root=artifact_root, dag_id=source_dag, run_id=source_run).checkpoints
+    try:
+        ckpt = store_for(prefix, checkpoint).latest()
+    except CorruptCheckpoint as exc:
+        raise WarmStartError(f"warm_start {source!r}: no valid checkpoint under {prefix}: {exc}") from exc
+    if ckpt is None:
+        raise WarmStartError(f"warm_start {source!r}: no run of {source_dag} with a committed checkpoint under "
+                             f"{prefix} (is the run id right?)")
+    if model and model.step is not None and ckpt.step != model.step:
+        # The worker loads the newest checkpoint under the prefix: it must be the version's.
+        raise WarmStartError(f"warm_start {source!r}: the newest valid checkpoint of run {source_run} is step "
+                             f"{ckpt.step}, but version {model.version} was logged at step {model.step}")
+    log.info("warm start from %s step %d (%s)", source, ckpt.step, prefix)
+    return WarmStart(source_run, prefix, ckpt.step, model)
