@@ -10,8 +10,9 @@ pydantic's error, which names the variable and the expected type.
 tests and the stack set variables at run time, and a role reads its settings once, outside its
 training loop. Variables *passed through* to child processes (the role environment, the AWS
 credentials boto3 reads by itself) are not configuration read here; only those the project's
-own code interprets are. ``mlflow_tracking_uri()`` is the one way to find the MLflow server;
-``secret(name)`` reads a variable whose *name* is configuration (an encryption key).
+own code interprets are. ``training.tracking.server.tracking_uri()`` is the one way to find
+the MLflow server; ``secret(name)`` reads a variable whose *name* is configuration (an
+encryption key).
 """
 from __future__ import annotations
 
@@ -132,17 +133,6 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         return Settings()
     # The mapping as the one source, so nothing of this process's environment leaks in.
     return Settings(_build_sources=((InitSettingsSource(Settings, dict(environ)),), {}))
-
-
-def mlflow_tracking_uri() -> str:
-    """The MLflow tracking server: ``MLFLOW_TRACKING_URI``, or where it is unset or empty, what
-    MLflow resolves itself (a URI set in this process, else its local default store)."""
-    uri = settings().mlflow_tracking_uri
-    if uri:
-        return uri
-    import mlflow  # only here: it takes seconds to import, and common/ stays cheap to import
-
-    return mlflow.get_tracking_uri()
 
 
 def secret(name: str) -> str | None:

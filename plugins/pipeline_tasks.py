@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from common.config import ConfigError, TrainConfig, recipe
 from common.paths import DatasetPaths, RunPaths
-from common.settings import mlflow_tracking_uri, settings
+from common.settings import settings
+from training.tracking.server import tracking_uri as mlflow_server
 
 if TYPE_CHECKING:
     from infra.cluster import ClusterSpec
@@ -132,7 +133,7 @@ def warm_start_checkpoint(params: Mapping[str, Any], dag_id: str, run_id: str,
         return None
     try:
         warm = resolve_checkpoint(source, dag_id=dag_id, run_id=run_id, artifact_root=settings().artifact_root,
-                                  checkpoint=cfg.checkpoint, tracking_uri=mlflow_tracking_uri)
+                                  checkpoint=cfg.checkpoint, tracking_uri=mlflow_server)
     except WarmStartError as exc:
         raise _fail(str(exc)) from exc
     return warm.as_dict()
@@ -286,7 +287,7 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
     cfg = load_config(config)
     manifest = data.load_manifest(shards["shards_prefix"])
     metrics = json.loads(storage.get_bytes(trained["metrics_uri"]))
-    tracking_uri = mlflow_tracking_uri()
+    tracking_uri = mlflow_server()
     # The same tags find the run a previous attempt of this DAG run created (and reuse it).
     run_tags = {"airflow.dag_id": dag_id, "airflow.run_id": run_id}
     with tempfile.TemporaryDirectory(prefix="mxpipe-register-") as tmp:

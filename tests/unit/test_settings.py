@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from common.settings import env_table, mlflow_tracking_uri, settings
+from common.settings import env_table, settings
+from training.tracking.server import tracking_uri as mlflow_tracking_uri
 
 pytestmark = pytest.mark.unit
 
