@@ -126,6 +126,7 @@ def warm_start_checkpoint(params: Mapping[str, Any], dag_id: str, run_id: str,
     """The ``warm_start`` Param's checkpoint as ``{"run_id", "prefix", "step"}`` (plus the version
     for a ``models:/`` reference), or None when it is empty. A reference naming nothing usable
     fails without a retry (``training.tracking.warm_start.resolve_checkpoint``)."""
+    from training.checkpoint.crypto import CheckpointKeyError
     from training.tracking.warm_start import WarmStartError, resolve_checkpoint
 
     source = (params.get("warm_start") or "").strip()
@@ -134,7 +135,7 @@ def warm_start_checkpoint(params: Mapping[str, Any], dag_id: str, run_id: str,
     try:
         warm = resolve_checkpoint(source, dag_id=dag_id, run_id=run_id, artifact_root=settings().artifact_root,
                                   checkpoint=cfg.checkpoint, tracking_uri=mlflow_server)
-    except WarmStartError as exc:
+    except (WarmStartError, CheckpointKeyError) as exc:  # a wrong key is configuration: no retry
         raise _fail(str(exc)) from exc
     return warm.as_dict()
 
@@ -281,6 +282,7 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
     from common.version import git_sha
     from training.feed import data
     from training.tracking.evaluation import evaluate_classifier
+    from training.tracking.mlflow_params import ParamConflictError
     from training.tracking.registry import find_run, log_model_run
     from training.tracking.run_extras import plot_artifacts
 
@@ -308,23 +310,26 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
                 storage.download_file(uri, local)
                 extra[name] = local
         extra.update(plot_artifacts(metrics["history"], evaluation, os.path.join(tmp, "plots")))
-        result = log_model_run(
-            tracking_uri=tracking_uri, experiment=EXPERIMENT, run_name=f"{dag_id}/{run_id}",
-            tags={**run_tags, "airflow.try_number": str(try_number),
-                  "dataset.manifest_digest": shards["manifest_digest"], "mlflow.source.git.commit": git_sha(),
-                  # The review DAG reads its test data from this tag; the fingerprint names the source data.
-                  "dataset.shards_prefix": shards["shards_prefix"], "dataset.fingerprint": shards["fingerprint"]},
-            params={"config": cfg.to_dict(), "config_digest": cfg.digest()},
-            epoch_metrics=metrics["history"],
-            final_metrics={"test_accuracy": evaluation["accuracy"], "global_step": metrics["global_step"],
-                           "resumed_from_step": trained["resumed_from_step"],
-                           "train_attempts": trained["attempt"]},
-            model_dir=model_dir, registered_model_name=params["registered_model_name"], input_example=example,
-            artifacts=extra, run_id=find_run(tracking_uri, EXPERIMENT, run_tags),
-            dataset={"manifest": manifest, "manifest_uri": shards["manifest_uri"],
-                     "digest": shards["manifest_digest"]},
-            log_system_metrics=True, step_metrics=metrics.get("step_history", []),
-        )
+        try:
+            result = log_model_run(
+                tracking_uri=tracking_uri, experiment=EXPERIMENT, run_name=f"{dag_id}/{run_id}",
+                tags={**run_tags, "airflow.try_number": str(try_number),
+                      "dataset.manifest_digest": shards["manifest_digest"], "mlflow.source.git.commit": git_sha(),
+                      # The review DAG reads its test data from this tag; the fingerprint names the source data.
+                      "dataset.shards_prefix": shards["shards_prefix"], "dataset.fingerprint": shards["fingerprint"]},
+                params={"config": cfg.to_dict(), "config_digest": cfg.digest()},
+                epoch_metrics=metrics["history"],
+                final_metrics={"test_accuracy": evaluation["accuracy"], "global_step": metrics["global_step"],
+                               "resumed_from_step": trained["resumed_from_step"],
+                               "train_attempts": trained["attempt"]},
+                model_dir=model_dir, registered_model_name=params["registered_model_name"], input_example=example,
+                artifacts=extra, run_id=find_run(tracking_uri, EXPERIMENT, run_tags),
+                dataset={"manifest": manifest, "manifest_uri": shards["manifest_uri"],
+                         "digest": shards["manifest_digest"]},
+                log_system_metrics=True, step_metrics=metrics.get("step_history", []),
+            )
+        except ParamConflictError as exc:  # the run logged other values before: the same every retry
+            raise _fail(str(exc)) from exc
     log.info("registered %s version %s (test accuracy %.4f): %s", result["registered_model_name"],
              result["version"], evaluation["accuracy"], result["run_url"])
     return {**result, "test_accuracy": evaluation["accuracy"]}
