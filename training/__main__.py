@@ -55,11 +55,10 @@ def _worker(job_uri: str) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from common import storage
-    from common.procs import GroupSpawner
+    from common.procs import GroupSpawner, free_port
     from common.config import TrainConfig
     from training.launch.job import JobSpec
     from training.launch.launcher import JobFailed, Supervisor
-    from training.launch.ports import free_port
 
     cfg = TrainConfig.from_json(open(args.config).read())
     out = args.out.rstrip("/")
