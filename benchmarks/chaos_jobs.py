@@ -6,7 +6,7 @@ An attempt is a real local-backend ``dist_sync`` job (scheduler, servers, worker
 groups) run by the project's ``Supervisor``, exactly as the ``train`` task runs it; a retry is a
 second attempt over the same run prefix, as the Airflow retry is. Every role of an attempt
 carries ``MXPIPE_CHAOS_TAG=<unique>`` in its environment, so the orphan check scans every
-process on the machine (``/proc/PID/environ``) rather than trusting the supervisor's own list.
+process on the machine (``common.procs.Watch``) rather than trusting the supervisor's own list.
 """
 from __future__ import annotations
 
@@ -24,12 +24,11 @@ from typing import Any
 import numpy as np
 
 from common import storage
-from common.procs import GroupSpawner, tagged_processes
+from common.procs import GroupSpawner, Watch, free_port
 from training.checkpoint.store import CheckpointStore, store_for
 from common.config import TrainConfig
 from training.launch.job import JobSpec
 from training.launch.launcher import JobFailed, Supervisor
-from training.launch.ports import free_port
 
 TAG = "MXPIPE_CHAOS_TAG"
 ORPHAN_WAIT_S = 10.0
@@ -171,20 +170,10 @@ def run_attempt(job: JobSpec, workdir: Path, *, victim: str | None = None, kill_
     except JobFailed as exc:
         failed = str(exc)
     seconds = time.monotonic() - started
-    orphans = _orphans(tag)
+    orphans = Watch(tags=[(TAG, tag)]).left(ORPHAN_WAIT_S)  # roles just exiting get that long
     evs = [json.loads(ln) for ln in events.read_text().splitlines()] if events.exists() else []
     return Attempt(failed=failed, events=evs, orphans=orphans, fault_at=once.stat().st_mtime if once.exists() else None,
                    seconds=seconds)
-
-
-def _orphans(tag: str) -> list[int]:
-    """Role processes of the attempt still alive; bounded wait for ones that are just exiting."""
-    deadline = time.monotonic() + ORPHAN_WAIT_S
-    while True:
-        left = tagged_processes(TAG, tag)
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(0.2)
 
 
 # -- facts about a run's checkpoints --------------------------------------------------------------

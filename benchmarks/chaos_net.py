@@ -30,11 +30,11 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
 
-from netns_hosts import namespace_hosts, netns_available, netns_pids  # noqa: E402
+from netns_hosts import hosts_pids, namespace_hosts, netns_available  # noqa: E402
 
 from benchmarks import chaos_jobs as cj  # noqa: E402
 from common import storage  # noqa: E402
-from common.procs import tagged_processes  # noqa: E402
+from common.procs import Watch  # noqa: E402
 from common.config import TrainConfig  # noqa: E402
 
 STALL_S = 20.0  # the job's stall timeout in R4: short enough to keep the long cut brief
@@ -84,13 +84,8 @@ def _attempt(job: Any, job_uri: str, cluster: Any, events: Path) -> tuple[str | 
 
 def _left(cluster: Any, hosts: list[dict]) -> list[int]:
     """Role processes of the cluster still alive, on this machine or in any namespace host."""
-    deadline = time.monotonic() + cj.ORPHAN_WAIT_S
-    while True:
-        left = tagged_processes("MXPIPE_CLUSTER", cluster.cluster_id) + [
-            p for h in hosts for p in netns_pids(h["name"])]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.2)
+    watch = Watch(tags=[("MXPIPE_CLUSTER", cluster.cluster_id)], probes=[lambda: hosts_pids(hosts)])
+    return watch.left(cj.ORPHAN_WAIT_S)
 
 
 def trial(root: Path, hosts: list[dict], cfg: TrainConfig, shards: str, cut_s: float) -> Any:

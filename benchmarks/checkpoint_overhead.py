@@ -35,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
+import psutil  # noqa: E402
 
 from benchmarks.result_file import write_json  # noqa: E402
 
@@ -98,10 +99,8 @@ def _train(mx, steps: int, every: int, writer) -> dict:
 def _cpu_seconds(s3_pid: int) -> dict[str, float]:
     """CPU time of this process and of the S3 server (which, unlike here, is not on the training
     machine in production): where the end-to-end cost of a save goes."""
-    tick = os.sysconf("SC_CLK_TCK")
-    with open(f"/proc/{s3_pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return {"trainer": time.process_time(), "s3_server": (int(fields[11]) + int(fields[12])) / tick}
+    cpu = psutil.Process(s3_pid).cpu_times()
+    return {"trainer": time.process_time(), "s3_server": cpu.user + cpu.system}
 
 
 def main() -> int:

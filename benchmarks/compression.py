@@ -123,10 +123,9 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_job(args: argparse.Namespace, compression: bool, out: str) -> list[dict[str, Any]]:
-    from common.procs import GroupSpawner, group_members
     from common.config import TrainConfig
+    from common.procs import GroupSpawner, Watch, free_port
     from training.launch.launcher import Supervisor
-    from training.launch.ports import free_port
 
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--out", out, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--batch", str(args.batch), "--threshold", str(args.threshold),
@@ -140,15 +139,13 @@ def run_job(args: argparse.Namespace, compression: bool, out: str) -> list[dict[
 
     cfg = TrainConfig().replace(cluster={"num_workers": 2, "num_servers": 1, "job_timeout_s": 600.0})
     os.makedirs(out, exist_ok=True)
-    spawner = GroupSpawner(os.path.join(out, "procs"))
-    sup = ChildSupervisor(cfg, spawner, host="127.0.0.1", port=free_port(),
+    record_dir = os.path.join(out, "procs")
+    sup = ChildSupervisor(cfg, GroupSpawner(record_dir), host="127.0.0.1", port=free_port(),
                           base_env={**os.environ, "PYTHONPATH": REPO})
     try:
         sup.run("unused")
     finally:
-        leftover = [r.name for r in spawner.records if group_members(r.pgid)]
-        if leftover:
-            raise RuntimeError(f"role processes left behind: {leftover}")
+        Watch(record_dirs=[record_dir]).check("the job's roles")
     return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
 
 

@@ -28,12 +28,11 @@ if REPO not in sys.path:
 
 from benchmarks.result_file import write_json  # noqa: E402
 from common import storage  # noqa: E402
-from common.procs import GroupSpawner, group_members  # noqa: E402
+from common.procs import GroupSpawner, Watch, free_port  # noqa: E402
 from data_checks.shard import shard_dataset  # noqa: E402
 from common.config import TrainConfig, recipe  # noqa: E402
 from training.launch.job import JobSpec  # noqa: E402
 from training.launch.launcher import Supervisor  # noqa: E402
-from training.launch.ports import free_port  # noqa: E402
 
 CHOSEN = "dist_sync/workers"
 
@@ -74,15 +73,13 @@ def run_mode(root: str, source: str, label: str, cluster: dict, env: dict, epoch
                   model_prefix=os.path.join(prefix, "model"), metrics_uri=os.path.join(prefix, "metrics.json"))
     job_uri = os.path.join(prefix, "job.json")
     job.save(job_uri)
-    spawner = GroupSpawner(os.path.join(prefix, "procs"))
-    sup = Supervisor(cfg, spawner, host="127.0.0.1", port=free_port(), base_env={**os.environ, **env})
+    record_dir = os.path.join(prefix, "procs")
+    sup = Supervisor(cfg, GroupSpawner(record_dir), host="127.0.0.1", port=free_port(), base_env={**os.environ, **env})
     started = time.monotonic()
     try:
         sup.run(job_uri)
     finally:
-        leftover = [r.name for r in spawner.records if group_members(r.pgid)]
-        if leftover:
-            raise RuntimeError(f"role processes left behind: {leftover}")
+        Watch(record_dirs=[record_dir]).check("the job's roles")
     wall = time.monotonic() - started
     metrics = json.loads(storage.get_bytes(job.metrics_uri))
     return {"mode": label, "workers": metrics["num_workers"],

@@ -95,24 +95,21 @@ def _steady(rates: list[float]) -> float:
 
 
 def run_pipeline(root: str, cfg: TrainConfig, shards: str, label: str) -> dict[str, Any]:
-    from common.procs import GroupSpawner, group_members
+    from common.procs import GroupSpawner, Watch, free_port
     from training.launch.job import JobSpec
     from training.launch.launcher import Supervisor
-    from training.launch.ports import free_port
 
     prefix = tempfile.mkdtemp(prefix=f"{label}-", dir=root)
     job = JobSpec(config=cfg, shards_prefix=shards, checkpoint_prefix=os.path.join(prefix, "ckpt"),
                   model_prefix=os.path.join(prefix, "model"), metrics_uri=os.path.join(prefix, "metrics.json"))
     job_uri = os.path.join(prefix, "job.json")
     job.save(job_uri)
-    spawner = GroupSpawner(os.path.join(prefix, "procs"))
-    sup = Supervisor(cfg, spawner, host="127.0.0.1", port=free_port(), base_env=dict(os.environ))
+    record_dir = os.path.join(prefix, "procs")
+    sup = Supervisor(cfg, GroupSpawner(record_dir), host="127.0.0.1", port=free_port(), base_env=dict(os.environ))
     try:
         sup.run(job_uri)
     finally:
-        leftover = [r.name for r in spawner.records if group_members(r.pgid)]
-        if leftover:
-            raise RuntimeError(f"role processes left behind: {leftover}")
+        Watch(record_dirs=[record_dir]).check("the job's roles")
     history = json.loads(storage.get_bytes(job.metrics_uri))["history"]
     return {"samples_per_s": _steady([h["samples_per_s_total"] for h in history]),
             "epochs": [round(h["samples_per_s_total"], 1) for h in history],

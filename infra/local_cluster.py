@@ -17,10 +17,7 @@ from typing import Any
 
 from common.procs import GroupSpawner, ProcessRole, free_port, kill_groups, kill_recorded
 from common.roles import JobLaunch, role_argv, role_env
-from infra.cluster import Cluster, ClusterSpec, Leak, ProvisionError, cluster_id_for
-from infra.cluster import find_leaked as _find_leaked
-
-__all__ = ["LOOPBACK", "ClusterSpec", "LocalCluster", "ProvisionError", "find_leaked"]
+from infra.cluster import Cluster, ClusterSpec, ProvisionError, cluster_id_for
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +102,3 @@ class LocalCluster(Cluster):
         log.info("tore down cluster %s (%d leftover role group(s) stopped)", self.cluster_id, len(stopped))
         return {"stopped": stopped}
 
-
-def find_leaked(home: str | None = None, *, now: float | None = None) -> list[str]:
-    """Ids of clusters (any backend) recorded under ``home`` whose TTL has passed."""
-    leaks: list[Leak] = _find_leaked(home=home, now=now)
-    return [leak.cluster_id for leak in leaks]

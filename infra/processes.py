@@ -1,12 +1,12 @@
 """Service processes: launch in a session of their own, stop the whole session, bounded waits.
 
 Every service is started in a session (and process group) of its own and stopped by signalling
-the whole session, SIGTERM then SIGKILL after a bound: MLflow and Airflow fork helpers, and Airflow
-task processes move to process groups of their own but stay in the session. Before a stop
-signals anything it checks that the pid still is the process it launched (the start time in
-``/proc/<pid>/stat`` recorded at launch). Under the stack's home::
+the whole session, SIGTERM then SIGKILL after a bound (``common.procs.stop_groups``): MLflow
+and Airflow fork helpers, and Airflow task processes move to process groups of their own but
+stay in the session. Before a stop signals anything it checks that the pid still is the process
+it launched (the start time recorded at launch). Under the stack's home::
 
-    run/<name>.json    one pid file per service: pid, process group, /proc start time, port, log
+    run/<name>.json    one pid file per service: pid, process group, start time, port, log
     logs/<name>.log    stdout+stderr of each service
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import time
 import urllib.error
@@ -24,54 +23,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from common.procs import group_members, is_running, start_time, still_ours, stop_groups
 from infra.stack_config import ServiceError
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class _Proc:
-    pid: int
-    ppid: int
-    pgid: int
-    sid: int
-    state: str
-    start_time: int
-
-
-def _read_proc(pid: int) -> _Proc | None:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    rest = data.rsplit(")", 1)[1].split()  # the command name may contain spaces and parens
-    return _Proc(pid, int(rest[1]), int(rest[2]), int(rest[3]), rest[0], int(rest[19]))
-
-
-def _all_procs() -> list[_Proc]:
-    procs = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (proc := _read_proc(int(entry))) is not None:
-            procs.append(proc)
-    return procs
-
-
-def group_processes(pgid: int, *, include_zombies: bool = False) -> list[int]:
-    """Live pids in process group / session ``pgid`` and all their descendants."""
-    procs = _all_procs()
-    members = {p.pid for p in procs if pgid in (p.pgid, p.sid)}
-    children: dict[int, list[int]] = {}
-    for p in procs:
-        children.setdefault(p.ppid, []).append(p.pid)
-    stack = list(members)
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in members:
-                members.add(child)
-                stack.append(child)
-    states = {p.pid: p.state for p in procs}
-    return sorted(p for p in members if include_zombies or states.get(p) != "Z")
+SIGKILL_WAIT_S = 10.0
 
 
 @dataclass
@@ -81,7 +38,7 @@ class ServiceHandle:
     name: str
     pid: int
     pgid: int
-    start_time: int  # /proc/<pid>/stat field 22, to tell our process from a reused pid
+    start_time: int  # common.procs.start_time, to tell our process from a reused pid
     log_path: str
     port: int | None = None
     cmd: list[str] = field(default_factory=list)
@@ -90,45 +47,28 @@ class ServiceHandle:
     _popen: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
 
     def is_running(self) -> bool:
-        proc = _read_proc(self.pid)
-        return proc is not None and proc.start_time == self.start_time and proc.state != "Z"
+        return is_running(self.pid, self.start_time)
 
     def owns_group(self) -> bool:
         """False if the pid now belongs to another process (then its group is not ours)."""
-        proc = _read_proc(self.pid)
-        return proc is None or proc.start_time == self.start_time
+        return still_ours(self.pid, self.start_time)
 
     def processes(self) -> list[int]:
-        return group_processes(self.pgid) if self.owns_group() else []
+        return [p.pid for p in group_members([self.pgid], sessions=True)] if self.owns_group() else []
 
     def stop(self, timeout: float = 20.0) -> bool:
-        """SIGTERM the whole group, SIGKILL what is left after ``timeout``; True if all gone."""
+        """SIGTERM the whole session, SIGKILL what is left after ``timeout``; True if all gone."""
         if not self.owns_group():
             log.warning("%s: pid %s was reused by another process; not signalling", self.name, self.pid)
             self._remove_pid_file()
             return True
-        for sig, bound in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-            pids = self.processes()
-            if not pids:
-                break
-            log.info("%s: sending %s to %d process(es)", self.name, sig.name, len(pids))
-            _signal_all(self.pgid, pids, sig)
-            self._wait_gone(bound)
+        left = stop_groups([self.pgid], grace_s=timeout, kill_wait_s=SIGKILL_WAIT_S, sessions=True)
         self._reap()
-        left = self.processes()
         if left:
-            log.error("%s: processes %s survived SIGKILL", self.name, left)
+            log.error("%s: processes %s survived SIGKILL", self.name, [p.pid for p in left])
             return False
         self._remove_pid_file()
         return True
-
-    def _wait_gone(self, bound: float) -> None:
-        deadline = time.monotonic() + bound
-        while time.monotonic() < deadline:
-            self._reap()
-            if not self.processes():
-                return
-            time.sleep(0.1)
 
     def _reap(self) -> None:
         if self._popen is not None:
@@ -157,18 +97,6 @@ class ServiceHandle:
         return cls(**json.loads(text))
 
 
-def _signal_all(pgid: int, pids: Iterable[int], sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for pid in pids:  # task processes in their own groups, helpers in new sessions
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 def launch(name: str, cmd: list[str], env: Mapping[str, str], home: Path, *,
            port: int | None = None, cwd: str | os.PathLike[str] | None = None) -> ServiceHandle:
     """Start ``cmd`` in a new session, output to ``<home>/logs/<name>.log``, pid file in run/."""
@@ -181,9 +109,8 @@ def launch(name: str, cmd: list[str], env: Mapping[str, str], home: Path, *,
         out.flush()
         popen = subprocess.Popen(cmd, env=dict(env), cwd=cwd or home, stdin=subprocess.DEVNULL,
                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    proc = _read_proc(popen.pid)
     handle = ServiceHandle(name=name, pid=popen.pid, pgid=popen.pid,
-                           start_time=proc.start_time if proc else 0, log_path=str(log_path),
+                           start_time=start_time(popen.pid) or 0, log_path=str(log_path),
                            port=port, cmd=list(cmd), started_at=time.time(),
                            pid_file=str(run / f"{name}.json"), _popen=popen)
     Path(handle.pid_file).write_text(handle.to_json())  # type: ignore[arg-type]
@@ -254,7 +181,6 @@ def wait_http(url: str, timeout_s: float, *, check: Callable[[bytes], bool] | No
         return body if check is None or check(body) else None
 
     return wait_until(ready, timeout_s, url, interval_s=interval_s, handle=handle)
-
 
 
 def stop_all(handles: Iterable[ServiceHandle], timeout: float = 30.0) -> bool:

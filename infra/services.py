@@ -6,7 +6,7 @@ or ``<repo>/.local``::
 
     credentials.json   S3 key pair + Airflow secrets, mode 0600, generated once
     stack.json         ports and bucket of this home (written on first ``up``)
-    run/<name>.json    one pid file per service: pid, process group, /proc start time, port, log
+    run/<name>.json    one pid file per service: pid, process group, start time, port, log
     logs/<name>.log    stdout+stderr of each service
     s3/                SeaweedFS data        mlflow/mlflow.db    MLflow backend store
     airflow/           AIRFLOW_HOME (SQLite metadata DB, task logs)

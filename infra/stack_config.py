@@ -6,8 +6,9 @@ All state lives under one folder, ``$MXPIPE_HOME`` or ``<repo>/.local``::
     credentials.json   S3 key pair + Airflow secrets, mode 0600, generated once
     stack.json         ports and bucket of this home (written on first ``up``)
 
-Every port is on 127.0.0.1. ``with_free_ports`` picks ports below the ephemeral range, and for
-SeaweedFS also checks port+10000 (its gRPC convention).
+Every port is on 127.0.0.1. ``with_free_ports`` picks ports below the ephemeral range
+(``common.procs.free_port(stable=True)``), and for SeaweedFS also checks port+10000 (its gRPC
+convention).
 
 Trap (measured on this 2-core machine): the venv has no ``__pycache__`` and the ambient env sets
 ``PYTHONDONTWRITEBYTECODE=1``, so every ``import mlflow``/``import airflow`` compiled from source
@@ -18,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import string
 import sys
 from collections.abc import Iterable, Mapping
@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from common.procs import free_port, port_is_free
 from common.settings import settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -86,9 +87,9 @@ class StackConfig:
     def with_free_ports(cls, home: str | os.PathLike[str], **overrides: Any) -> "StackConfig":
         """A config whose ports are all free right now (for tests and a second stack)."""
         taken: set[int] = set()
-        weed = {k: free_port(taken, grpc=True) for k in
+        weed = {k: free_port(HOST, stable=True, offset=WEED_GRPC_OFFSET, taken=taken) for k in
                 ("s3_port", "weed_master_port", "weed_volume_port", "weed_filer_port", "weed_admin_port")}
-        other = {k: free_port(taken) for k in ("mlflow_port", "airflow_port")}
+        other = {k: free_port(HOST, stable=True, taken=taken) for k in ("mlflow_port", "airflow_port")}
         return cls(home=Path(home).resolve(), **{**weed, **other, **overrides})
 
     def save(self) -> None:
@@ -108,32 +109,6 @@ class StackConfig:
             if key in data:
                 data[key] = Path(data[key])
         return cls(home=root, **data)
-
-
-def free_port(taken: set[int] | None = None, *, grpc: bool = False) -> int:
-    """A free 127.0.0.1 port below the ephemeral range (with ``grpc``: port+10000 free as well)."""
-    import random
-
-    taken = taken if taken is not None else set()
-    rng = random.SystemRandom()
-    for _ in range(500):
-        port = rng.randrange(10000, 22000)
-        wanted = [port, port + WEED_GRPC_OFFSET] if grpc else [port]
-        if not taken.intersection(wanted) and all(port_is_free(p) for p in wanted):
-            taken.update(wanted)
-            return port
-    raise ServiceError("no free port found on 127.0.0.1")
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # Like the servers do: a port in TIME_WAIT after a restart is free, a listener is not.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-    return True
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -196,7 +171,7 @@ def service_env(extra: Mapping[str, str]) -> dict[str, str]:
 
 
 def check_ports_free(ports: Iterable[int], service: str) -> None:
-    busy = [p for p in ports if not port_is_free(p)]
+    busy = [p for p in ports if not port_is_free(p, HOST)]
     if busy:
         raise ServiceError(f"{service}: port(s) {busy} on {HOST} are in use; pick other ports "
                            "(python -m infra.services up --free-ports) or stop what holds them")

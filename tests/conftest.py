@@ -5,6 +5,8 @@ collection. ``benchmark`` tests are skipped unless selected with ``-m benchmark`
 
 Servers (SeaweedFS, MLflow) are started by session fixtures on free 127.0.0.1 ports in a temp
 folder with fresh random credentials, and stopped (whole process group) at the end.
+
+``nothing_left``: a test that starts processes proves at its end that none is still running.
 """
 from __future__ import annotations
 
@@ -13,12 +15,16 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+if TYPE_CHECKING:
+    from common.procs import Watch
 
 TIERS = ("unit", "dag", "integration", "benchmark")
 
@@ -38,6 +44,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("benchmark"):
                 item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------------------------------
+# processes
+
+TEST_TAG = "MXPIPE_TEST_TAG"
+
+
+@pytest.fixture
+def nothing_left(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Watch]:
+    """A ``common.procs.Watch`` checked when the test ends: it fails the test, naming pid and
+    command line, if any watched process is still running after a bounded wait (and kills it).
+
+    Watched from the start: processes carrying ``watch.env`` (a tag unique to this test) and the
+    groups recorded under ``tmp_path/procs``; a test adds its own with ``watch.tag(...)``,
+    ``.group(pgid)``, ``.session(pgid)``, ``.records(dir)``, and may ``watch.check()`` earlier.
+    """
+    from common.procs import Watch
+
+    watch = Watch(tags=[(TEST_TAG, uuid.uuid4().hex)], record_dirs=[str(tmp_path / "procs")])
+    yield watch
+    watch.check(request.node.nodeid)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -67,11 +67,10 @@ def _worker(job_uri: str) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from common import storage
-    from common.procs import GroupSpawner
     from common.config import ConfigError, TrainConfig
+    from common.procs import GroupSpawner, free_port
     from training.launch.job import JobSpec
     from training.launch.launcher import JobFailed, Supervisor
-    from training.launch.ports import free_port
 
     with usage_errors(ConfigError):
         cfg = TrainConfig.from_file(args.config)

@@ -26,8 +26,7 @@ print("REAPER_RESULT " + json.dumps({"state": str(dr.state), "xcom": ti.xcom_pul
 """
 
 
-def test_reaper_dag_tears_down_an_expired_cluster(tmp_path):
-    from common.procs import tagged_processes
+def test_reaper_dag_tears_down_an_expired_cluster(tmp_path, nothing_left):
     from infra.cluster import ClusterSpec
     from infra.local_cluster import LocalCluster
 
@@ -36,15 +35,11 @@ def test_reaper_dag_tears_down_an_expired_cluster(tmp_path):
     cluster = LocalCluster(run_tag, ClusterSpec(run_tag=run_tag, workers=1, servers=1, ttl_s=0.01), str(home))
     cluster.write_record()
     orphan = cluster.spawner().spawn("worker-0", ["sleep", "300"], {**os.environ, "MXPIPE_CLUSTER": cluster.cluster_id})
-    try:
-        _reap_through_airflow(tmp_path, home, cluster)
-        orphan.wait(timeout=10)  # the reaper killed it (a TimeoutExpired here means it did not)
-    finally:  # never leave the stand-in role running, whatever failed
-        from common.procs import kill_group
-
-        kill_group(orphan.pid, grace_s=1.0)
-        orphan.wait(timeout=10)
-    assert tagged_processes("MXPIPE_CLUSTER", cluster.cluster_id) == []
+    # Also kills the stand-in role at the end if the reaper did not, whatever failed.
+    nothing_left.tag("MXPIPE_CLUSTER", cluster.cluster_id)
+    _reap_through_airflow(tmp_path, home, cluster)
+    orphan.wait(timeout=10)  # the reaper killed it (a TimeoutExpired here means it did not)
+    nothing_left.check("the reaper")
     assert not os.path.exists(cluster.state_dir)
 
 

@@ -9,9 +9,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from common.procs import Watch
 from infra.airflow_client import wait_for_dag
 from infra.airflow_service import AIRFLOW_COMPONENTS, start_airflow, stop_airflow
-from infra.processes import group_processes
 from infra.stack_config import StackConfig
 
 
@@ -31,8 +31,7 @@ def airflow_stack(home: Path, s3_server: Any, mlflow_server: Any, dags: Mapping[
         yield cfg
     finally:
         assert stop_airflow(handles)
-        for handle in handles:
-            assert group_processes(handle.pgid) == [], handle.name
+        Watch(sessions=[h.pgid for h in handles]).check("the Airflow stack")
 
 
 def wait_until_parked(home: Path, run_id: str, task_id: str, timeout_s: float = 180.0) -> None:

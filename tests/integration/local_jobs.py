@@ -3,10 +3,9 @@ asserting that no role process outlives the job."""
 import os
 
 from common import storage
-from common.procs import GroupSpawner, group_members
+from common.procs import GroupSpawner, Watch, free_port
 from training.launch.job import JobSpec
 from training.launch.launcher import Supervisor
-from training.launch.ports import free_port
 
 
 def make_job(cfg, shards_prefix, prefix, **overrides):
@@ -18,11 +17,11 @@ def make_job(cfg, shards_prefix, prefix, **overrides):
 def run_job(job, prefix, tmp_path, env=None):
     job_uri = storage.join(prefix, "job.json")
     job.save(job_uri)
-    spawner = GroupSpawner(str(tmp_path / f"procs-{len(os.listdir(tmp_path))}"))
+    record_dir = str(tmp_path / f"procs-{len(os.listdir(tmp_path))}")
+    spawner = GroupSpawner(record_dir)
     sup = Supervisor(job.config, spawner, host="127.0.0.1", port=free_port(), base_env={**os.environ, **(env or {})})
     try:
         sup.run(job_uri)
     finally:
-        leftover = [r.name for r in spawner.records if group_members(r.pgid)]
-        assert leftover == [], f"role processes left behind: {leftover}"
+        Watch(record_dirs=[record_dir]).check("the job's roles")
     return spawner

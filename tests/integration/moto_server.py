@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from common.procs import GroupSpawner, free_port, group_members
+from common.procs import GroupSpawner, Watch, free_port
 
 START_TIMEOUT_S = 60.0
 
@@ -43,4 +43,4 @@ def moto_server(log_dir: str) -> Iterator[str]:
     finally:
         spawner.kill_all(grace_s=5.0)
         log.close()
-        assert not group_members(proc.pid), "moto server left processes behind"
+        Watch(groups=[proc.pid]).check("the moto server")

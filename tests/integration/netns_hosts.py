@@ -42,6 +42,11 @@ def netns_pids(name: str) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+def hosts_pids(hosts: list[dict]) -> list[int]:
+    """Every process running in one of ``hosts`` (a role, or a transport's shell around it)."""
+    return [pid for host in hosts for pid in netns_pids(host["name"])]
+
+
 @contextmanager
 def namespace_hosts(count: int, prefix: str | None = None) -> Iterator[list[dict]]:
     """Yield ``count`` host dicts (``infra.transport.HostSpec`` fields) and delete every

@@ -9,10 +9,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from common.procs import GroupSpawner, group_members
+from common.procs import GroupSpawner, Watch, free_port
 from common.config import TrainConfig
 from training.launch.launcher import Supervisor
-from training.launch.ports import free_port
 
 
 class ScriptSupervisor(Supervisor):
@@ -47,6 +46,5 @@ def run_script_job(worker_argv: Sequence[str], *, num_workers: int, num_servers:
     try:
         sup.run("unused")
     finally:
-        leftover = [r.name for r in spawner.records if group_members(r.pgid)]
-        assert leftover == [], f"role processes left behind: {leftover}"
+        Watch(record_dirs=[record_dir]).check("the job's roles")
     return [r.name for r in spawner.records]

@@ -4,6 +4,7 @@ against a real SeaweedFS S3 server and a real MLflow tracking server started by 
 Each run happens in a subprocess with its own AIRFLOW_HOME (SQLite metadata DB), so Airflow's
 settings are read from that environment and nothing leaks between tests.
 """
+import glob
 import json
 import os
 import subprocess
@@ -11,7 +12,6 @@ import sys
 
 import pytest
 from common import storage
-from common.procs import group_members
 
 pytestmark = pytest.mark.integration
 
@@ -73,20 +73,6 @@ def _run_dag(env, conf, extra_env=None, timeout=900):
     return json.loads(lines[-1][len("DAGRUN_RESULT "):]), out.stdout + out.stderr
 
 
-def _leftover_roles(home):
-    """Role processes still alive from any cluster recorded under ``home``."""
-    clusters = os.path.join(home, "clusters")
-    alive = []
-    for root, _, files in os.walk(clusters):
-        for f in files:
-            if f.endswith(".json") and os.path.basename(root).startswith("attempt-"):
-                with open(os.path.join(root, f)) as fh:
-                    rec = json.load(fh)
-                if group_members(rec["pgid"]):
-                    alive.append(rec["name"])
-    return alive
-
-
 def test_full_run_with_a_killed_worker_resumes_and_registers(airflow_env, digits_uri, tmp_path):
     fault = {"MXPIPE_FAULT_KILL_STEP": "35", "MXPIPE_FAULT_KILL_RANK": "1",
              "MXPIPE_FAULT_ONCE_FILE": str(tmp_path / "fault-fired")}
@@ -115,7 +101,7 @@ def test_full_run_with_a_killed_worker_resumes_and_registers(airflow_env, digits
     assert any(u.endswith("MANIFEST.json") for u in ckpts)
 
 
-def test_missing_label_column_fails_before_any_cluster(airflow_env, digits_uri):
+def test_missing_label_column_fails_before_any_cluster(airflow_env, digits_uri, nothing_left):
     result, logs = _run_dag(airflow_env, _conf(digits_uri, label_column="digit"))
     tasks = result["tasks"]
     assert result["state"] == "failed"
@@ -123,7 +109,9 @@ def test_missing_label_column_fails_before_any_cluster(airflow_env, digits_uri):
     assert tasks["provision"]["state"] in ("upstream_failed", "None", "skipped")
     assert tasks["train"]["state"] in ("upstream_failed", "None")
     assert "digit" in logs and "label" in logs
-    assert _leftover_roles(airflow_env["MXPIPE_HOME"]) == []
+    for attempt in glob.glob(os.path.join(airflow_env["MXPIPE_HOME"], "clusters", "**", "attempt-*"), recursive=True):
+        nothing_left.records(attempt)  # role groups of any cluster recorded under the home
+    nothing_left.check("the DAG run")
 
 
 def test_missing_dataset_fails_in_shard_with_its_uri(airflow_env, s3_server):

@@ -16,7 +16,6 @@ import uuid
 
 import pytest
 from common import storage
-from common.procs import tagged_processes
 from data_checks.shard import shard_dataset
 from infra.cluster import ClusterSpec, ProvisionError, provision
 from common.config import recipe
@@ -24,7 +23,7 @@ from training.launch.job import JobSpec
 from training.launch.launcher import JobFailed, Supervisor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from netns_hosts import namespace_hosts, netns_available, netns_pids  # noqa: E402
+from netns_hosts import hosts_pids, namespace_hosts, netns_available  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -59,18 +58,19 @@ def _job(cfg, shards, out, **overrides):
     return job, storage.join(out, "job.json")
 
 
-def _assert_nothing_left(cluster, hosts):
-    assert tagged_processes("MXPIPE_CLUSTER", cluster.cluster_id) == []
-    assert {h["name"]: netns_pids(h["name"]) for h in hosts} == {h["name"]: [] for h in hosts}
+def _watch(watch, cluster, hosts):
+    """The cluster's role processes, wherever they are, and anything running in a namespace host."""
+    watch.tag("MXPIPE_CLUSTER", cluster.cluster_id).probe(lambda: hosts_pids(hosts))
 
 
 @needs_netns
-def test_job_runs_across_namespace_hosts(hosts, local_shards, tmp_path, monkeypatch):
+def test_job_runs_across_namespace_hosts(hosts, local_shards, tmp_path, nothing_left):
     cfg, shards = local_shards
     job, job_uri = _job(cfg, shards, str(tmp_path / "run"), optim={"epochs": 2})
     spec = ClusterSpec(run_tag=f"hosts-test--ok-{SUFFIX}", workers=2, servers=1, backend="hosts",
                        options={"hosts": hosts})
     cluster = provision(spec, home=str(tmp_path / "home"))
+    _watch(nothing_left, cluster, hosts)
     assert provision(spec, home=str(tmp_path / "home")).cluster_id == cluster.cluster_id  # idempotent
     sup = Supervisor(job.config, cluster=cluster, base_env=dict(os.environ))
     try:
@@ -84,30 +84,32 @@ def test_job_runs_across_namespace_hosts(hosts, local_shards, tmp_path, monkeypa
         assert metrics["history"][-1]["val_accuracy"] > 0.7
     finally:
         cluster.teardown()
-    _assert_nothing_left(cluster, hosts)
+    nothing_left.check("the hosts cluster")
     assert not os.path.exists(cluster.state_dir)
 
 
 @needs_netns
-def test_killed_remote_worker_is_reported_with_its_host_and_everything_stops(hosts, local_shards, tmp_path):
+def test_killed_remote_worker_is_reported_with_its_host_and_everything_stops(hosts, local_shards, tmp_path,
+                                                                            nothing_left):
     cfg, shards = local_shards
     job, job_uri = _job(cfg, shards, str(tmp_path / "run"), optim={"epochs": 2})
     spec = ClusterSpec(run_tag=f"hosts-test--kill-{SUFFIX}", workers=2, servers=1, backend="hosts",
                        options={"hosts": hosts})
     cluster = provision(spec, home=str(tmp_path / "home"))
+    _watch(nothing_left, cluster, hosts)
     env = {**os.environ, "MXPIPE_FAULT_KILL_STEP": "8", "MXPIPE_FAULT_KILL_RANK": "1"}
     try:
         with pytest.raises(JobFailed) as failed:
             Supervisor(job.config, cluster=cluster, base_env=env).run(job_uri)
         # Roles left alive by the failure were stopped on their hosts before run() returned.
-        assert tagged_processes("MXPIPE_CLUSTER", cluster.cluster_id) == []
+        nothing_left.check("the supervisor")
     finally:
         cluster.teardown()
     err = failed.value
     assert err.role.startswith("worker-") and "killed by SIGKILL" in str(err)
     assert err.host in ("10.213.0.2", "10.213.0.3") and err.host in str(err)
     assert "last lines of worker-" in str(err)
-    _assert_nothing_left(cluster, hosts)
+    nothing_left.check("the hosts cluster")
 
 
 @needs_netns

@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 import uuid
 
+import psutil
 import pytest
 from botocore.exceptions import ClientError
 from common import storage
@@ -119,24 +120,11 @@ def shards(s3_server, digits_csv):
 def _listening(pid: int) -> list[str]:
     """``addr:port`` of every listening TCP socket (v4 and v6) that process ``pid`` holds."""
     try:
-        inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
-                  if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
-    except OSError:  # the process just exited
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.NoSuchProcess:  # the process just exited
         return []
-    out = []
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-        with open(table) as fh:
-            for line in fh.readlines()[1:]:
-                cols = line.split()
-                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
-                    continue
-                hexaddr, hexport = cols[1].split(":")
-                if v6:
-                    addr = "[" + ":".join(hexaddr[i:i + 4] for i in range(0, 32, 4)) + "]"
-                else:
-                    addr = ".".join(str(int(hexaddr[i:i + 2], 16)) for i in (6, 4, 2, 0))
-                out.append(f"{addr}:{int(hexport, 16)}")
-    return out
+    return [f"{c.laddr.ip}:{c.laddr.port}" if "." in c.laddr.ip else f"[{c.laddr.ip}]:{c.laddr.port}"
+            for c in conns if c.status == psutil.CONN_LISTEN]
 
 
 def test_local_job_binds_every_role_port_to_loopback(shards, s3_prefix, tmp_path):

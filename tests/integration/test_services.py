@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from common import storage
+from common.procs import group_members
 from infra.airflow_client import (
     DagNotFound,
     task_states,
@@ -24,23 +25,6 @@ from infra.s3_service import s3_client, start_s3, stop_s3
 from infra.stack_config import StackConfig
 
 pytestmark = pytest.mark.integration
-
-
-def live_group_members(pgid: int) -> list[str]:
-    """Processes (not zombies) whose process group or session is ``pgid``, from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        state, pgrp, session = rest[0], int(rest[2]), int(rest[3])
-        if pgid in (pgrp, session) and state != "Z":
-            found.append(f"{entry}:{comm}")
-    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,20 +80,22 @@ def test_s3_conditional_put_refuses_overwrite(s3_prefix: str) -> None:
     assert storage.get_bytes(uri) == b"first"
 
 
-def test_s3_stop_leaves_no_process(tmp_path: Path) -> None:
+def test_s3_stop_leaves_no_process(tmp_path: Path, nothing_left) -> None:
     cfg = StackConfig.with_free_ports(tmp_path)
     handle = start_s3(cfg)
+    nothing_left.session(handle.pgid)
     assert handle.is_running()
-    assert live_group_members(handle.pgid)
+    assert group_members([handle.pgid], sessions=True)
     assert stop_s3(handle)
-    assert live_group_members(handle.pgid) == []
+    nothing_left.check("SeaweedFS")
     assert not (tmp_path / "run" / "s3.json").exists()
     assert not list(Path("/tmp").glob(f"seaweedfs-*-{cfg.s3_port}.sock"))
 
 
-def test_stop_never_signals_a_reused_pid(tmp_path: Path) -> None:
+def test_stop_never_signals_a_reused_pid(tmp_path: Path, nothing_left) -> None:
     """A pid file whose pid now belongs to another process must not kill that process."""
     handle = launch("sleeper", ["sleep", "60"], dict(os.environ), tmp_path)
+    nothing_left.session(handle.pgid)
     try:
         stale = ServiceHandle.from_json(handle.to_json())
         stale.start_time += 1  # as if the pid had been reused since the pid file was written
@@ -118,7 +104,6 @@ def test_stop_never_signals_a_reused_pid(tmp_path: Path) -> None:
         assert handle.is_running()
     finally:
         assert handle.stop(timeout=5)
-    assert live_group_members(handle.pgid) == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +170,7 @@ SMOKE_DAG = textwrap.dedent('''
 BROKEN_DAG = "from airflow.sdk import dag\n\nraise RuntimeError('broken on purpose')\n"
 
 
-def test_airflow_stack_runs_a_dag(s3_server, s3_prefix: str, tmp_path: Path) -> None:
+def test_airflow_stack_runs_a_dag(s3_server, s3_prefix: str, tmp_path: Path, nothing_left) -> None:
     dags, plugins = tmp_path / "dags", tmp_path / "plugins"
     dags.mkdir()
     plugins.mkdir()
@@ -195,6 +180,8 @@ def test_airflow_stack_runs_a_dag(s3_server, s3_prefix: str, tmp_path: Path) -> 
                                                plugins_folder=plugins)
     t0 = time.monotonic()
     handles = start_airflow(cfg, client_env=s3_server.env)
+    for handle in handles:
+        nothing_left.session(handle.pgid)
     try:
         started = time.monotonic() - t0
         wait_for_dag(cfg.airflow_url, "mxpipe_services_smoke", timeout_s=90, dag_file="smoke_dag.py")
@@ -215,5 +202,4 @@ def test_airflow_stack_runs_a_dag(s3_server, s3_prefix: str, tmp_path: Path) -> 
               f"run done after {time.monotonic() - t0:.1f}s")
     finally:
         assert stop_airflow(handles)
-    for handle in handles:
-        assert live_group_members(handle.pgid) == [], handle.name
+    nothing_left.check("the Airflow stack")

@@ -8,7 +8,6 @@ import time
 import uuid
 
 import pytest
-from common.procs import group_members, tagged_processes
 from common.roles import JobLaunch, PsLiteKnobs, role_env
 from infra.cluster import ClusterSpec, attach, find_leaked, reap
 from infra.hosts_cluster import HostsCluster
@@ -36,9 +35,10 @@ def _orphan_role(cluster, name="worker-0"):
     return proc
 
 
-def test_teardown_from_another_process_stops_leftover_roles(tmp_path):
+def test_teardown_from_another_process_stops_leftover_roles(tmp_path, nothing_left):
     cluster = _local(tmp_path)
     proc = _orphan_role(cluster)
+    nothing_left.tag("MXPIPE_CLUSTER", cluster.cluster_id).group(proc.pid)
     desc = cluster.describe()
     code = ("import json, sys; from infra.cluster import attach; "
             "print(json.dumps(attach(json.loads(sys.argv[1])).teardown()))")
@@ -47,20 +47,21 @@ def test_teardown_from_another_process_stops_leftover_roles(tmp_path):
     assert out.returncode == 0, out.stderr
     assert '"worker-0"' in out.stdout
     proc.wait(timeout=10)
-    assert group_members(proc.pid) == [] and not os.path.exists(cluster.state_dir)
-    assert tagged_processes("MXPIPE_CLUSTER", cluster.cluster_id) == []
+    nothing_left.check("teardown")
+    assert not os.path.exists(cluster.state_dir)
     assert attach(desc).teardown() == {"stopped": []}  # idempotent
 
 
-def test_reaper_tears_down_only_expired_clusters(tmp_path):
+def test_reaper_tears_down_only_expired_clusters(tmp_path, nothing_left):
     expired = _local(tmp_path, run="dag--old", ttl_s=1)
     fresh = _local(tmp_path, run="dag--new")
     proc = _orphan_role(expired)
+    nothing_left.tag("MXPIPE_CLUSTER", expired.cluster_id)
     later = time.time() + 5
     assert [leak.cluster_id for leak in find_leaked(home=str(tmp_path), now=later)] == [expired.cluster_id]
     assert reap(home=str(tmp_path), now=later) == [expired.cluster_id]
     proc.wait(timeout=10)
-    assert tagged_processes("MXPIPE_CLUSTER", expired.cluster_id) == []
+    nothing_left.check("the reaper")
     assert os.path.exists(fresh.state_dir) and not os.path.exists(expired.state_dir)
     # older_than_s: only what expired more than that long ago.
     assert find_leaked(3600, home=str(tmp_path), now=time.time() + 3700) == []

@@ -6,10 +6,9 @@ every process on the machine finds none left."""
 import json
 import os
 import time
-import uuid
 
 import pytest
-from common.procs import GroupSpawner, ProcessRole, kill_groups, tagged_processes
+from common.procs import GroupSpawner, ProcessRole, kill_groups
 from common.roles import JobLaunch
 from common.config import TrainConfig
 from training.launch.launcher import JobFailed, Supervisor
@@ -18,12 +17,13 @@ pytestmark = pytest.mark.unit
 
 
 class ScriptCluster:
-    """A cluster whose roles run the shell script given per role name (default: sleep)."""
+    """A cluster whose roles run the shell script given per role name (default: sleep); its
+    role processes carry the tag of the ``nothing_left`` watch."""
 
-    def __init__(self, tmp_path, scripts):
-        self.tag = uuid.uuid4().hex
+    def __init__(self, watch, scripts):
+        self.watch = watch
         self.scripts = scripts
-        self.spawner = GroupSpawner(str(tmp_path / "procs"))
+        self.spawner = GroupSpawner(watch.record_dirs[0])
         self.launches = []
 
     def start_roles(self, launch: JobLaunch):
@@ -31,7 +31,7 @@ class ScriptCluster:
         out = []
         for role in launch.roles():
             script = self.scripts.get(role.name, "echo up; sleep 300")
-            proc = self.spawner.spawn(role.name, ["sh", "-c", script], {**os.environ, "MXPIPE_CLUSTER": self.tag})
+            proc = self.spawner.spawn(role.name, ["sh", "-c", script], {**os.environ, **self.watch.env})
             out.append(ProcessRole(role.name, role.kind, f"host-{role.name}", proc))
         return out
 
@@ -48,12 +48,12 @@ def _run(cluster, cfg):
     started = time.monotonic()
     with pytest.raises(JobFailed) as failed:
         Supervisor(cfg, cluster=cluster, base_env=dict(os.environ)).run("s3://bucket/job.json")
-    assert tagged_processes("MXPIPE_CLUSTER", cluster.tag) == [], "role processes left behind"
+    cluster.watch.check("the supervisor")  # every role stopped before run() returned
     return failed.value, time.monotonic() - started
 
 
-def test_role_exiting_non_zero_is_detected_within_seconds_and_all_roles_stop(tmp_path):
-    cluster = ScriptCluster(tmp_path, {
+def test_role_exiting_non_zero_is_detected_within_seconds_and_all_roles_stop(nothing_left):
+    cluster = ScriptCluster(nothing_left, {
         "worker-1": "echo loading; echo step 1; sleep 1; echo 'boom: out of memory' >&2; exit 7",
         # A server that ignores SIGTERM and has a child: both must still go.
         "server-0": "trap '' TERM; sleep 300 & echo serving; wait",
@@ -68,58 +68,58 @@ def test_role_exiting_non_zero_is_detected_within_seconds_and_all_roles_stop(tmp
     assert took < 1 + 1 + 3, took
 
 
-def test_role_killed_by_a_signal_is_named(tmp_path):
-    cluster = ScriptCluster(tmp_path, {"worker-0": "echo started; sleep 0.5; kill -9 $$"})
+def test_role_killed_by_a_signal_is_named(nothing_left):
+    cluster = ScriptCluster(nothing_left, {"worker-0": "echo started; sleep 0.5; kill -9 $$"})
     err, took = _run(cluster, _cfg())
     assert err.role == "worker-0" and "killed by SIGKILL" in str(err) and err.exit_code == -9
     assert took < 5
 
 
-def test_deterministic_exit_code_is_marked_not_worth_a_retry(tmp_path):
-    cluster = ScriptCluster(tmp_path, {"worker-0": "echo 'bad input: no label column'; exit 2"})
+def test_deterministic_exit_code_is_marked_not_worth_a_retry(nothing_left):
+    cluster = ScriptCluster(nothing_left, {"worker-0": "echo 'bad input: no label column'; exit 2"})
     err, _ = _run(cluster, _cfg())
     assert err.deterministic and "bad input" in str(err)
 
 
-def test_stalled_worker_ends_the_job(tmp_path):
-    cluster = ScriptCluster(tmp_path, {"worker-0": "echo step 1; sleep 300",
+def test_stalled_worker_ends_the_job(nothing_left):
+    cluster = ScriptCluster(nothing_left, {"worker-0": "echo step 1; sleep 300",
                                        "worker-1": "while :; do echo step; sleep 0.2; done"})
     err, took = _run(cluster, _cfg(stall_timeout_s=2))
     assert err.role == "worker-0" and "stalled: no output for 2s" in str(err) and "step 1" in str(err)
     assert 2 <= took < 8
 
 
-def test_worker_that_never_starts_is_reported_as_such(tmp_path):
-    cluster = ScriptCluster(tmp_path, {"worker-0": "sleep 300", "worker-1": "sleep 300"})
+def test_worker_that_never_starts_is_reported_as_such(nothing_left):
+    cluster = ScriptCluster(nothing_left, {"worker-0": "sleep 300", "worker-1": "sleep 300"})
     err, _ = _run(cluster, _cfg(start_timeout_s=1.5))
     assert "did not start: no output for 2s" in str(err)
 
 
-def test_job_timeout_ends_the_job(tmp_path):
+def test_job_timeout_ends_the_job(nothing_left):
     loop = "while :; do echo step; sleep 0.2; done"
-    cluster = ScriptCluster(tmp_path, {"worker-0": loop, "worker-1": loop})
+    cluster = ScriptCluster(nothing_left, {"worker-0": loop, "worker-1": loop})
     err, took = _run(cluster, _cfg(job_timeout_s=2))
     assert err.role == "job" and "exceeded its timeout of 2s" in str(err)
     assert took < 6
 
 
-def test_successful_job_drains_and_leaves_nothing(tmp_path):
+def test_successful_job_drains_and_leaves_nothing(nothing_left):
     done = "echo training; sleep 0.3; echo done"
-    cluster = ScriptCluster(tmp_path, {"worker-0": done, "worker-1": done, "scheduler": "sleep 0.5",
+    cluster = ScriptCluster(nothing_left, {"worker-0": done, "worker-1": done, "scheduler": "sleep 0.5",
                                        "server-0": "sleep 0.5"})
     sup = Supervisor(_cfg(), cluster=cluster, base_env={**os.environ, "MXPIPE_FAULT_KILL_STEP": "9",
                                                         "UNRELATED": "x"})
     sup.run("s3://bucket/job.json")
-    assert tagged_processes("MXPIPE_CLUSTER", cluster.tag) == []
+    cluster.watch.check("the supervisor")
     launch = cluster.launches[0]
     assert (launch.job_uri, launch.num_workers, launch.num_servers) == ("s3://bucket/job.json", 2, 1)
     # Only what a role on another host should inherit travels with the job.
     assert launch.env.get("MXPIPE_FAULT_KILL_STEP") == "9" and "UNRELATED" not in launch.env
 
 
-def test_events_file_records_detection_within_a_second_of_the_exit(tmp_path):
+def test_events_file_records_detection_within_a_second_of_the_exit(tmp_path, nothing_left):
     events, died = tmp_path / "events.jsonl", tmp_path / "died-at"
-    cluster = ScriptCluster(tmp_path, {"worker-1": f"echo hi; sleep 0.5; date +%s.%N > {died}; exit 1"})
+    cluster = ScriptCluster(nothing_left, {"worker-1": f"echo hi; sleep 0.5; date +%s.%N > {died}; exit 1"})
     with pytest.raises(JobFailed):
         Supervisor(_cfg(), cluster=cluster, base_env={**os.environ, "MXPIPE_EVENTS_FILE": str(events)}).run("j")
     evs = [json.loads(line) for line in events.read_text().splitlines()]
@@ -129,14 +129,14 @@ def test_events_file_records_detection_within_a_second_of_the_exit(tmp_path):
     assert 0 <= failed["t"] - float(died.read_text()) < 1.0  # the issue asks for <= 5 s
 
 
-def test_orderly_stop_terminates_workers_before_servers(tmp_path):
+def test_orderly_stop_terminates_workers_before_servers(tmp_path, nothing_left):
     """On a job timeout every role is alive: the workers get SIGTERM first (rank 0's emergency
     checkpoint needs the servers to finish its step), the scheduler and servers after them."""
     marks = tmp_path / "marks"
     marks.mkdir()
     worker = f"trap 'date +%s.%N > {marks}/$0; exit 75' TERM; while :; do echo step; sleep 0.1; done"
     server = f"trap 'date +%s.%N > {marks}/server; exit 0' TERM; while :; do sleep 0.1; done"
-    cluster = ScriptCluster(tmp_path, {"worker-0": worker.replace("$0", "worker-0"),
+    cluster = ScriptCluster(nothing_left, {"worker-0": worker.replace("$0", "worker-0"),
                                        "worker-1": worker.replace("$0", "worker-1"), "server-0": server})
     err, _ = _run(cluster, _cfg(job_timeout_s=1.5))
     assert err.role == "job"

@@ -1,0 +1,164 @@
+"""common.procs with real processes: the SIGTERM → grace → SIGKILL escalation (a child that
+ignores SIGTERM, an orphaned grandchild, a service's helper in a session of its own), the pid
+reuse guard, and the leftover proof that every process-starting test relies on."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import psutil
+import pytest
+from common.procs import (
+    GroupRecord,
+    GroupSpawner,
+    LeftBehind,
+    Watch,
+    free_port,
+    group_members,
+    kill_groups,
+    kill_recorded,
+    start_time,
+    stop_groups,
+)
+from common.procs.groups import KILL_WAIT_S
+
+pytestmark = pytest.mark.unit
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[2]
+IGNORE_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_start_time_is_the_clock_tick_value_records_have_always_held():
+    # Field 22 of /proc/PID/stat: what GroupRecord and pid files held before psutil.
+    with open(f"/proc/{os.getpid()}/stat") as fh:
+        ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+    assert start_time(os.getpid()) == ticks
+    assert start_time(2 ** 22 + 1) is None  # above pid_max: never a process
+
+
+def test_child_that_ignores_sigterm_is_killed_after_the_grace(nothing_left):
+    spawner = GroupSpawner(nothing_left.record_dirs[0])
+    proc = spawner.spawn("stubborn", [sys.executable, "-c", IGNORE_TERM], dict(os.environ))
+    assert proc.stdout.readline().strip() == "ready"
+    started = time.monotonic()
+    assert kill_groups([proc.pid], grace_s=1.0) == 1
+    took = time.monotonic() - started
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+    assert 1.0 <= took < 1.0 + KILL_WAIT_S, took
+    assert kill_groups([proc.pid], grace_s=1.0) == 0  # nothing left to stop
+
+
+def test_group_with_an_orphaned_grandchild_is_fully_stopped(tmp_path, nothing_left):
+    # leader sh -> sh -> sleep; the sleep ignores SIGTERM and outlives both shells, re-parented.
+    (tmp_path / "inner.sh").write_text("trap '' TERM; exec sleep 300\n")
+    (tmp_path / "middle.sh").write_text(f"sh {tmp_path}/inner.sh & echo $!; wait\n")
+    spawner = GroupSpawner(nothing_left.record_dirs[0])
+    proc = spawner.spawn("tree", ["sh", "-c", f"sh {tmp_path}/middle.sh & wait"], dict(os.environ))
+    grandchild = int(proc.stdout.readline())
+    _wait_for(lambda: psutil.Process(grandchild).name() == "sleep")  # its trap is set
+    assert {proc.pid, grandchild} <= {p.pid for p in group_members([proc.pid])}
+    assert psutil.Process(grandchild).ppid() != proc.pid
+    started = time.monotonic()
+    assert kill_groups([proc.pid], grace_s=1.0) == 1
+    assert time.monotonic() - started >= 1.0  # the grandchild took the SIGKILL
+    proc.wait(timeout=5)
+    assert group_members([proc.pid]) == [] and _gone(grandchild)
+
+
+def test_service_session_takes_in_a_helper_that_left_the_group(tmp_path, nothing_left):
+    spawner = GroupSpawner(nothing_left.record_dirs[0])
+    proc = spawner.spawn("service", ["sh", "-c", "setsid sleep 300 & echo $!; wait"], dict(os.environ))
+    helper = int(proc.stdout.readline())
+    nothing_left.group(proc.pid).session(proc.pid)
+    _wait_for(lambda: psutil.Process(helper).name() == "sleep")  # setsid has run
+    assert helper not in {p.pid for p in group_members([proc.pid])}
+    assert helper in {p.pid for p in group_members([proc.pid], sessions=True)}
+    assert stop_groups([proc.pid], grace_s=2.0, sessions=True) == []
+    proc.wait(timeout=5)
+    assert _gone(helper)
+
+
+def test_a_record_whose_pid_now_is_another_process_is_left_alone(tmp_path, nothing_left):
+    proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    nothing_left.group(proc.pid)
+    try:
+        stale = GroupRecord(name="old", pid=proc.pid, pgid=proc.pid, start_time=start_time(proc.pid) - 1)
+        (tmp_path / "recs").mkdir()
+        (tmp_path / "recs" / "old.json").write_text(json.dumps(asdict(stale)))
+        assert not stale.may_be_ours()
+        assert kill_recorded(str(tmp_path / "recs"), grace_s=0.5) == []
+        assert proc.poll() is None
+    finally:
+        kill_groups([proc.pid], grace_s=1.0)
+        proc.wait(timeout=5)
+
+
+def test_watch_names_a_leaked_process_and_kills_it():
+    watch = Watch().tag("MXPIPE_TEST_LEAK", f"leak-{os.getpid()}-{time.monotonic_ns()}")
+    leaked = subprocess.Popen(["sleep", "300"], env={**os.environ, **watch.env}, start_new_session=True)
+    with pytest.raises(LeftBehind) as err:
+        watch.check("a leaky run", wait_s=0.5)
+    assert f"pid {leaked.pid}: sleep 300" in str(err.value) and "a leaky run left 1 process" in str(err.value)
+    assert leaked.wait(timeout=5) == -signal.SIGKILL
+
+
+def test_watch_waits_for_a_process_that_is_just_exiting():
+    watch = Watch().tag("MXPIPE_TEST_LEAK", f"exiting-{os.getpid()}-{time.monotonic_ns()}")
+    exiting = subprocess.Popen(["sleep", "0.5"], env={**os.environ, **watch.env}, start_new_session=True)
+    watch.check("a run", wait_s=5.0)
+    exiting.wait(timeout=5)
+
+
+LEAKY_TEST = """
+import os, subprocess, pytest
+import common.procs.leftovers
+
+common.procs.leftovers.LEFTOVER_WAIT_S = 1.0
+
+
+@pytest.mark.unit
+def test_leaks(nothing_left):
+    subprocess.Popen(["sleep", "300"], env={**os.environ, **nothing_left.env}, start_new_session=True)
+"""
+
+
+def test_nothing_left_fixture_fails_a_test_that_leaks(pytester, monkeypatch, nothing_left):
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
+    pytester.makepyfile(test_leaky=LEAKY_TEST)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("MXPIPE_OUTER_TAG", nothing_left.env["MXPIPE_TEST_TAG"])
+    nothing_left.tag("MXPIPE_OUTER_TAG", nothing_left.env["MXPIPE_TEST_TAG"])  # the inner leak, too
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=120)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*test_leaks left 1 process(es) running (now killed):*",
+                                 "*pid *: sleep 300*"])
+
+
+def test_free_port_variants():
+    taken: set[int] = set()
+    port = free_port(stable=True, offset=10000, taken=taken)
+    assert 10000 <= port < 22000 and taken == {port, port + 10000}
+    assert free_port(stable=True, taken=taken) not in {port, port + 10000}
+    assert free_port() >= 1024
+    with pytest.raises(ValueError, match="stable=True"):
+        free_port(offset=10000)
