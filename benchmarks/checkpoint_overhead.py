@@ -8,8 +8,8 @@ Starts its own SeaweedFS (``infra.s3_service.start_s3`` on free ports in a temp 
 ResNet-18 (``gluon.model_zoo.vision.resnet18_v1``, 11.2 M parameters, 45 MB; with SGD
 momentum, 90 MB of params + states per checkpoint) on 32x32 inputs in one process with the
 worker's own pieces (``make_trainer`` on a local kvstore, ``checkpoint_state.snapshot``,
-``Checkpointer``, ``CheckpointStore``), checkpointing every few steps: once without
-checkpoints, once with the synchronous writer and once with the asynchronous one.
+``CheckpointManager`` with its ``Checkpointer``, ``CheckpointStore``), checkpointing every few
+steps: once without checkpoints, once with the synchronous writer and once with the asynchronous one.
 
 - P2: fraction of the loop's wall time blocked by checkpointing in steady state (the snapshot
   plus any wait for the previous upload; sync: the whole serialise + upload), the one-off wait
@@ -40,9 +40,8 @@ import psutil  # noqa: E402
 from benchmarks.result_file import write_json  # noqa: E402
 
 BATCH = 16
-# Side by side in one run: no checkpoints, the synchronous writer, the asynchronous one, and the
-# asynchronous one with its thread at nice 19 (an experiment: not the default, see checkpoint_async).
-MODES = ("none", "sync", "async", "async_nice19")
+# Side by side in one run: no checkpoints, the synchronous writer, the asynchronous one.
+MODES = ("none", "sync", "async")
 OPTIMIZER = ("sgd", {"learning_rate": 0.01, "momentum": 0.9})
 
 
@@ -54,8 +53,11 @@ def _model(mx):
     return net
 
 
-def _train(mx, steps: int, every: int, writer) -> dict:
+def _train(mx, steps: int, every: int, store, asynchronous: bool = True) -> dict:
+    """``steps`` steps, as one epoch; with a ``store``, checkpointed every ``every`` steps and at the end."""
+    from common.config import CheckpointConfig
     from training.checkpoint import state as cs
+    from training.checkpoint.manager import CheckpointManager
     from training.loop.kvstore_sync import make_trainer
 
     mx.random.seed(1)
@@ -65,6 +67,10 @@ def _train(mx, steps: int, every: int, writer) -> dict:
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
     X = mx.nd.random.uniform(shape=(BATCH, 3, 32, 32))
     y = mx.nd.array(np.arange(BATCH) % 10)
+    ckpts = None
+    if store is not None:
+        ckpts = CheckpointManager(store, CheckpointConfig(every_n_steps=every, async_upload=asynchronous), steps,
+                                  lambda step: cs.snapshot(net, trainer, step, {"global_step": step}))
     started = time.monotonic()
     for step in range(1, steps + 1):
         with mx.autograd.record():
@@ -72,25 +78,17 @@ def _train(mx, steps: int, every: int, writer) -> dict:
         loss.backward()
         trainer.step(BATCH)
         loss.mean().asscalar()
-        if writer is not None and step % every == 0:
-            # What the worker does: a periodic save is skipped while one is in flight; the
-            # last one must exist and waits.
-            must = step == steps
-            if writer.busy and not must:
-                writer.stats.skipped += 1
-                continue
-            t0 = time.monotonic()
-            snap = cs.snapshot(net, trainer, step, {"global_step": step})
-            writer.stats.blocked_s += time.monotonic() - t0
-            writer.submit(snap, must=must)
+        # What the worker does: a periodic save is skipped while one is in flight; the epoch's
+        # last one must exist and waits.
+        if ckpts is not None and (step == steps or ckpts.due(step, step, time.monotonic())):
+            ckpts.save(step, must=step == steps)
     loop_wall = time.monotonic() - started
     out: dict = {"wall_s": loop_wall, "steps": steps}
-    if writer is not None:
-        steady_blocked = writer.stats.blocked_s
+    if ckpts is not None:
+        steady_blocked = ckpts.stats.blocked_s
         t0 = time.monotonic()
-        writer.close()
+        out.update(ckpts.finish(steps))
         flush = time.monotonic() - t0
-        out.update(writer.stats.as_dict())
         out.update({"blocked_s": steady_blocked, "blocked_fraction": steady_blocked / loop_wall,
                     "final_flush_s": flush})
     return out
@@ -119,7 +117,6 @@ def main() -> int:
     from infra.stack_config import StackConfig, stack_env
     from training.checkpoint import state as cs
     from training.checkpoint.store import CheckpointStore
-    from training.checkpoint.writer import Checkpointer
 
     mx = import_mxnet()
     with tempfile.TemporaryDirectory(prefix="mxpipe-bench-") as tmp:
@@ -138,13 +135,9 @@ def main() -> int:
             _train(mx, 3, every, None)  # warm-up: first-step graph building is not a cost of checkpoints
             for r in range(repeats):
                 for mode in MODES:
-                    writer = None
-                    if mode != "none":
-                        store = CheckpointStore(storage.join(root, f"{mode}-{r}"), keep=2)
-                        writer = Checkpointer(store, asynchronous=mode != "sync",
-                                              **({"nice": 19} if mode == "async_nice19" else {}))
+                    store = None if mode == "none" else CheckpointStore(storage.join(root, f"{mode}-{r}"), keep=2)
                     cpu = _cpu_seconds(handle.pid)
-                    results[mode].append(_train(mx, steps, every, writer))
+                    results[mode].append(_train(mx, steps, every, store, asynchronous=mode != "sync"))
                     results[mode][-1].update({f"{k}_cpu_s": v - cpu[k] for k, v in _cpu_seconds(handle.pid).items()})
 
             # P3 + restore on the last async store's newest checkpoint.

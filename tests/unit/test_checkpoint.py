@@ -4,6 +4,7 @@ import os
 import pytest
 
 from common import storage
+from tests.unit.checkpoint_support import hold_uploads, snapshot_at
 from training.checkpoint.store import CheckpointStore, CorruptCheckpoint
 
 pytestmark = pytest.mark.unit
@@ -153,40 +154,20 @@ def test_key_from_env_rejects_bad_values(monkeypatch):
 # -- the background writer ----------------------------------------------------------------------
 
 
-def _snap(step, nbytes=16):
-    import pickle
-
-    import numpy as np
-
-    from training.checkpoint.state import Snapshot
-
-    return Snapshot(step=step, params={"w": np.full(nbytes // 4, step, np.float32)},
-                    states={0: np.zeros(2, np.float32)}, optimizer=pickle.dumps({"num_update": step}),
-                    state={"global_step": step})
-
-
-def test_async_writer_skips_periodic_and_waits_for_required(tmp_path, monkeypatch):
+def test_async_writer_waits_for_the_upload_in_flight(tmp_path, monkeypatch):
     import threading
 
     from training.checkpoint.writer import Checkpointer
 
     store = CheckpointStore(str(tmp_path), keep=5)
-    gate = threading.Event()
-    real_save = store.save
-
-    def slow_save(step, files, state):
-        gate.wait(10)
-        return real_save(step, files, state)
-
-    monkeypatch.setattr(store, "save", slow_save)
+    gate = hold_uploads(store, monkeypatch)
     writer = Checkpointer(store, asynchronous=True)
-    assert writer.submit(_snap(10), must=False)
+    writer.submit(snapshot_at(10))
     assert writer.busy
-    assert not writer.submit(_snap(20), must=False)  # skipped: one in flight
     threading.Timer(0.3, gate.set).start()
-    assert writer.submit(_snap(30), must=True)  # waits for step 10, then goes
+    writer.submit(snapshot_at(30))  # waits for step 10, then goes (skipping is the manager's: test_checkpoint_manager)
     writer.close(deadline=None)
-    assert writer.stats.skipped == 1 and writer.stats.waited == 1 and writer.stats.steps == [10, 30]
+    assert writer.stats.waited == 1 and writer.stats.steps == [10, 30]
     assert store.committed_steps() == [30, 10]
     ckpt = store.latest()
     assert set(ckpt.files) == {"params.npz", "trainer.states"}
@@ -209,7 +190,7 @@ def test_async_writer_retries_storage_errors_with_backoff(tmp_path, monkeypatch)
 
     monkeypatch.setattr(storage, "put_bytes", flaky_put)
     writer = Checkpointer(store, asynchronous=True, upload_timeout_s=10)
-    writer.submit(_snap(5), must=True)
+    writer.submit(snapshot_at(5))
     writer.close()
     assert writer.stats.retries == 2 and writer.stats.committed == 1 and store.committed_steps() == [5]
 
@@ -225,7 +206,7 @@ def test_async_writer_gives_up_after_its_timeout(tmp_path, monkeypatch):
 
     monkeypatch.setattr(storage, "put_bytes", dead_put)
     writer = Checkpointer(CheckpointStore(str(tmp_path), keep=3), asynchronous=True, upload_timeout_s=0.3)
-    writer.submit(_snap(5), must=True)
+    writer.submit(snapshot_at(5))
     writer.close(deadline=None)
     assert writer.stats.failed == 1 and writer.stats.committed == 0 and writer.stats.retries >= 1
 

@@ -12,79 +12,115 @@ the scheduler) at an exact training step; the worker is only the clock. A negati
 a process group (as for kill(2)): R3 of the chaos harness kills the S3 server's whole group
 that way, so the outage starts at a known step. A missing or
 unreadable file means no kill (the once-file is then not created, and the harness sees that
-the fault never fired).
+the fault never fired). The file is read when the kill is due, not before: the harness may
+write it after the job started.
+
+The variables are read once, into a ``FaultPlan`` (``FaultPlan.from_settings()``, at the start
+of the worker's ``run``); the training loop calls ``plan.at_step(global_step, rank)`` after
+every step, which returns after one attribute check when no per-step fault is set.
 """
 from __future__ import annotations
 
 import os
 import signal
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.settings import settings
 
 
-def maybe_kill(global_step: int, rank: int) -> None:
-    target = os.environ.get("MXPIPE_FAULT_KILL_STEP")
-    if not target or global_step != int(target) or rank != int(os.environ.get("MXPIPE_FAULT_KILL_RANK", "1")):
-        return
-    pid = os.getpid()
-    pid_file = os.environ.get("MXPIPE_FAULT_KILL_PID_FILE")
-    if pid_file:
-        try:
-            with open(pid_file) as fh:
-                pid = int(fh.read().strip())
-        except (OSError, ValueError):
+@dataclass(frozen=True)
+class FaultPlan:
+    """The faults a worker injects, as read from the environment (``common.settings``) once."""
+
+    kill_step: int | None = None
+    kill_rank: int = 1
+    kill_pid_file: str | None = None
+    hang_step: int | None = None
+    term_step: int | None = None
+    kill_in_upload_step: int | None = None
+    step_delay_s: float | None = None
+    once_file: str | None = None
+    # Whether ``at_step`` has anything to do at all (derived; false in every job but a test's).
+    per_step: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        per_step = any(v is not None for v in (self.kill_step, self.hang_step, self.term_step, self.step_delay_s))
+        object.__setattr__(self, "per_step", per_step)
+
+    @classmethod
+    def from_settings(cls) -> "FaultPlan":
+        s = settings()
+        return cls(kill_step=s.fault_kill_step, kill_rank=s.fault_kill_rank, kill_pid_file=s.fault_kill_pid_file,
+                   hang_step=s.fault_hang_step, term_step=s.fault_term_step,
+                   kill_in_upload_step=s.fault_kill_in_upload_step, step_delay_s=s.fault_step_delay_s,
+                   once_file=s.fault_once_file)
+
+    def at_step(self, global_step: int, rank: int) -> None:
+        """The faults of worker ``rank`` after ``global_step``: kill, then delay or hang, then SIGTERM.
+        Only the chosen worker (``kill_rank``) is touched."""
+        if not self.per_step or rank != self.kill_rank:
             return
-    if not _once():
-        return
-    os.kill(pid, signal.SIGKILL)
+        self.maybe_kill(global_step)
+        self.maybe_hang(global_step)
+        self.maybe_terminate(global_step)
 
+    # Each fault is a method of its own: a stalled worker's stack dump names the one it is in
+    # (tests/integration/test_training_job.py looks for maybe_hang).
 
-def maybe_hang(global_step: int, rank: int) -> None:
-    """With ``MXPIPE_FAULT_HANG_STEP`` set, the chosen worker stops making progress (a stall).
+    def maybe_kill(self, global_step: int) -> None:
+        """At ``kill_step``: SIGKILL this worker, or the pid (or -pgid) in ``kill_pid_file``."""
+        if global_step != self.kill_step:
+            return
+        pid = os.getpid()
+        if self.kill_pid_file:
+            try:
+                with open(self.kill_pid_file) as fh:
+                    pid = int(fh.read().strip())
+            except (OSError, ValueError):
+                return
+        if self._once():
+            os.kill(pid, signal.SIGKILL)
 
-    With ``MXPIPE_FAULT_STEP_DELAY_S`` set, every step of the chosen worker takes that much
-    longer (a straggler; in ``dist_sync`` the whole job slows with it). The arithmetic is
-    untouched, so a delayed job ends with the same parameters as a prompt one: R3 of the chaos
-    harness uses it to keep a tiny model training for the whole of a 30 s S3 outage.
-    """
-    chosen = rank == int(os.environ.get("MXPIPE_FAULT_KILL_RANK", "1"))
-    delay = os.environ.get("MXPIPE_FAULT_STEP_DELAY_S")
-    if delay and chosen:
-        time.sleep(float(delay))
-    target = os.environ.get("MXPIPE_FAULT_HANG_STEP")
-    if target and global_step == int(target) and chosen:
-        while True:
-            time.sleep(60)
+    def maybe_hang(self, global_step: int) -> None:
+        """At ``hang_step`` the worker stops making progress (a stall; never returns, no once-file).
 
+        With ``step_delay_s``, every step takes that much longer (a straggler; in ``dist_sync`` the
+        whole job slows with it). The arithmetic is untouched, so a delayed job ends with the same
+        parameters as a prompt one: R3 of the chaos harness uses it to keep a tiny model training
+        for the whole of a 30 s S3 outage.
+        """
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        if global_step == self.hang_step:
+            while True:
+                time.sleep(60)
 
-def _once() -> bool:
-    """True if the fault may fire (no once-file configured, or it did not exist and is now made)."""
-    once = os.environ.get("MXPIPE_FAULT_ONCE_FILE")
-    if not once:
-        return True
-    try:
-        with open(once, "x"):
+    def maybe_terminate(self, global_step: int) -> None:
+        """At ``term_step`` the worker gets SIGTERM (a preemption notice)."""
+        if global_step == self.term_step and self._once():
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def before_commit_hook(self) -> Callable[[int], None] | None:
+        """With ``kill_in_upload_step`` set: a ``CheckpointStore.before_commit`` hook that SIGKILLs
+        the writer after that step's data files are uploaded, before its manifest (torn)."""
+        if self.kill_in_upload_step is None:
+            return None
+        target = self.kill_in_upload_step
+
+        def hook(step: int) -> None:
+            if step == target and self._once():
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return hook
+
+    def _once(self) -> bool:
+        """True if the fault may fire (no once-file configured, or it did not exist and is now made)."""
+        if not self.once_file:
             return True
-    except FileExistsError:
-        return False
-
-
-def maybe_terminate(global_step: int, rank: int) -> None:
-    """With ``MXPIPE_FAULT_TERM_STEP`` set, the chosen worker gets SIGTERM (a preemption notice)."""
-    target = os.environ.get("MXPIPE_FAULT_TERM_STEP")
-    if (target and global_step == int(target) and rank == int(os.environ.get("MXPIPE_FAULT_KILL_RANK", "1"))
-            and _once()):
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-def kill_in_upload_hook() -> "object | None":
-    """With ``MXPIPE_FAULT_KILL_IN_UPLOAD_STEP`` set: a ``CheckpointStore.before_commit`` hook that
-    SIGKILLs the writer after that step's data files are uploaded, before its manifest (torn)."""
-    target = os.environ.get("MXPIPE_FAULT_KILL_IN_UPLOAD_STEP")
-    if not target:
-        return None
-
-    def hook(step: int) -> None:
-        if step == int(target) and _once():
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook
+        try:
+            with open(self.once_file, "x"):
+                return True
+        except FileExistsError:
+            return False

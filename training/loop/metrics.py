@@ -77,9 +77,19 @@ class StepRecorder:
             self.stride *= 2
         # Records past global_step (none in a checkpoint written at that step) would be duplicates.
         self.records = [r for r in records or [] if r["step"] <= global_step and r["step"] % self.stride == 0]
+        self._rates: dict[int, float] = {}  # learning rates of due steps whose loss is not read yet
 
     def due(self, global_step: int) -> bool:
         return global_step % self.stride == 0
+
+    def note_rate(self, global_step: int, learning_rate: float) -> None:
+        """A due step's learning rate, taken right after its update; recorded once its loss is read."""
+        self._rates[global_step] = learning_rate
+
+    def on_loss(self, global_step: int, loss: float) -> None:
+        """``LossCheck``'s callback for every step it reads: records the due ones."""
+        if global_step in self._rates:
+            self.record(global_step, loss, self._rates.pop(global_step))
 
     def record(self, global_step: int, loss: float, learning_rate: float) -> None:
         self.records.append({"step": global_step, "train_loss": loss, "learning_rate": learning_rate})

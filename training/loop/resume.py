@@ -1,0 +1,142 @@
+"""Where a worker starts, and what of its position a checkpoint records.
+
+- ``restore``: the newest valid checkpoint of this run (exact resume; another worker count is an
+  elastic resume, ``elastic_position``), else another run's parameters (``warm_start``), else
+  fresh. ``check_compatible`` refuses a checkpoint of another training (``resume_digest``).
+- ``restore_optimizer``: the checkpoint's optimizer state into the trainer built at the
+  resumed step (with the optimizer on the servers it restarts from zero, logged).
+- ``train_record``: what a checkpoint holds besides parameters and optimizer state: the data
+  position, metric history, the digests a resume checks and the RNG scheme
+  (``training.checkpoint.state``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.config import TrainConfig
+from training.checkpoint import state as ckpt_state
+from training.checkpoint.store import Checkpoint, CheckpointStore, store_for
+from training.feed import data
+from training.launch.job import JobSpec
+from training.loop.optim import reposition
+
+__all__ = ["RNG_SCHEME", "TrainState", "check_compatible", "elastic_position", "restore", "restore_optimizer",
+           "resume_digest", "train_record", "warm_start"]
+
+log = logging.getLogger(__name__)
+
+RNG_SCHEME = "per-step reseed of python/numpy/mxnet (mxnet only if the net draws) from sha256(seed:global_step:rank)"
+
+
+@dataclass
+class TrainState:
+    """Where the loop is: what a checkpoint records of it, and a resume restores."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0  # steps of ``epoch`` done: where its batches continue
+    global_step: int = 0    # optimizer steps done
+    history: list[dict[str, Any]] = field(default_factory=list)  # one record per finished epoch
+
+
+def restore(store: CheckpointStore, job: JobSpec, net: Any, ctx: Any, num_workers: int, steps: int,
+            manifest: dict[str, Any]) -> tuple[TrainState, Checkpoint | None]:
+    """The parameters into ``net`` and the position to continue from; the checkpoint resumed, if any."""
+    ckpt = store.latest()
+    if ckpt is None:
+        if job.warm_start_prefix:
+            warm_start(net, job.warm_start_prefix, job.config, ctx)
+        return TrainState(), None
+    check_compatible(ckpt.state, job, num_workers, manifest)
+    ckpt_state.load_params(net, ckpt.files[ckpt_state.PARAMS], ctx)
+    state = TrainState(epoch=ckpt.state["epoch"], step_in_epoch=ckpt.state["step_in_epoch"],
+                       global_step=ckpt.state["global_step"], history=ckpt.state["history"])
+    if ckpt.state["num_workers"] != num_workers:
+        state.step_in_epoch = elastic_position(ckpt.state, num_workers, steps)
+    return state, ckpt
+
+
+def restore_optimizer(trainer: Any, net: Any, ckpt: Checkpoint | None, state: TrainState, cfg: TrainConfig,
+                      num_workers: int, steps: int, rank: int) -> None:
+    """The checkpoint's optimizer state into ``trainer``, its schedule at the resumed step."""
+    if ckpt is not None:
+        restored = ckpt_state.restore_optimizer(trainer, net, ckpt.files, ckpt.state, ckpt.uri)
+        if restored:
+            reposition(trainer, cfg, num_workers, steps, state.global_step)
+        log.info("resumed from step %d (epoch %d, step %d in epoch); optimizer state %s", state.global_step,
+                 state.epoch, state.step_in_epoch, "restored" if restored else "restarts from zero")
+    elif not ckpt_state.saves_optimizer_state(trainer) and rank == 0:
+        log.warning("optimizer on the servers: checkpoints hold no optimizer state, a resume restarts it from zero")
+
+
+def train_record(state: TrainState, step_records: list[dict[str, float]], cfg: TrainConfig, num_workers: int,
+                 manifest: dict[str, Any]) -> dict[str, Any]:
+    """The train state a checkpoint of ``state`` holds (``restore`` and ``check_compatible`` read it)."""
+    return {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch, "global_step": state.global_step,
+            "history": state.history, "step_history": step_records, "config_digest": cfg.digest(),
+            "resume_digest": resume_digest(cfg), "num_workers": num_workers,
+            "global_batch": cfg.global_batch(num_workers), "manifest_digest": data.manifest_digest(manifest),
+            "rng": RNG_SCHEME}
+
+
+def warm_start(net: Any, prefix: str, cfg: TrainConfig, ctx: Any) -> None:
+    """Initialise the parameters (only: epoch, step and optimizer state start fresh) from the
+    newest valid checkpoint under another run's prefix. Every worker loads the same bytes."""
+    ckpt = store_for(prefix, cfg.checkpoint).latest()
+    if ckpt is None:
+        raise ValueError(f"warm start: no valid checkpoint under {prefix}")
+    ckpt_state.load_params(net, ckpt.files[ckpt_state.PARAMS], ctx)
+    log.info("warm start: parameters from step %d of %s", ckpt.step, ckpt.uri)
+
+
+def resume_digest(cfg: TrainConfig) -> str:
+    """The part of the config a checkpoint must match: what is trained and how, not the cadence,
+    retention, encryption, timeouts or (elastic) the cluster size."""
+    raw = cfg.to_dict()
+    raw.pop("checkpoint")
+    raw["data"].pop("prefetch_batches")  # how far ahead batches are built does not change them
+    if raw["model"]["placement"] == "replicated":  # left out when default: older checkpoints still match
+        raw["model"].pop("placement")
+    cluster = raw.pop("cluster")
+    raw["cluster"] = {"kvstore": cluster["kvstore"], "optimizer_on": cfg.cluster.optimizer_placement}
+    if cluster["gradient_compression"] != "none":  # left out when off: older checkpoints still match
+        raw["cluster"].update(gradient_compression=cluster["gradient_compression"],
+                              compression_threshold=cluster["compression_threshold"])
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def elastic_position(state: dict[str, Any], num_workers: int, steps: int) -> int:
+    """Where to continue the epoch with another worker count: after as many samples as the old
+    job consumed (rounded down, so none is skipped; the new assignment means the rest of this
+    epoch is drawn from the new per-rank orders)."""
+    consumed = state["step_in_epoch"] * state["global_batch"]
+    new_global = state["global_batch"] // state["num_workers"] * num_workers
+    start = min(consumed // new_global, steps - 1)
+    log.warning("elastic resume: %d workers → %d; epoch %d continues at step %d of %d (global batch %d → %d, "
+                "learning rate unchanged)", state["num_workers"], num_workers, state["epoch"], start, steps,
+                state["global_batch"], new_global)
+    return start
+
+
+def check_compatible(state: dict[str, Any], job: JobSpec, num_workers: int, manifest: dict[str, Any]) -> None:
+    """Refuse a checkpoint written by another training or, unless elastic, another worker count."""
+    cfg = job.config
+    if "resume_digest" in state:
+        ok = state["resume_digest"] == resume_digest(cfg)
+    else:  # written before resume digests existed
+        ok = state["config_digest"] == cfg.digest()
+    if not ok:
+        raise ValueError(f"checkpoint was written with config {state['config_digest']}, "
+                         f"this job's config is {cfg.digest()}: refusing to mix them")
+    if state["num_workers"] != num_workers:
+        if not cfg.checkpoint.elastic:
+            raise ValueError(f"checkpoint was written by {state['num_workers']} workers, this job has "
+                             f"{num_workers}: set checkpoint.elastic=true to resume with another worker count")
+        if "global_batch" not in state:
+            raise ValueError("checkpoint predates elastic resume (no global_batch recorded)")
+    if state.get("manifest_digest") not in (None, data.manifest_digest(manifest)):
+        log.warning("checkpoint was written over other shards (manifest %s, now %s)", state["manifest_digest"],
+                    data.manifest_digest(manifest))
