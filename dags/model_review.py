@@ -1,10 +1,14 @@
 """Model review: champion vs challenger on the same held-out set, then a human decision.
 
-resolve → compare (both versions scored through mlflow.pyfunc on the challenger's test split;
-the comparison goes to an MLflow review run and the task log) → approval (Airflow's
-ApprovalOperator; the comparison is its body) → promote (on Approve: the ``champion`` alias
-moves to the version) / reject (on Reject: the version is tagged ``review=rejected`` with the
-reviewer's comment; the aliases stay).
+resolve → compare (both versions loaded through mlflow.pyfunc and scored with
+mlflow.models.evaluate on the challenger's test split; the comparison goes to an MLflow review
+run and the task log) → gate (the challenger's metrics against the ``gate`` Param's thresholds
+and the champion's; a failure tags the version ``review=gate_failed`` with the reason in
+``review.gate`` and skips everything after it: no reviewer is asked, and the run ends
+*success* with ``gate`` returning False and approval/promote/reject skipped) → approval
+(Airflow's ApprovalOperator; the comparison and the gate's table are its body) → promote (on
+Approve: the ``champion`` alias moves to the version) / reject (on Reject: the version is
+tagged ``review=rejected`` with the reviewer's comment; the aliases stay).
 
 Triggered by the Asset ``x-mlflow://models/<name>`` (``plugins.review.model_asset``) of each model in ``MXPIPE_REVIEW_MODELS``
 (default ``digits-classifier``): the training DAG's ``register`` task emits it through the
@@ -23,6 +27,7 @@ from common.settings import settings
 from plugins import review as tasks
 from plugins.approval import DECISION_KEY, RecordedApprovalOperator
 
+GATE_KEY = "gate"  # the gate's outcome (table, reason) as an XCom of the gate task
 RESPONSE_TIMEOUT = timedelta(hours=settings().review_timeout_h)
 
 PARAMS = {
@@ -33,6 +38,12 @@ PARAMS = {
     "shards_prefix": Param("", type="string", pattern=r"^(|(s3://|/).+)$",
                            description="Test data (a shards prefix); empty: the version's "
                                        "'dataset.shards_prefix' tag."),
+    "gate": Param(tasks.DEFAULT_GATE, **tasks.GATE_SCHEMA,
+                  description="Automatic gate before the reviewer: {metric: {greater_is_better, threshold, "
+                              "min_absolute_change, min_relative_change, max_absolute_drop, max_relative_drop}} "
+                              "(metrics as mlflow.models.evaluate names them). threshold is a floor; min_* a "
+                              "required gain over the champion; max_* a tolerated loss. With no champion only "
+                              "threshold applies."),
 }
 
 
@@ -62,11 +73,19 @@ def model_review() -> None:
     def compare(target: dict) -> dict:
         return tasks.compare(target, *_ids())
 
+    # False (failed) skips every task after it, whatever its trigger rule: reject too.
+    @task.short_circuit(execution_timeout=timedelta(minutes=5))
+    def gate(target: dict, reviewed: dict, params: dict | None = None) -> bool:
+        outcome = tasks.gate(target, reviewed, params["gate"])
+        get_current_context()["ti"].xcom_push(key=GATE_KEY, value=outcome)
+        return outcome["passed"]
+
     approval = RecordedApprovalOperator(
         task_id="approval",
         subject="Promote {{ ti.xcom_pull(task_ids='resolve')['name'] }} version "
                 "{{ ti.xcom_pull(task_ids='resolve')['challenger'] }} to champion?",
-        body="{{ ti.xcom_pull(task_ids='compare')['markdown'] }}",
+        body="{{ ti.xcom_pull(task_ids='compare')['markdown'] }}\n\n"
+             "{{ ti.xcom_pull(task_ids='gate', key='" + GATE_KEY + "')['markdown'] }}",
         params={"comment": Param("", type="string", description="Why (kept as a tag on the version).")},
         response_timeout=RESPONSE_TIMEOUT,
         # Bounds the write of the request, not the human wait (response_timeout does that).
@@ -89,7 +108,7 @@ def model_review() -> None:
 
     target = resolve()
     reviewed = compare(target)
-    reviewed >> approval
+    gate(target, reviewed) >> approval
     promote(target, reviewed, approval.output) >> reject()
 
 

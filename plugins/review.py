@@ -2,11 +2,13 @@
 
 Trigger: an event on ``model_asset(name)``, which the training DAG's ``register`` task emits
 through its AssetAlias (with ``extra={"registered_model_name": ..., "version": ...}``), or a manual run with
-the DAG's Params. The decision comes from Airflow's ``ApprovalOperator``; its XCom
+the DAG's Params. ``gate`` decides whether a reviewer is asked at all; the decision comes from
+Airflow's ``ApprovalOperator``; its XCom
 (``chosen_options``, ``params_input``, ``responded_by_user``) is what ``apply_*`` read.
 
-Light at import (the DAG file imports it at parse time): ``airflow.sdk.Asset`` only; mlflow and
-the training code are imported inside the functions.
+Light at import (the DAG file imports it at parse time): ``airflow.sdk.Asset`` and the gate's
+defaults and Param schema (``training.tracking.gate``, stdlib only); mlflow and the rest of the
+training code are imported inside the functions.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 from airflow.sdk import Asset
 
 from common.settings import settings
+from training.tracking.gate import DEFAULT_GATE, PARAM_SCHEMA as GATE_SCHEMA  # noqa: F401  (the DAG's Param)
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,21 @@ def compare(target: Mapping[str, Any], dag_id: str, run_id: str) -> dict[str, An
                       tags={"airflow.dag_id": dag_id, "airflow.run_id": run_id})
     except ReviewError as exc:
         raise AirflowFailException(f"review: {exc}") from exc
+
+
+def gate(target: Mapping[str, Any], reviewed: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The automatic gate on ``compare``'s evaluations (``spec``: the ``gate`` Param); recorded on
+    the version and the review run. ``passed`` decides whether a reviewer is asked at all."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from training.tracking.gate import GateConfigError
+    from training.tracking.review import Target
+    from training.tracking.review import gate as run_gate
+
+    try:
+        return run_gate(_tracking_uri(), Target(**target), reviewed, spec)
+    except GateConfigError as exc:  # a configuration error fails the same way on a retry
+        raise AirflowFailException(f"review gate: {exc}") from exc
 
 
 def _decision(approval: Mapping[str, Any] | None) -> tuple[str, str, str]:

@@ -25,7 +25,7 @@ def test_scheduled_on_the_registered_model_asset(dag):
 
 def test_structure_and_decision_wiring(dag):
     tasks = {t.task_id: t for t in dag.tasks}
-    assert set(tasks) == {"resolve", "compare", "approval", "promote", "reject"}
+    assert set(tasks) == {"resolve", "compare", "gate", "approval", "promote", "reject"}
     approval = tasks["approval"]
     from airflow.providers.standard.operators.hitl import ApprovalOperator
 
@@ -41,8 +41,28 @@ def test_structure_and_decision_wiring(dag):
     assert all(t.execution_timeout is not None for t in tasks.values())
 
 
+def test_gate_sits_between_compare_and_approval_and_skips_all_after_it(dag):
+    from airflow.providers.standard.operators.python import ShortCircuitOperator
+
+    from plugins.review import DEFAULT_GATE
+
+    tasks = {t.task_id: t for t in dag.tasks}
+    gate = tasks["gate"]
+    assert isinstance(gate, ShortCircuitOperator)
+    assert {"resolve", "compare"} <= gate.upstream_task_ids and gate.downstream_task_ids == {"approval"}
+    assert tasks["approval"].upstream_task_ids == {"gate"}
+    # A failed gate skips approval, promote and reject alike (reject's all_skipped would run).
+    assert gate.ignore_downstream_trigger_rules is True
+    assert dag.params["gate"] == DEFAULT_GATE
+    assert "xcom_pull(task_ids='gate'" in tasks["approval"].body
+
+
 @pytest.mark.parametrize("name,bad", [("model_name", "bad name!"), ("version", "v1"), ("version", 3),
-                                      ("shards_prefix", "relative/path")])
+                                      ("shards_prefix", "relative/path"), ("gate", {}),
+                                      ("gate", {"accuracy_score": {"threshold": 0.9}}),
+                                      ("gate", {"accuracy_score": {"greater_is_better": True}}),
+                                      ("gate", {"accuracy_score": {"greater_is_better": True,
+                                                                   "min_absolute_change": -0.01}})])
 def test_params_reject_bad_values(dag, name, bad):
     from airflow.sdk.definitions.param import ParamsDict
     from airflow.sdk.exceptions import ParamValidationError

@@ -7,8 +7,11 @@ no champion yet and approved (it becomes the first champion); version 3 is rejec
 champion unchanged); version 2 is reviewed because an event on its ``x-mlflow://models/<name>``
 Asset was posted through the API (what ``register`` emits), and the run reads the version from
 that event, not from its Params (which would pick the challenger alias, on version 3 here);
-approving it moves ``champion`` from 1 to 2. Every wait is
-bounded; the stack's process groups are stopped by the fixture.
+approving it moves ``champion`` from 1 to 2. Each review passes the automatic gate first (its
+table is in the approval's body; the rejected run's gate comes from the run's ``gate`` Param);
+version 4, trained for one step, fails it: the version is tagged ``review=gate_failed``, no
+approval is requested and the run ends successfully with approval, promote and reject skipped.
+Every wait is bounded; the stack's process groups are stopped by the fixture.
 """
 from __future__ import annotations
 
@@ -114,6 +117,11 @@ def test_first_version_approved_becomes_champion(stack, mlflow_server, shards, t
     out = _decide(stack, run, "Approve", "first model")
     assert out["target"]["champion"] is None  # no champion when it was reviewed
     assert f"version {version}" in out["detail"]["subject"]
+    # No champion: only the floor applies; the tolerance against a champion is skipped.
+    body = out["detail"]["body"]
+    assert "**Gate: passed.**" in body and "| >= 0.5 | pass |" in body, body
+    assert "| >= champion - 0.01 | skipped (no champion) |" in body, body
+    _check_evaluation(c, version)
     assert out["states"]["promote"] == "success" and out["states"]["reject"] == "skipped"
     assert c.get_model_version_by_alias(MODEL, "champion").version == version
     tags = c.get_model_version(MODEL, version).tags
@@ -130,7 +138,8 @@ def test_reject_tags_and_asset_event_review_moves_champion(stack, mlflow_server,
     rejected, _ = _register(mlflow_server, shards, tmp, 20)
     assert c.get_model_version_by_alias(MODEL, "challenger").version == rejected
 
-    manual = trigger_dag_run(stack.airflow_url, DAG_ID, {"model_name": MODEL, "version": rejected})
+    manual = trigger_dag_run(stack.airflow_url, DAG_ID, {"model_name": MODEL, "version": rejected, "gate": {
+        "accuracy_score": {"greater_is_better": True, "threshold": 0.9, "max_relative_drop": 0.05}}})
     with AirflowClient(stack.airflow_url) as client:
         known = {r["dag_run_id"] for r in client.dag_runs(DAG_ID)}
         # What register emits on a new version (through its AssetAlias).
@@ -141,6 +150,8 @@ def test_reject_tags_and_asset_event_review_moves_champion(stack, mlflow_server,
 
     out = _decide(stack, manual, "Reject", "worse on ant")
     assert out["target"]["champion"] == champion and out["states"]["reject"] == "success"
+    body = out["detail"]["body"]  # the run's own gate, not the default
+    assert "| >= 0.9 | pass |" in body and "| >= champion - 0.05 x abs(champion) (" in body, body
     tags = c.get_model_version(MODEL, rejected).tags
     assert tags["review"] == "rejected" and tags["review.comment"] == "worse on ant"
     assert c.get_model_version_by_alias(MODEL, "champion").version == champion
@@ -148,3 +159,40 @@ def test_reject_tags_and_asset_event_review_moves_champion(stack, mlflow_server,
     out = _decide(stack, by_asset["dag_run_id"], "Approve", "")
     assert out["target"]["challenger"] == approved
     assert c.get_model_version_by_alias(MODEL, "champion").version == approved
+
+
+def test_gate_failure_tags_the_version_and_asks_no_one(stack, mlflow_server, shards, tmp_path_factory):
+    c = _mlflow(mlflow_server)
+    champion = c.get_model_version_by_alias(MODEL, "champion").version
+    broken, _ = _register(mlflow_server, shards, tmp_path_factory.mktemp("v4"), 1)  # one step: near chance
+
+    run = trigger_dag_run(stack.airflow_url, DAG_ID, {"model_name": MODEL, "version": broken})
+    assert wait_for_dag_run(stack.airflow_url, DAG_ID, run, timeout_s=WAIT_S, poll_s=3) == "success"
+    with AirflowClient(stack.airflow_url) as client:
+        states = client.task_states(DAG_ID, run)
+        assert client.hitl_detail(DAG_ID, run, "approval") is None  # nobody was asked
+    assert states == {"resolve": "success", "compare": "success", "gate": "success",
+                      "approval": "skipped", "promote": "skipped", "reject": "skipped"}, states
+
+    tags = c.get_model_version(MODEL, broken).tags
+    assert tags["review"] == "gate_failed", tags
+    assert "accuracy_score" in tags["review.gate"] and "is not >= 0.5" in tags["review.gate"], tags
+    review_run = c.get_run(tags["review.run_id"])
+    assert review_run.data.tags["review"] == "gate_failed" and review_run.data.metrics["gate.passed"] == 0.0
+    assert c.get_model_version_by_alias(MODEL, "champion").version == champion
+
+
+def _check_evaluation(c, version: str) -> None:
+    """The review run holds both sides' figures and confusion matrices; the evaluation ran in a
+    nested run whose metrics are linked to the version's LoggedModel."""
+    model_id = c.get_model_version(MODEL, version).tags["model_id"]
+    experiment = c.get_experiment_by_name("mxnet-pipeline-review").experiment_id
+    review_runs = c.search_runs([experiment], filter_string=f"tags.`model.name` = '{MODEL}' "
+                                                            f"and tags.`model.challenger` = '{version}'")
+    parent = next(r for r in review_runs if "mlflow.parentRunId" not in r.data.tags)
+    assert parent.data.metrics["challenger.accuracy_score"] > 0.9 and parent.data.tags["review.gate"] == "passed"
+    files = {a.path for a in c.list_artifacts(parent.info.run_id, "review")}
+    assert {"review/confusion_challenger.png", "review/comparison.json", "review/gate.md"} <= files, files
+    linked = [m for m in c.get_logged_model(model_id).metrics if m.key == "accuracy_score"]
+    assert linked and linked[0].dataset_name == "test split"
+    assert c.get_run(linked[0].run_id).data.tags["mlflow.parentRunId"] == parent.info.run_id

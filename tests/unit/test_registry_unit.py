@@ -182,3 +182,20 @@ def test_label_indices_accepts_values_or_indices_and_refuses_to_guess():
         label_indices([5], [0, 1])
     with pytest.raises(ValueError, match="labels must be"):
         label_indices([0], [0], labels="bogus")
+
+
+@pytest.mark.parametrize("env", [None, "http://127.0.0.1:9/from-the-environment"])
+def test_tracking_uri_context_leaves_the_environment_and_fluent_uri_as_found(monkeypatch, env):
+    """mlflow.set_tracking_uri also writes MLFLOW_TRACKING_URI; the context puts it back (or
+    removes it again) and the fluent API resolves the same URI as before."""
+    import mlflow
+
+    if env is None:
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    else:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", env)
+    before = mlflow.get_tracking_uri()
+    with registry._tracking_uri("http://127.0.0.1:9/inside"):
+        assert mlflow.get_tracking_uri() == "http://127.0.0.1:9/inside"
+    assert os.environ.get("MLFLOW_TRACKING_URI") == env
+    assert mlflow.get_tracking_uri() == before

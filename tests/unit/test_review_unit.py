@@ -1,51 +1,150 @@
-"""The Airflow-free arithmetic of a model review and the reading of Airflow's decision XCom."""
+"""The Airflow-free side of a model review: the comparison and the automatic gate on real
+``EvaluationResult``s (``mlflow.models.evaluate`` on a few fixed predictions, logged to a SQLite
+store in a temporary folder), and the reading of Airflow's decision XCom."""
+import json
 from types import SimpleNamespace
 
 import pytest
 
-from training.tracking.review import ReviewError, Target, comparison, confusion, markdown, scores
+from training.tracking.gate import DEFAULT_GATE, PARAM_SCHEMA, GateConfigError, evaluate_gate, parse
+from training.tracking.review import Target, comparison, evaluation_result, markdown, side_by_side_metrics, summary
 
 pytestmark = pytest.mark.unit
 
-
-def test_confusion_counts_rows_as_truth_and_matches_mixed_types():
-    # 3.0 and "3" are the same class as 3: values come back from CSV/JSON/pandas differently.
-    m = confusion([3, 3, 5, 5, 5], [3.0, "5", 5, 5, "3"], [3, 5])
-    assert m == [[1, 1], [1, 2]]
-
-
-def test_confusion_refuses_unknown_predictions_and_length_mismatch():
-    with pytest.raises(ReviewError, match="7"):
-        confusion([1, 2], [1, 7], [1, 2])
-    with pytest.raises(ValueError, match="2 labels but 1"):
-        confusion([1, 2], [1], [1, 2])
+CLASSES = ["ant", "bee", "cow"]
+ROWS = 200
+# Wrong predictions per model, all on class "ant": accuracy 1 - errors / ROWS.
+ERRORS = {"champion": 20, "slightly_worse": 22, "worse": 30, "better": 10, "broken": 130}
 
 
-def test_scores_per_class_accuracy_and_empty_class():
-    s = scores([[3, 1, 0], [0, 2, 0], [0, 0, 0]], ["a", "b", "c"])
-    assert s["accuracy"] == pytest.approx(5 / 6)
-    assert s["per_class_accuracy"] == {"a": 0.75, "b": 1.0, "c": None}
-    assert s["num_examples"] == 6
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """One real EvaluationResult per entry of ERRORS (the default classifier evaluator)."""
+    import mlflow
+    import numpy as np
+    import pandas as pd
+    from mlflow import MlflowClient
+
+    from training.tracking.registry import _tracking_uri
+
+    tmp = tmp_path_factory.mktemp("evaluate")
+    truth = np.asarray(CLASSES * (ROWS // len(CLASSES) + 1))[:ROWS]
+    out = {}
+    with _tracking_uri(f"sqlite:///{tmp / 'mlflow.db'}"):
+        experiment = MlflowClient().create_experiment("review-unit", artifact_location=(tmp / "artifacts").as_uri())
+        for name, errors in ERRORS.items():
+            predicted = truth.copy()
+            wrong = np.flatnonzero(truth != "ant")[:errors]
+            predicted[wrong] = "ant"
+            frame = pd.DataFrame({"f0": np.arange(ROWS, dtype=float), "target": truth, "prediction": predicted})
+            with mlflow.start_run(experiment_id=experiment, run_name=name):
+                out[name] = mlflow.models.evaluate(
+                    data=frame, targets="target", predictions="prediction", model_type="classifier",
+                    evaluators="default", evaluator_config={"label_list": CLASSES, "log_model_explainability": False})
+    return out
 
 
-def test_comparison_side_by_side_with_and_without_champion():
-    chall = scores([[3, 1], [0, 4]], [0, 1])
-    champ = scores([[2, 2], [0, 4]], [0, 1])
+def _rows(outcome):
+    return [(r["check"], r["result"]) for r in outcome["rows"]]
+
+
+def test_the_evaluator_reports_accuracy_and_a_per_class_table(results):
+    assert results["champion"].metrics["accuracy_score"] == pytest.approx(0.9)
+    assert results["slightly_worse"].metrics["accuracy_score"] == pytest.approx(0.89)
+    s = summary(results["champion"], version="1", model_id=None)
+    # Every error is a bee or a cow predicted as an ant: their recall drops, ant's stays 1.
+    assert s["per_class_recall"]["ant"] == 1.0 and s["per_class_recall"]["bee"] < 1.0
+    json.dumps(s)  # what compare returns is an XCom
+
+
+def test_comparison_side_by_side_and_its_metrics(results):
+    chall = summary(results["better"], version="2", model_id=None)
+    champ = summary(results["champion"], version="1", model_id=None)
     comp = comparison(chall, champ)
-    assert comp["accuracy"] == {"challenger": 0.875, "champion": 0.75, "delta": pytest.approx(0.125)}
-    assert comp["per_class"][0] == {"class": "0", "challenger": 0.75, "champion": 0.5, "delta": 0.25}
-    alone = comparison(chall, None)
-    assert alone["accuracy"]["champion"] is None and alone["accuracy"]["delta"] is None
-    text = markdown(Target("m", "2", None, "s3://b/shards"), alone)
-    assert "champion none yet" in text and "first one" in text and "87.50%" in text
-
-
-def test_markdown_shows_both_versions_and_the_gain():
-    comp = comparison(scores([[3, 1], [0, 4]], [0, 1]), scores([[2, 2], [0, 4]], [0, 1]))
+    acc = next(r for r in comp["metrics"] if r["name"] == "accuracy_score")
+    assert acc["challenger"] == pytest.approx(0.95) and acc["delta"] == pytest.approx(0.05)
+    assert comp["num_examples"] == ROWS and {r["name"] for r in comp["per_class"]} == set(CLASSES)
     text = markdown(Target("m", "2", "1", "s3://b/shards"), comp)
     assert "challenger version 2 vs champion version 1" in text
-    assert "| accuracy | 87.50% | 75.00% | +12.50 pp |" in text
-    assert "| class 0 | 75.00% | 50.00% | +25.00 pp |" in text
+    assert "| accuracy_score | 95.00% | 90.00% | +5.00 pp |" in text and "| recall, class ant |" in text
+    metrics = side_by_side_metrics(comp)
+    assert metrics["delta.accuracy_score"] == pytest.approx(0.05) and "champion.class_cow.recall" in metrics
+    alone = markdown(Target("m", "2", None, "s3://b/shards"), comparison(chall, None))
+    assert "champion none yet" in alone and "first one" in alone and "| accuracy_score | 95.00% | – | – |" in alone
+
+
+def test_default_gate_without_champion_applies_only_the_floor(results):
+    outcome = evaluate_gate(DEFAULT_GATE, results["worse"], None)
+    assert outcome["passed"] and outcome["reason"] == ""
+    assert _rows(outcome) == [("threshold", "pass"), ("max_absolute_drop", "skipped (no champion)")]
+    broken = evaluate_gate(DEFAULT_GATE, results["broken"], None)
+    assert not broken["passed"] and broken["reason"] == "accuracy_score 0.3500 is not >= 0.5"
+
+
+def test_default_gate_tolerates_a_point_of_accuracy_and_no_more(results):
+    # Exactly the tolerated point below the champion passes (the bound is inclusive).
+    within = evaluate_gate(DEFAULT_GATE, results["slightly_worse"], results["champion"])
+    assert within["passed"], within["markdown"]
+    worse = evaluate_gate(DEFAULT_GATE, results["worse"], results["champion"])
+    assert not worse["passed"]
+    assert _rows(worse) == [("threshold", "pass"), ("max_absolute_drop", "fail")]
+    assert worse["reason"] == "accuracy_score 0.8500 is not >= champion - 0.01 (0.8900)"
+    assert "| accuracy_score | 0.8500 | 0.9000 | >= champion - 0.01 (0.8900) | fail |" in worse["markdown"]
+    assert worse["markdown"].startswith("**Gate: failed**")
+
+
+def test_required_gains_use_mlflows_baseline_comparison(results):
+    better, champion = results["better"], results["champion"]  # 0.95 vs 0.90
+    assert evaluate_gate({"accuracy_score": {"greater_is_better": True, "min_absolute_change": 0.04}},
+                         better, champion)["passed"]
+    assert not evaluate_gate({"accuracy_score": {"greater_is_better": True, "min_absolute_change": 0.06}},
+                             better, champion)["passed"]
+    assert evaluate_gate({"accuracy_score": {"greater_is_better": True, "min_relative_change": 0.05}},
+                         better, champion)["passed"]  # 0.95 >= 0.90 * 1.05 = 0.945
+    assert not evaluate_gate({"accuracy_score": {"greater_is_better": True, "max_relative_drop": 0.01}},
+                             results["worse"], champion)["passed"]  # 0.85 < 0.90 * 0.99
+
+
+def test_lower_is_better_flips_every_check(results):
+    spec = {"accuracy_score": {"greater_is_better": False, "threshold": 0.9, "max_absolute_drop": 0.01}}
+    assert evaluate_gate(spec, results["slightly_worse"], results["champion"])["passed"]
+    failed = evaluate_gate(spec, results["better"], results["champion"])
+    assert _rows(failed) == [("threshold", "fail"), ("max_absolute_drop", "fail")]
+    assert "is not <= champion + 0.01 (0.9100)" in failed["reason"]
+
+
+def test_gate_on_results_rebuilt_from_the_xcom_is_the_same(results):
+    rebuilt = {k: evaluation_result(json.loads(json.dumps(summary(results[k], version="1", model_id=None))))
+               for k in ("worse", "champion")}
+    assert evaluate_gate(DEFAULT_GATE, rebuilt["worse"], rebuilt["champion"]) == \
+        evaluate_gate(DEFAULT_GATE, results["worse"], results["champion"])
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({}, "must map metric names"),
+    ({"accuracy_score": 0.9}, "expected an object"),
+    ({"accuracy_score": {"threshold": 0.9}}, "greater_is_better must be true or false"),
+    ({"accuracy_score": {"greater_is_better": True}}, "no check given"),
+    ({"accuracy_score": {"greater_is_better": True, "floor": 0.9}}, r"unknown keys \['floor'\]"),
+    ({"accuracy_score": {"greater_is_better": True, "min_absolute_change": -0.01}}, "must be > 0"),
+    ({"accuracy_score": {"greater_is_better": True, "max_relative_drop": 2}}, r"fraction in \[0, 1\]"),
+    ({"accuracy_score": {"greater_is_better": True, "threshold": "high"}}, "finite number"),
+])
+def test_bad_gate_configurations_are_refused_by_name(spec, message):
+    import jsonschema
+
+    with pytest.raises(GateConfigError, match=message):
+        parse(spec)
+    with pytest.raises(jsonschema.ValidationError):  # and by the DAG's Param, at trigger time
+        jsonschema.validate(spec, PARAM_SCHEMA)
+
+
+def test_default_gate_fits_its_schema_and_unknown_metrics_are_named(results):
+    import jsonschema
+
+    jsonschema.validate(DEFAULT_GATE, PARAM_SCHEMA)
+    with pytest.raises(GateConfigError, match=r"\['log_loss'\] are not among the evaluation's metrics"):
+        evaluate_gate({"log_loss": {"greater_is_better": False, "threshold": 1.0}}, results["champion"], None)
 
 
 def test_decision_and_event_reading():

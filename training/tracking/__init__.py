@@ -3,8 +3,9 @@
 Owns: flattening the config into MLflow params (``mlflow_params``), the run's extras (plots,
 dataset input: ``run_extras``), the self-contained pyfunc model file (``pyfunc_model``),
 logging and registering a trained job (``registry``), scoring a model on a test split
-(``evaluation``), the challenger-vs-champion comparison (``review``) and resolving a
-``models:/`` warm start to a checkpoint (``warm_start``). Runs in Airflow tasks and CLIs, never
+(``evaluation``), the challenger-vs-champion comparison (``review``), the automatic gate
+before a human review (``gate``) and resolving a ``models:/`` warm start to a checkpoint
+(``warm_start``). Runs in Airflow tasks and CLIs, never
 in a role process. May import ``common`` and ``training.feed``/``training.checkpoint`` (to read
 test splits and checkpoints); never ``training.loop``.
 """

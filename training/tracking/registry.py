@@ -294,24 +294,23 @@ def _log_pyfunc(*, files: Mapping[str, str], input_example: Any, step: int, tags
 
 @contextlib.contextmanager
 def _tracking_uri(uri: str) -> Iterator[None]:
-    """Point MLflow's fluent API (used by ``log_model``) at ``uri`` for the duration.
+    """Point MLflow's fluent API (``log_model``, ``evaluate``) at ``uri`` for the duration.
 
-    MLflow's own restore (``_use_tracking_uri``) *unsets* ``MLFLOW_TRACKING_URI`` when no URI had
-    been set in code, wiping a value the process got from its environment: it is put back as found.
+    ``mlflow.set_tracking_uri`` also writes ``MLFLOW_TRACKING_URI`` (for subprocesses), so a
+    plain set-and-restore would leave the variable changed, or set where the process had none:
+    the fluent API goes back to the URI it resolved before, and the variable to what it was.
+    (Public API only: that URI stays set in code afterwards, so a later change of the variable
+    in this process no longer moves the fluent API; the project passes URIs explicitly.)
     """
     import mlflow
 
-    try:
-        from mlflow.tracking._tracking_service.utils import _use_tracking_uri
-    except ImportError:  # private helper moved: fall back to setting it for the process
-        _use_tracking_uri = None
+    previous = mlflow.get_tracking_uri()
     with environ_restored(["MLFLOW_TRACKING_URI"]):
-        if _use_tracking_uri is None:
-            mlflow.set_tracking_uri(uri)
+        mlflow.set_tracking_uri(uri)
+        try:
             yield
-        else:
-            with _use_tracking_uri(uri):
-                yield
+        finally:
+            mlflow.set_tracking_uri(previous)
 
 
 def _fluent_run(run_id: str, log_system_metrics: bool = False) -> contextlib.AbstractContextManager[Any]:

@@ -1,24 +1,27 @@
 """Champion vs challenger: evaluate two registered versions on one held-out set, compare them,
-and act on a reviewer's decision (move the ``champion`` alias, or tag the version rejected).
+gate the challenger automatically, and act on a reviewer's decision (move the ``champion``
+alias, or tag the version rejected).
 
 Airflow-free (the review DAG's tasks call it through ``plugins.review``): everything here runs
-from a shell against any MLflow tracking server. Both versions are evaluated through
-``mlflow.pyfunc`` exactly as a serving job would load them, on the *challenger's* test split
-(the shards its training run read, named by the version's ``dataset.shards_prefix`` tag), so
-the two numbers are comparable. mlflow, mxnet and matplotlib are imported inside functions.
+from a shell against any MLflow tracking server. Both versions are loaded through
+``mlflow.pyfunc`` exactly as a serving job would load them and scored with
+``mlflow.models.evaluate`` (the default classifier evaluator: accuracy, precision, recall, F1,
+a per-class table and a confusion matrix) on the *challenger's* test split (the shards its
+training run read, named by the version's ``dataset.shards_prefix`` tag), so the two are
+comparable. Each evaluation is a run nested in the review run and linked to the version's
+LoggedModel (``model_id``), so the model's page in MLflow lists its test metrics too. mlflow,
+mxnet, sklearn and matplotlib are imported inside functions.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from training.tracking.registry import CHALLENGER_ALIAS, bounded_mlflow_env
-from training.tracking.run_extras import confusion_png
+from training.tracking.registry import CHALLENGER_ALIAS, _get_or_create_experiment, _tracking_uri, bounded_mlflow_env
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +33,12 @@ REVIEW_TAG = "review"
 REVIEWER_TAG = "review.reviewer"
 COMMENT_TAG = "review.comment"
 REVIEW_RUN_TAG = "review.run_id"
+GATE_TAG = "review.gate"  # "passed", or why the version failed the gate
+GATE_PASSED = "passed"
+GATE_FAILED = "gate_failed"  # the REVIEW_TAG of a version the gate stopped before any reviewer saw it
 MAX_TAG_VALUE = 5000  # MLflow's model-version tag value limit
+# The label column of the evaluation data (the model's own output column is ``label``).
+TARGET_COLUMN = "true_label"
 
 
 class ReviewError(ValueError):
@@ -54,76 +62,86 @@ class Target:
 # ---------------------------------------------------------------- pure helpers (unit-tested)
 
 
-def confusion(truth: Sequence[Any], predicted: Sequence[Any], classes: Sequence[Any]) -> list[list[int]]:
-    """``m[i][j]``: examples of ``classes[i]`` predicted as ``classes[j]``.
-
-    Compared as strings: class values come back from JSON, CSV and pandas with different types
-    (``3``, ``3.0``, ``"3"``); a prediction outside ``classes`` is an error, not a silent miss.
-    """
-    index = {_key(c): i for i, c in enumerate(classes)}
-    if len(truth) != len(predicted):
-        raise ValueError(f"{len(truth)} labels but {len(predicted)} predictions")
-    unknown = sorted({_key(p) for p in predicted} - index.keys())
-    if unknown:
-        raise ReviewError(f"model predicts classes {unknown[:10]} that the test data does not have "
-                          f"({[_key(c) for c in classes][:20]})")
-    m = [[0] * len(classes) for _ in classes]
-    for t, p in zip(truth, predicted):
-        m[index[_key(t)]][index[_key(p)]] += 1
-    return m
-
-
 def _key(value: Any) -> str:
+    """A class value as a string: class values come back from JSON, CSV and pandas with different
+    types (``3``, ``3.0``, ``"3"``), and the evaluator must see one type on both sides."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(value)
 
 
-def scores(matrix: Sequence[Sequence[int]], classes: Sequence[Any]) -> dict[str, Any]:
-    """Accuracy and per-class accuracy (recall) from a confusion matrix."""
-    n = sum(sum(row) for row in matrix)
-    correct = sum(matrix[i][i] for i in range(len(matrix)))
-    per_class = {_key(c): (matrix[i][i] / sum(matrix[i]) if sum(matrix[i]) else None)
-                 for i, c in enumerate(classes)}
-    return {"accuracy": correct / n if n else None, "num_examples": n, "per_class_accuracy": per_class,
-            "confusion_matrix": [list(r) for r in matrix], "classes": [_key(c) for c in classes]}
+def summary(result: Any, *, version: str, model_id: str | None) -> dict[str, Any]:
+    """What the review keeps of one version's ``EvaluationResult`` (JSON-safe, for the XCom):
+    its metrics and, when the evaluator made its per-class table (more than two classes), each
+    class's recall."""
+    per_class = result.artifacts.get("per_class_metrics")
+    recall = {}
+    if per_class is not None:
+        recall = {_key(row["positive_class"]): float(row["recall_score"])
+                  for _, row in per_class.content.iterrows()}
+    return {"version": version, "model_id": model_id, "run_id": result.run_id,
+            "metrics": {k: float(v) for k, v in result.metrics.items()}, "per_class_recall": recall}
+
+
+def evaluation_result(evaluation: Mapping[str, Any]) -> Any:
+    """An ``EvaluationResult`` again from a ``summary`` (the metrics are all the gate reads)."""
+    from mlflow.models import EvaluationResult
+
+    return EvaluationResult(metrics=dict(evaluation["metrics"]), artifacts={}, run_id=evaluation["run_id"])
 
 
 def comparison(challenger: Mapping[str, Any], champion: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Side by side: overall and per-class accuracy of both, and the challenger's gain."""
-    def delta(a: float | None, b: float | None) -> float | None:
-        return None if a is None or b is None else a - b
+    """Side by side (two ``summary``s): every evaluator metric and each class's recall of both,
+    and the challenger's gain."""
+    def rows(key: str, names: list[str]) -> list[dict[str, Any]]:
+        out = []
+        for name in names:
+            a, b = challenger[key].get(name), (champion or {}).get(key, {}).get(name)
+            out.append({"name": name, "challenger": a, "champion": b,
+                        "delta": None if a is None or b is None else a - b})
+        return out
 
-    champ_pc = champion["per_class_accuracy"] if champion else {}
-    rows = [{"class": c, "challenger": a, "champion": champ_pc.get(c), "delta": delta(a, champ_pc.get(c))}
-            for c, a in challenger["per_class_accuracy"].items()]
-    return {
-        "accuracy": {"challenger": challenger["accuracy"], "champion": champion["accuracy"] if champion else None,
-                     "delta": delta(challenger["accuracy"], champion["accuracy"] if champion else None)},
-        "per_class": rows,
-        "num_examples": challenger["num_examples"],
-    }
+    metrics = [m for m in challenger["metrics"] if m != "example_count"]
+    return {"metrics": rows("metrics", metrics),
+            "per_class": rows("per_class_recall", list(challenger["per_class_recall"])),
+            "num_examples": int(challenger["metrics"].get("example_count", 0))}
 
 
 def markdown(target: Target, comp: Mapping[str, Any]) -> str:
-    """The comparison as the Markdown the reviewer reads in Airflow's approval form."""
-    def pct(v: float | None) -> str:
-        return "–" if v is None else f"{100 * v:.2f}%"
+    """The comparison as the Markdown the reviewer reads in Airflow's approval form: scores (the
+    ``*_score`` metrics, recalls) in percent, counts (a binary classifier's ``true_positives``
+    ...) as numbers."""
+    def row(label: str, r: Mapping[str, Any], score: bool) -> str:
+        def fmt(v: float | None, sign: str = "") -> str:
+            if v is None:
+                return "–"
+            if not score:
+                return f"{v:{sign}g}"
+            return f"{100 * v:{sign}.2f}" + (" pp" if sign else "%")
 
-    def signed(v: float | None) -> str:
-        return "–" if v is None else f"{100 * v:+.2f} pp"
+        return f"| {label} | {fmt(r['challenger'])} | {fmt(r['champion'])} | {fmt(r['delta'], '+')} |"
 
     champ = f"version {target.champion}" if target.champion else "none yet"
-    acc = comp["accuracy"]
     lines = [f"**{target.name}**: challenger version {target.challenger} vs champion {champ}, "
              f"on {comp['num_examples']} held-out test rows (`{target.shards_prefix}`).", "",
-             "| | challenger | champion | Δ |", "|---|---|---|---|",
-             f"| accuracy | {pct(acc['challenger'])} | {pct(acc['champion'])} | {signed(acc['delta'])} |"]
-    lines += [f"| class {r['class']} | {pct(r['challenger'])} | {pct(r['champion'])} | {signed(r['delta'])} |"
-              for r in comp["per_class"]]
+             "| | challenger | champion | Δ |", "|---|---|---|---|"]
+    lines += [row(r["name"], r, r["name"].endswith("_score")) for r in comp["metrics"]]
+    lines += [row(f"recall, class {r['name']}", r, True) for r in comp["per_class"]]
     if not target.champion:
         lines += ["", "There is no champion yet: approving makes this version the first one."]
     return "\n".join(lines)
+
+
+def side_by_side_metrics(comp: Mapping[str, Any]) -> dict[str, float]:
+    """The review run's metrics: ``challenger.accuracy_score``, ``champion.…``, ``delta.…`` and
+    ``<role>.class_<c>.recall``."""
+    out = {}
+    for group, fmt in (("metrics", "{role}.{name}"), ("per_class", "{role}.class_{name}.recall")):
+        for row in comp[group]:
+            for role in ("challenger", "champion", "delta"):
+                if row[role] is not None:
+                    out[fmt.format(role=role, name=row["name"])] = row[role]
+    return out
 
 
 # ---------------------------------------------------------------- MLflow side
@@ -163,99 +181,158 @@ def resolve_target(tracking_uri: str, name: str, version: str | None = None,
                       shards_prefix=prefix)
 
 
-def load_test_split(shards_prefix: str, work_dir: str) -> tuple[Any, list[Any], list[str], list[Any]]:
-    """The test split of a sharded dataset: features ``[n, f]``, label *values*, columns, classes."""
+def load_test_frame(shards_prefix: str, work_dir: str) -> tuple[Any, list[str]]:
+    """The test split of a sharded dataset as one frame (the feature columns as float64, the
+    model's input schema, and the class values in ``TARGET_COLUMN``) and the classes, as strings."""
     import numpy as np
+    import pandas as pd
 
     from training.feed import data
 
     manifest = data.load_manifest(shards_prefix)
+    columns = [str(c) for c in manifest["feature_columns"]]
+    if TARGET_COLUMN in columns:
+        raise ReviewError(f"{shards_prefix}: a feature column is named {TARGET_COLUMN!r}, the review's label column")
     test = [s for s in manifest["shards"] if s["split"] == "test"]
     X, y = data.fetch_split(manifest, shards_prefix, test, work_dir)
     if len(y) == 0:
         raise ReviewError(f"{shards_prefix} has no test rows to review on")
-    classes = list(manifest["classes"])
-    values = np.asarray(classes, dtype=object)[np.asarray(y, dtype=np.int64)].tolist()
-    return X, values, list(manifest["feature_columns"]), classes
+    classes = [_key(c) for c in manifest["classes"]]
+    frame = pd.DataFrame(X.astype("float64"), columns=columns)
+    frame[TARGET_COLUMN] = np.asarray(classes, dtype=object)[np.asarray(y, dtype=np.int64)]
+    return frame, classes
 
 
-def evaluate_version(tracking_uri: str, name: str, version: str, X: Any, truth: Sequence[Any],
-                     columns: Sequence[str], classes: Sequence[Any]) -> dict[str, Any]:
-    """Load a registered version through ``mlflow.pyfunc`` and score it on ``(X, truth)``."""
-    import mlflow.pyfunc
-    import pandas as pd
+def _test_dataset(frame: Any, shards_prefix: str) -> Any:
+    """The frame as an ``mlflow.data`` dataset whose source is the manifest: both versions'
+    evaluations name the same dataset (same digest), and so do their LoggedModels' metrics."""
+    import mlflow.data
 
-    with bounded_mlflow_env():
-        model = mlflow.pyfunc.load_model(f"models:/{name}/{version}")
-    frame = pd.DataFrame(X.astype("float64"), columns=list(columns))
-    try:
-        predicted = model.predict(frame)["label"].tolist()
-    except Exception as exc:  # a champion trained on other features cannot be compared
-        raise ReviewError(f"{name} version {version} cannot score the test data: {exc}") from exc
-    return scores(confusion(truth, predicted, classes), classes)
+    from common.manifest import manifest_uri
+    from training.tracking.run_extras import dataset_source
+
+    return mlflow.data.from_pandas(frame, source=dataset_source(manifest_uri(shards_prefix)),
+                                   targets=TARGET_COLUMN, name="test split")
+
+
+def evaluate_version(name: str, version: str, dataset: Any, classes: list[str], *, role: str,
+                     experiment_id: str) -> tuple[Any, str | None]:
+    """Score a registered version through ``mlflow.pyfunc`` with ``mlflow.models.evaluate``, in a
+    run nested in the active review run and linked to the version's LoggedModel: its
+    ``EvaluationResult`` and that LoggedModel's id.
+
+    Runs under ``_tracking_uri`` (evaluate logs through the fluent API).
+    """
+    import mlflow
+    from mlflow import MlflowClient
+
+    model_id = _logged_model_id(MlflowClient().get_model_version(name, version))
+    model = mlflow.pyfunc.load_model(f"models:/{name}/{version}")
+    known = set(classes)
+
+    def predict(features: Any) -> Any:
+        # The classifier evaluator wants one column of predictions; the model also returns
+        # the probability of each.
+        try:
+            labels = model.predict(features)["label"].map(_key)
+        except Exception as exc:  # a champion trained on other features cannot be compared
+            raise ReviewError(f"{name} version {version} cannot score the test data: {exc}") from exc
+        unknown = sorted(set(labels) - known)
+        if unknown:
+            raise ReviewError(f"{name} version {version} predicts classes {unknown[:10]} that the test data "
+                              f"does not have ({classes[:20]})")
+        return labels
+
+    with mlflow.start_run(experiment_id=experiment_id, run_name=f"{role} (version {version})", nested=True,
+                          tags={"model.name": name, "model.version": version, "review.role": role}) as run:
+        result = mlflow.models.evaluate(
+            model=predict, data=dataset, model_type="classifier", evaluators="default", model_id=model_id,
+            # SHAP is not installed, and would cost minutes on wide inputs.
+            evaluator_config={"label_list": list(classes), "log_model_explainability": False})
+    log.info("%s version %s (%s): %s (run %s)", name, version, role, result.metrics, run.info.run_id)
+    return result, model_id
+
+
+def _logged_model_id(version: Any) -> str | None:
+    """The LoggedModel behind a model version: MLflow's field where the store fills it, else the
+    ``models:/<model_id>`` source the open-source store keeps; None for a version registered
+    from a run's artifacts (before MLflow 3), whose evaluation is then linked to no model."""
+    if version.model_id:
+        return version.model_id
+    ref = version.source[len("models:/"):] if version.source.startswith("models:/") else ""
+    return ref if ref and "/" not in ref else None
+
+
+def _log_confusion_png(result: Any, role: str, tmp: str) -> None:
+    """The evaluator's confusion matrix (drawn if matplotlib could) in the review run as well, as
+    ``review/confusion_<role>.png``: both side by side where the comparison is."""
+    artifact = result.artifacts.get("confusion_matrix")
+    if artifact is not None:
+        import mlflow
+
+        path = os.path.join(tmp, f"confusion_{role}.png")
+        artifact.content.save(path)  # a PIL image
+        mlflow.log_artifact(path, "review")
 
 
 def review(tracking_uri: str, target: Target, *, run_name: str, tags: Mapping[str, str] | None = None) -> dict:
-    """Evaluate both versions, log the comparison to a review run; returns it with its Markdown."""
+    """Evaluate both versions on the challenger's test split in one review run (a nested run per
+    version) and log the comparison to it; returns it with its Markdown and each ``summary``."""
+    import mlflow
+
     with tempfile.TemporaryDirectory(prefix="mxpipe-review-") as tmp:
-        X, truth, columns, classes = load_test_split(target.shards_prefix, os.path.join(tmp, "data"))
-        results = {"challenger": evaluate_version(tracking_uri, target.name, target.challenger, X, truth,
-                                                  columns, classes)}
-        if target.champion:
-            results["champion"] = evaluate_version(tracking_uri, target.name, target.champion, X, truth,
-                                                   columns, classes)
-        comp = comparison(results["challenger"], results.get("champion"))
-        text = markdown(target, comp)
-        report = {"target": target.to_dict(), "comparison": comp, "results": results}
-        files = {"comparison.json": os.path.join(tmp, "comparison.json"),
-                 "comparison.md": os.path.join(tmp, "comparison.md")}
-        with open(files["comparison.json"], "w") as f:
-            json.dump(report, f, indent=2)
-        with open(files["comparison.md"], "w") as f:
-            f.write(text + "\n")
-        for role, result in results.items():
-            png = confusion_png(result, f"{role} (version {getattr(target, role)})",
-                                os.path.join(tmp, f"confusion_{role}.png"))
-            if png:
-                files[f"confusion_{role}.png"] = png
-        run_id = _log_review_run(tracking_uri, target, comp, files, run_name, dict(tags or {}))
-    log.info("review of %s version %s (run %s):\n%s", target.name, target.challenger, run_id, text)
-    return {"target": target.to_dict(), "comparison": comp, "markdown": text, "review_run_id": run_id}
+        frame, classes = load_test_frame(target.shards_prefix, os.path.join(tmp, "data"))
+        roles = {"challenger": target.challenger, **({"champion": target.champion} if target.champion else {})}
+        with bounded_mlflow_env(), _tracking_uri(tracking_uri):
+            experiment_id = _get_or_create_experiment(client(tracking_uri), REVIEW_EXPERIMENT)
+            dataset = _test_dataset(frame, target.shards_prefix)
+            with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags={
+                    **dict(tags or {}), "model.name": target.name, "model.challenger": target.challenger,
+                    "model.champion": target.champion or ""}) as run:
+                mlflow.log_params({"model.name": target.name, "challenger": target.challenger,
+                                   "champion": target.champion or "none", "shards_prefix": target.shards_prefix})
+                evaluations = {}
+                for role, version in roles.items():
+                    result, model_id = evaluate_version(target.name, version, dataset, classes, role=role,
+                                                        experiment_id=experiment_id)
+                    evaluations[role] = summary(result, version=version, model_id=model_id)
+                    _log_confusion_png(result, role, tmp)
+                comp = comparison(evaluations["challenger"], evaluations.get("champion"))
+                text = markdown(target, comp)
+                mlflow.log_metrics(side_by_side_metrics(comp))
+                mlflow.log_dict({"target": target.to_dict(), "comparison": comp, "evaluations": evaluations},
+                                "review/comparison.json")
+                mlflow.log_text(text + "\n", "review/comparison.md")
+    log.info("review of %s version %s (run %s):\n%s", target.name, target.challenger, run.info.run_id, text)
+    return {"target": target.to_dict(), "comparison": comp, "markdown": text, "review_run_id": run.info.run_id,
+            "evaluations": evaluations}
 
 
-def _log_review_run(tracking_uri: str, target: Target, comp: Mapping[str, Any], files: Mapping[str, str],
-                    run_name: str, tags: dict[str, str]) -> str:
-    from mlflow.entities import Metric
+def gate(tracking_uri: str, target: Target, reviewed: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The automatic gate (``training.tracking.gate``) on a review's evaluations, recorded on the
+    version and the review run alike: a failure tags them ``review=gate_failed`` with the
+    reason in ``review.gate``; a pass sets ``review.gate=passed``. The version also gets
+    ``review.run_id``."""
+    from training.tracking.gate import evaluate_gate
 
-    from training.tracking.mlflow_params import MAX_METRICS_PER_BATCH, chunked
-    from training.tracking.registry import _get_or_create_experiment
-
+    evaluations = reviewed["evaluations"]
+    champion = evaluations.get("champion")
+    outcome = evaluate_gate(spec, evaluation_result(evaluations["challenger"]),
+                            evaluation_result(champion) if champion else None)
+    run_id = reviewed["review_run_id"]
+    tags = {GATE_TAG: GATE_PASSED if outcome["passed"] else outcome["reason"][:MAX_TAG_VALUE]}
+    if not outcome["passed"]:
+        tags[REVIEW_TAG] = GATE_FAILED
     with bounded_mlflow_env():
         c = client(tracking_uri)
-        exp = _get_or_create_experiment(c, REVIEW_EXPERIMENT)
-        run = c.create_run(exp, run_name=run_name, tags={
-            **tags, "model.name": target.name, "model.challenger": target.challenger,
-            "model.champion": target.champion or ""})
-        rid = run.info.run_id
-        c.log_batch(rid, params=[_param("model.name", target.name), _param("challenger", target.challenger),
-                                 _param("champion", target.champion or "none"),
-                                 _param("shards_prefix", target.shards_prefix)], synchronous=True)
-        metrics = [Metric(f"{role}.accuracy", v, 0, 0) for role, v in comp["accuracy"].items() if v is not None]
-        metrics += [Metric(f"{role}.class_{r['class']}.accuracy", r[role], 0, 0)
-                    for r in comp["per_class"] for role in ("challenger", "champion", "delta")
-                    if r[role] is not None]
-        for batch in chunked(metrics, MAX_METRICS_PER_BATCH):
-            c.log_batch(rid, metrics=batch, synchronous=True)
-        for path in files.values():
-            c.log_artifact(rid, path, artifact_path="review")
-        c.set_terminated(rid, "FINISHED")
-    return rid
-
-
-def _param(key: str, value: str) -> Any:
-    from mlflow.entities import Param
-
-    return Param(key, value)
+        for key, value in tags.items():
+            c.set_tag(run_id, key, value)
+        for key, value in {**tags, REVIEW_RUN_TAG: run_id}.items():
+            c.set_model_version_tag(target.name, target.challenger, key, value)
+        c.log_metric(run_id, "gate.passed", float(outcome["passed"]))
+        c.log_text(run_id, outcome["markdown"] + "\n", "review/gate.md")
+    log.info("gate for %s version %s:\n%s", target.name, target.challenger, outcome["markdown"])
+    return outcome
 
 
 def _decision_tags(decision: str, reviewer: str, comment: str, review_run_id: str | None) -> dict[str, str]:

@@ -20,18 +20,24 @@ LOSS_KEYS = ("train_loss", "val_loss")
 ACCURACY_KEYS = ("train_accuracy", "val_accuracy")
 
 
-def manifest_dataset(manifest: Mapping[str, Any], manifest_uri: str, digest: str) -> Any:
-    """An ``mlflow.data`` MetaDataset for a shard manifest: its source is the manifest's URI,
-    its digest the manifest digest (the lineage key the registry tags carry too)."""
+def dataset_source(uri: str) -> Any:
+    """The ``mlflow.data`` source for a URI (``s3://`` or a local path)."""
     import warnings
 
     from mlflow.data.dataset_source_registry import resolve_dataset_source
-    from mlflow.data.meta_dataset import MetaDataset
 
     with warnings.catch_warnings():
         # A local path matches two registered local sources that are the same class: noise.
         warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
-        source = resolve_dataset_source(manifest_uri)
+        return resolve_dataset_source(uri)
+
+
+def manifest_dataset(manifest: Mapping[str, Any], manifest_uri: str, digest: str) -> Any:
+    """An ``mlflow.data`` MetaDataset for a shard manifest: its source is the manifest's URI,
+    its digest the manifest digest (the lineage key the registry tags carry too)."""
+    from mlflow.data.meta_dataset import MetaDataset
+
+    source = dataset_source(manifest_uri)
     name = str(manifest.get("source_uri") or manifest_uri).rstrip("/").rsplit("/", 1)[-1] or "dataset"
     # MLflow caps the digest at 36 characters.
     return MetaDataset(source=source, name=name, digest=digest[:36])
