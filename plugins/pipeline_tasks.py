@@ -281,7 +281,7 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
     from common import storage
     from common.version import git_sha
     from training.feed import data
-    from training.tracking.evaluation import evaluate_classifier
+    from training.tracking.evaluation import EvaluationError, load_test_split
     from training.tracking.mlflow_params import ParamConflictError
     from training.tracking.registry import find_run, log_model_run
     from training.tracking.run_extras import plot_artifacts
@@ -296,12 +296,6 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
         model_dir = os.path.join(tmp, "model")
         for uri in storage.list_uris(trained["model_prefix"]):
             storage.download_file(uri, os.path.join(model_dir, uri.rsplit("/", 1)[1]))
-        test = [s for s in manifest["shards"] if s["split"] == "test"]
-        X, y = data.fetch_split(manifest, shards["shards_prefix"], test, os.path.join(tmp, "test"))
-        evaluation = evaluate_classifier(model_dir, X, y, labels="index")
-        import pandas as pd
-
-        example = pd.DataFrame(X[:5], columns=manifest["feature_columns"])
         extra = {}
         for name, uri in (("manifest.json", shards["manifest_uri"]),
                           ("validation.json", validation.get("report_uri"))):
@@ -309,8 +303,9 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
                 local = os.path.join(tmp, "extra", name)
                 storage.download_file(uri, local)
                 extra[name] = local
-        extra.update(plot_artifacts(metrics["history"], evaluation, os.path.join(tmp, "plots")))
+        extra.update(plot_artifacts(metrics["history"], os.path.join(tmp, "plots")))
         try:
+            test = load_test_split(shards["shards_prefix"], os.path.join(tmp, "test"))
             result = log_model_run(
                 tracking_uri=tracking_uri, experiment=EXPERIMENT, run_name=f"{dag_id}/{run_id}",
                 tags={**run_tags, "airflow.try_number": str(try_number),
@@ -319,18 +314,20 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
                       "dataset.shards_prefix": shards["shards_prefix"], "dataset.fingerprint": shards["fingerprint"]},
                 params={"config": cfg.to_dict(), "config_digest": cfg.digest()},
                 epoch_metrics=metrics["history"],
-                final_metrics={"test_accuracy": evaluation["accuracy"], "global_step": metrics["global_step"],
+                final_metrics={"global_step": metrics["global_step"],
                                "resumed_from_step": trained["resumed_from_step"],
                                "train_attempts": trained["attempt"]},
-                model_dir=model_dir, registered_model_name=params["registered_model_name"], input_example=example,
+                model_dir=model_dir, registered_model_name=params["registered_model_name"],
+                input_example=test.frame.head(), test_data=test,
                 artifacts=extra, run_id=find_run(tracking_uri, EXPERIMENT, run_tags),
                 dataset={"manifest": manifest, "manifest_uri": shards["manifest_uri"],
                          "digest": shards["manifest_digest"]},
                 log_system_metrics=True, step_metrics=metrics.get("step_history", []),
             )
-        except ParamConflictError as exc:  # the run logged other values before: the same every retry
+        except (ParamConflictError, EvaluationError) as exc:  # conflicting params, unscorable test split: no retry
             raise _fail(str(exc)) from exc
+    accuracy = result["test_metrics"]["test_accuracy"]
     log.info("registered %s version %s (test accuracy %.4f): %s", result["registered_model_name"],
-             result["version"], evaluation["accuracy"], result["run_url"])
-    return {**result, "test_accuracy": evaluation["accuracy"]}
+             result["version"], accuracy, result["run_url"])
+    return {**result, "test_accuracy": accuracy}
 

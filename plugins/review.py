@@ -85,12 +85,13 @@ def compare(target: Mapping[str, Any], dag_id: str, run_id: str) -> dict[str, An
     """Evaluate challenger and champion on the same test split; log the review run."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from training.tracking.review import ReviewError, Target, review
+    from training.tracking.evaluation import EvaluationError
+    from training.tracking.review import Target, review
 
     try:
         return review(_tracking_uri(), Target(**target), run_name=f"{dag_id}/{run_id}",
                       tags={"airflow.dag_id": dag_id, "airflow.run_id": run_id})
-    except ReviewError as exc:
+    except EvaluationError as exc:  # no test rows, or a version that cannot score them: no retry
         raise AirflowFailException(f"review: {exc}") from exc
 
 

@@ -13,8 +13,9 @@ One stack, one pass, because each training run costs minutes on this 2-core mach
 - The asset-triggered run's ``register`` emits ``x-mlflow://models/digits-classifier`` (through
   its AssetAlias), which starts a ``model_review`` run for that version; it is approved through
   the HITL API and the version becomes ``champion``.
-- The asset-triggered run's MLflow run carries the manifest as an ``mlflow.data`` input, the
-  curve and confusion-matrix PNGs, the GX report, system metrics and every epoch's metrics; its
+- The asset-triggered run's MLflow run carries the manifest as an ``mlflow.data`` input (and the
+  test split its model was scored on as a second), the curve PNG, the evaluator's confusion
+  matrix, the GX report, system metrics and every epoch's metrics; its
   version is tagged with the shards prefix, data fingerprint and DAG run; the "MLflow run"
   extra link, resolved by the API server, is the run's URL.
 """
@@ -140,12 +141,13 @@ def _check_isolation(mlflow_server, runs: dict, trained: dict, registered: dict)
 def _check_mlflow_extras(mlflow_server, run_id: str, registered: dict) -> None:
     c = _mlflow(mlflow_server)
     run = c.get_run(registered["run_id"])
-    inputs = run.inputs.dataset_inputs
-    assert len(inputs) == 1 and inputs[0].dataset.source_type == "s3"
-    assert "manifest.json" in inputs[0].dataset.source
+    # The shards it trained on, and the test split register scored the model on (both: the manifest).
+    inputs = {i.dataset.name: i.dataset for i in run.inputs.dataset_inputs}
+    assert len(inputs) == 2 and "test split" in inputs, inputs
+    assert all(d.source_type == "s3" and "manifest.json" in d.source for d in inputs.values()), inputs
     files = {f.path for f in c.list_artifacts(run.info.run_id)}
     files |= {f.path for f in c.list_artifacts(run.info.run_id, "plots")}
-    assert {"plots/curves.png", "plots/confusion_matrix.png", "validation.json", "manifest.json"} <= files, files
+    assert {"plots/curves.png", "confusion_matrix.png", "validation.json", "manifest.json"} <= files, files
     metrics = run.data.metrics
     assert any(k.startswith("system/") for k in metrics), sorted(metrics)
     assert len(c.get_metric_history(run.info.run_id, "val_accuracy")) == 20  # the digits recipe's epochs

@@ -97,8 +97,23 @@ def test_full_run_with_a_killed_worker_resumes_and_registers(airflow_env, digits
     assert 0 < run.data.metrics["resumed_from_step"] < 35
     assert run.data.metrics["test_accuracy"] > 0.85
     assert len(client.get_metric_history(run.info.run_id, "val_accuracy")) == 4
+    _check_test_evaluation(client, run, version.tags["model_id"])
     ckpts = [u for u in storage.list_uris(f"s3://{airflow_env['MXPIPE_ARTIFACT_ROOT'][5:]}") if "/checkpoints/" in u]
     assert any(u.endswith("MANIFEST.json") for u in ckpts)
+
+
+def _check_test_evaluation(client, run, model_id: str) -> None:
+    """register scored the logged model with MLflow's classifier evaluator on the test split: its
+    metrics are on the run and on the version's LoggedModel (linked from this run, with the test
+    split as their dataset), test_accuracy is its accuracy_score, and its plots are on the run."""
+    linked = {m.key: m for m in client.get_logged_model(model_id).metrics if m.run_id == run.info.run_id}
+    assert {"accuracy_score", "f1_score", "precision_score", "recall_score", "test_accuracy"} <= set(linked), linked
+    assert linked["accuracy_score"].dataset_name == "test split"
+    assert linked["test_accuracy"].value == linked["accuracy_score"].value == run.data.metrics["test_accuracy"]
+    assert run.data.metrics["accuracy_score"] == run.data.metrics["test_accuracy"]
+    files = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"confusion_matrix.png", "per_class_metrics.csv"} <= files, files
+    assert "plots/confusion_matrix.png" not in {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
 
 
 def test_missing_label_column_fails_before_any_cluster(airflow_env, digits_uri, nothing_left):

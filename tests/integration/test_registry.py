@@ -6,7 +6,8 @@ label values, not class indices, must come back), exported the way the trainer e
 and registered once per module; the tests then read it back the ways a reviewer or a serving
 job would: a fresh interpreter loading ``models:/<name>@challenger`` and the ``mlflow models
 predict`` CLI. Both run outside the repository with no PYTHONPATH, which proves the model is
-self-contained (logged as code, no pickle, no importable ``training`` package needed).
+self-contained (logged as code, no pickle, no importable ``training`` package needed). The logged
+model is scored on the held-out rows by MLflow's classifier evaluator before it is registered.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from training.tracking.evaluation import evaluate_classifier
+from training.tracking.evaluation import TARGET_COLUMN, EvaluationData
 from training.tracking.mlflow_params import ParamConflictError
 from training.tracking.registry import CHALLENGER_ALIAS, log_model_run
 
@@ -44,7 +45,8 @@ def _train_and_export(model_dir: str) -> tuple[np.ndarray, np.ndarray]:
     return X[600:], np.asarray(CLASSES)[yi[600:]]
 
 
-def _call_kwargs(tracking_uri: str, model_dir: str, name: str, example: pd.DataFrame, extra: str) -> dict:
+def _call_kwargs(tracking_uri: str, model_dir: str, name: str, example: pd.DataFrame, extra: str,
+                 test_data: EvaluationData) -> dict:
     return dict(
         tracking_uri=tracking_uri,
         experiment="registry-integration",
@@ -52,11 +54,12 @@ def _call_kwargs(tracking_uri: str, model_dir: str, name: str, example: pd.DataF
         tags={"airflow.dag_id": "test_dag", "airflow.run_id": "manual__1"},
         params={"optim": {"learning_rate": 0.05, "optimizer": "adam"}, "model": {"hidden": [16]}, "seed": 7},
         epoch_metrics=[{"epoch": e, "train_loss": 1.0 / (e + 1), "val_accuracy": 0.5 + e / 10} for e in range(3)],
-        final_metrics={"test_accuracy": 0.0},  # replaced by the caller with evaluate_classifier's
+        final_metrics={},
         model_dir=model_dir,
         registered_model_name=name,
         input_example=example,
         artifacts={"extra/notes.txt": extra},
+        test_data=test_data,
     )
 
 
@@ -65,21 +68,21 @@ def logged(mlflow_server, tmp_path_factory):
     base = tmp_path_factory.mktemp("registry")
     model_dir = str(base / "model")
     X_test, y_test = _train_and_export(model_dir)
-    evaluation = evaluate_classifier(model_dir, X_test, y_test)
     frame = pd.DataFrame(X_test.astype(np.float64), columns=FEATURES)
+    csv = base / "test.csv"
+    frame.to_csv(csv, index=False)
+    test_data = EvaluationData(frame=frame.assign(**{TARGET_COLUMN: y_test}), classes=CLASSES, source_uri=str(csv))
     notes = base / "notes.md"
     notes.write_text("extra artifact\n")
     name = f"registry-test-{uuid.uuid4().hex[:8]}"
-    kwargs = _call_kwargs(mlflow_server.tracking_uri, model_dir, name, frame.head(5), str(notes))
-    kwargs["final_metrics"] = {"test_accuracy": evaluation["accuracy"]}
+    kwargs = _call_kwargs(mlflow_server.tracking_uri, model_dir, name, frame.head(5), str(notes), test_data)
     started = time.monotonic()
     result = log_model_run(**kwargs)
     seconds = time.monotonic() - started
     print(f"\nlog_model_run: {seconds:.1f} s -> {result}")
-    csv = base / "test.csv"
-    frame.to_csv(csv, index=False)
     return {
-        "result": result, "kwargs": kwargs, "evaluation": evaluation, "X": X_test, "y": y_test,
+        "result": result, "kwargs": kwargs, "accuracy": result["test_metrics"]["test_accuracy"], "X": X_test,
+        "y": y_test,
         "csv": str(csv), "workdir": str(base), "tracking_uri": mlflow_server.tracking_uri,
     }
 
@@ -90,13 +93,29 @@ def _clean_env(tracking_uri: str) -> dict[str, str]:
     return env
 
 
-def test_evaluate_classifier_counts_and_confusion(logged):
-    ev = logged["evaluation"]
-    assert ev["classes"] == CLASSES
-    assert ev["num_examples"] == len(logged["y"])
-    assert sum(ev["class_counts"].values()) == len(logged["y"])
-    assert np.trace(np.asarray(ev["confusion_matrix"])) / len(logged["y"]) == pytest.approx(ev["accuracy"])
-    assert ev["accuracy"] > 0.9, ev
+def _linked_metrics(client, model_id: str, run_id: str) -> list:
+    return [m for m in client.get_logged_model(model_id).metrics if m.run_id == run_id]
+
+
+def test_logged_model_carries_the_test_evaluation(logged):
+    """MLflow's classifier evaluator scored the logged model on the held-out rows: its metrics are
+    on the run and on the version's LoggedModel (with the test split as their dataset), its
+    confusion matrix and per-class table on the run; test_accuracy is its accuracy_score."""
+    from mlflow import MlflowClient
+
+    r = logged["result"]
+    client = MlflowClient(logged["tracking_uri"])
+    metrics = r["test_metrics"]
+    assert metrics["example_count"] == len(logged["y"])
+    assert metrics["test_accuracy"] == metrics["accuracy_score"] > 0.9, metrics
+    model_id = client.get_model_version(r["registered_model_name"], r["version"]).tags["model_id"]
+    linked = {m.key: m for m in _linked_metrics(client, model_id, r["run_id"])}
+    assert {"accuracy_score", "f1_score", "precision_score", "recall_score", "test_accuracy"} <= set(linked), linked
+    assert linked["accuracy_score"].dataset_name == "test split"
+    assert linked["test_accuracy"].value == linked["accuracy_score"].value == metrics["accuracy_score"]
+    run = client.get_run(r["run_id"])
+    assert run.data.metrics["f1_score"] == pytest.approx(metrics["f1_score"])
+    assert {"confusion_matrix.png", "per_class_metrics.csv"} <= {a.path for a in client.list_artifacts(r["run_id"])}
 
 
 def test_result_points_at_run_and_registered_version(logged):
@@ -112,7 +131,7 @@ def test_result_points_at_run_and_registered_version(logged):
     assert run.data.params["model.hidden"] == "[16]"
     assert run.data.tags["airflow.dag_id"] == "test_dag"
     assert [m.step for m in client.get_metric_history(r["run_id"], "train_loss")] == [0, 1, 2]
-    assert run.data.metrics["test_accuracy"] == pytest.approx(logged["evaluation"]["accuracy"])
+    assert run.data.metrics["test_accuracy"] == pytest.approx(logged["accuracy"])
     assert [a.path for a in client.list_artifacts(r["run_id"], "extra")] == ["extra/notes.txt"]
 
 
@@ -154,7 +173,7 @@ def test_fresh_process_loads_alias_and_matches_evaluate(logged):
     assert out["columns"] == ["label", "probability"]
     assert set(out["label"]) <= set(CLASSES)
     accuracy = float(np.mean(np.asarray(out["label"]) == logged["y"]))
-    assert accuracy == pytest.approx(logged["evaluation"]["accuracy"])
+    assert accuracy == pytest.approx(logged["accuracy"])
     assert all(1 / len(CLASSES) <= p <= 1 for p in out["probability"])
     logged["fresh_predictions"] = out
 
@@ -175,7 +194,7 @@ def test_cli_models_predict_gives_the_same_predictions(logged):
         predictions = json.load(f)["predictions"]
     labels = [p["label"] for p in predictions]
     accuracy = float(np.mean(np.asarray(labels) == logged["y"]))
-    assert accuracy == pytest.approx(logged["evaluation"]["accuracy"])
+    assert accuracy == pytest.approx(logged["accuracy"])
     fresh = logged.get("fresh_predictions")
     if fresh is not None:
         assert labels == fresh["label"]
@@ -187,11 +206,15 @@ def test_retry_reuses_run_and_version_and_rejects_a_changed_param(logged, monkey
 
     r = logged["result"]
     client = MlflowClient(logged["tracking_uri"])
+    model_id = client.get_model_version(r["registered_model_name"], r["version"]).tags["model_id"]
+    evaluated = len(_linked_metrics(client, model_id, r["run_id"]))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9/not-this-one")
     again = log_model_run(**{**logged["kwargs"], "run_id": r["run_id"]})
-    assert again == r  # same run, same model, same version: nothing duplicated
+    assert again == r  # same run, same model, same version, same test metrics: nothing duplicated
     assert os.environ["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:9/not-this-one"  # left as found
     assert [m.step for m in client.get_metric_history(r["run_id"], "train_loss")] == [0, 1, 2]
+    assert len(_linked_metrics(client, model_id, r["run_id"])) == evaluated  # not scored a second time
+    assert len(client.get_metric_history(r["run_id"], "test_accuracy")) == 1
 
     changed = {**logged["kwargs"], "run_id": r["run_id"],
                "params": {**logged["kwargs"]["params"], "optim": {"learning_rate": 0.5, "optimizer": "adam"}}}

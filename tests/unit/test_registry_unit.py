@@ -1,17 +1,17 @@
 """Param flattening, limits, batching and retry bookkeeping of training.tracking.registry and
-training.tracking.mlflow_params, and label reading of training.tracking.evaluation (no server)."""
+training.tracking.mlflow_params (no server)."""
 from __future__ import annotations
 
 import dataclasses
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from training.tracking import mlflow_params
 from training.tracking import registry
-from training.tracking.evaluation import label_indices
 from training.tracking.mlflow_params import (
     ParamConflictError,
     chunked,
@@ -167,21 +167,14 @@ def test_registry_and_pyfunc_modules_do_not_import_mxnet():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=180, cwd=repo)
 
 
-def test_label_indices_accepts_values_or_indices_and_refuses_to_guess():
-    assert label_indices(["b", "a"], ["a", "b"]) == [1, 0]
-    assert label_indices([2, 0], ["a", "b", "c"]) == [2, 0]  # record labels are class indices
-    assert label_indices([7, 3], [3, 7, 11]) == [1, 0]  # only the value reading fits
-    assert label_indices([1.0, 0.0], [0, 1]) == [1, 0]  # both readings agree
-    assert label_indices([1, 2], [1, 2, 3], labels="index") == [1, 2]
-    assert label_indices([1, 2], [1, 2, 3], labels="value") == [0, 1]
-    with pytest.raises(ValueError, match="pass labels='value' or labels='index'"):
-        label_indices([1, 2], [1, 2, 3])
-    with pytest.raises(ValueError, match="not among the model's classes"):
-        label_indices(["z"], ["a"], labels="value")
-    with pytest.raises(ValueError, match="neither values"):
-        label_indices([5], [0, 1])
-    with pytest.raises(ValueError, match="labels must be"):
-        label_indices([0], [0], labels="bogus")
+def test_logged_model_id_of_a_version():
+    def version(model_id, source):
+        return SimpleNamespace(model_id=model_id, source=source)
+
+    assert registry.logged_model_id(version("m-1", "models:/m-1")) == "m-1"
+    assert registry.logged_model_id(version(None, "models:/m-2")) == "m-2"  # the open-source store's source
+    assert registry.logged_model_id(version(None, "s3://b/1/artifacts/model")) is None  # before MLflow 3
+    assert registry.logged_model_id(version(None, "models:/name/3")) is None  # a version, not a model
 
 
 @pytest.mark.parametrize("env", [None, "http://127.0.0.1:9/from-the-environment"])

@@ -10,17 +10,16 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def test_plots_are_pngs(tmp_path):
     history = [{"epoch": e, "train_loss": 1 / (e + 1), "val_accuracy": 0.5 + e / 10} for e in range(4)]
-    evaluation = {"confusion_matrix": [[3, 1], [0, 4]], "classes": ["a", "b"]}
-    made = plot_artifacts(history, evaluation, str(tmp_path / "plots"))
-    assert set(made) == {"plots/curves.png", "plots/confusion_matrix.png"}
+    made = plot_artifacts(history, str(tmp_path / "plots"))
+    # The confusion matrix is MLflow's evaluator's (training.tracking.evaluation), not a plot of ours.
+    assert set(made) == {"plots/curves.png"}
     for path in made.values():
         with open(path, "rb") as f:
             assert f.read(8) == PNG
 
 
 def test_no_history_no_curve(tmp_path):
-    made = plot_artifacts([], {"confusion_matrix": [[1]], "classes": [0]}, str(tmp_path))
-    assert set(made) == {"plots/confusion_matrix.png"}
+    assert plot_artifacts([], str(tmp_path)) == {}
 
 
 def test_manifest_dataset_names_source_and_digest():

@@ -1,75 +1,107 @@
-"""Evaluate an exported classifier on held-out data: accuracy, per-class counts, confusion matrix.
+"""Score a logged model on a held-out test split with MLflow's evaluation API.
 
-numpy and the export loader (mxnet) are imported inside ``evaluate_classifier``: importing this
-module is cheap, so Airflow plugins may import it at module level.
+``evaluate_model`` loads a model through ``mlflow.pyfunc`` exactly as a serving job would and
+scores it with ``mlflow.models.evaluate`` (the default classifier evaluator: accuracy, precision,
+recall, F1, a per-class table and a confusion matrix; SHAP explanations off), linked to its
+LoggedModel (``model_id``): the metrics land on the active run and on the model's page alike,
+with the test split as their dataset. The training DAG's register step scores the model it just
+logged; a review scores challenger and champion the same way. ``load_test_split`` reads a sharded
+dataset's test split as the data to score on.
+
+Importing this module is cheap (stdlib only); mlflow, pandas, numpy and the model's own imports
+(mxnet) load inside the functions.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-
-def label_indices(y: Sequence[Any], classes: Sequence[Any], labels: str = "auto") -> list[int]:
-    """Class indices of ``y``, given as original class values or as indices into ``classes``.
-
-    ``labels="auto"`` accepts either when only one reading fits, or when both agree
-    (``classes == [0, 1, …]``); otherwise it refuses to guess.
-    """
-    if labels not in ("auto", "value", "index"):
-        raise ValueError(f"labels must be 'auto', 'value' or 'index', got {labels!r}")
-    k = len(classes)
-    by_value = {c: i for i, c in enumerate(classes)}
-    values = list(y)
-    as_value = [by_value.get(v) for v in values] if labels != "index" else None
-    value_ok = as_value is not None and None not in as_value
-    as_index = None
-    if labels != "value":
-        ints = [int(v) if isinstance(v, (int, float)) and float(v).is_integer() else -1 for v in values]
-        as_index = ints if all(0 <= i < k for i in ints) else None
-    if labels == "value" or (labels == "auto" and value_ok and (as_index is None or as_index == as_value)):
-        if not value_ok:
-            unknown = sorted({v for v, i in zip(values, as_value or []) if i is None}, key=str)
-            raise ValueError(f"labels {unknown[:10]} are not among the model's classes {list(classes)[:20]}")
-        return as_value  # type: ignore[return-value]
-    if as_index is not None and (labels == "index" or not value_ok):
-        return as_index
-    if labels == "index":
-        raise ValueError(f"labels must be class indices in [0, {k}), got values outside that range")
-    if value_ok:
-        raise ValueError(
-            "labels fit both as class values and as class indices and the two readings differ; "
-            "pass labels='value' or labels='index'"
-        )
-    raise ValueError(f"labels are neither values of the model's classes {list(classes)[:20]} nor indices in [0, {k})")
+# The label column of the evaluation data (the model's own output column is ``label``).
+TARGET_COLUMN = "true_label"
+DATASET_NAME = "test split"
 
 
-def evaluate_classifier(model_dir: str, X: Any, y: Any, *, labels: str = "auto") -> dict[str, Any]:
-    """Accuracy, per-class counts and confusion matrix of an export on ``X``.
+class EvaluationError(ValueError):
+    """A model cannot be scored as asked: no test rows, or the model cannot score them."""
 
-    Uses the exported symbol directly (no MLflow round trip). ``y`` holds original class values
-    or class indices (the record labels); see ``label_indices``. ``confusion_matrix[i][j]``
-    counts examples of ``classes[i]`` predicted as ``classes[j]``.
-    """
+
+def class_key(value: Any) -> str:
+    """A class value as a string: class values come back from JSON, CSV and pandas with different
+    types (``3``, ``3.0``, ``"3"``), and the evaluator must see one type on both sides."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
+
+
+@dataclass(frozen=True)
+class EvaluationData:
+    """Held-out rows to score a model on."""
+
+    frame: Any  # pandas: the model's feature columns as float64, the class values in TARGET_COLUMN
+    classes: list[str]  # every class the model may predict, as ``class_key`` strings
+    source_uri: str  # where the rows come from (a shard manifest's URI, or a local file)
+
+    def dataset(self) -> Any:
+        """The rows as an ``mlflow.data`` dataset named ``DATASET_NAME``: scoring two models on it
+        names the same dataset (same digest) on each one's metrics."""
+        import mlflow.data
+
+        from training.tracking.run_extras import dataset_source
+
+        return mlflow.data.from_pandas(self.frame, source=dataset_source(self.source_uri), targets=TARGET_COLUMN,
+                                       name=DATASET_NAME)
+
+
+def load_test_split(shards_prefix: str, work_dir: str) -> EvaluationData:
+    """The test split of a sharded dataset (its source: the manifest), downloaded into ``work_dir``."""
     import numpy as np
+    import pandas as pd
 
-    from training.tracking.pyfunc_model import find_export_files, load_exported
+    from common.manifest import manifest_uri
+    from training.feed import data
 
-    files = find_export_files(model_dir)
-    loaded = load_exported(files["symbol"], files["params"], files["meta"])
-    classes = loaded.classes
-    truth = np.asarray(label_indices(np.asarray(y).tolist(), classes, labels), dtype=np.int64)
-    n = int(len(truth))
-    X_arr = np.asarray(X, dtype=np.float32).reshape(n, -1)
-    predicted = loaded.predict_proba(X_arr).argmax(axis=1) if n else np.zeros(0, dtype=np.int64)
-    k = len(classes)
-    confusion = np.zeros((k, k), dtype=np.int64)
-    np.add.at(confusion, (truth, predicted), 1)
-    return {
-        "accuracy": float(np.trace(confusion) / n) if n else math.nan,
-        "num_examples": n,
-        "classes": classes,
-        "class_counts": {str(c): int(confusion[i].sum()) for i, c in enumerate(classes)},
-        "predicted_counts": {str(c): int(confusion[:, i].sum()) for i, c in enumerate(classes)},
-        "confusion_matrix": confusion.tolist(),
-    }
+    manifest = data.load_manifest(shards_prefix)
+    columns = [str(c) for c in manifest["feature_columns"]]
+    if TARGET_COLUMN in columns:
+        raise EvaluationError(f"{shards_prefix}: a feature column is named {TARGET_COLUMN!r}, the evaluation's "
+                              "label column")
+    test = [s for s in manifest["shards"] if s["split"] == "test"]
+    X, y = data.fetch_split(manifest, shards_prefix, test, work_dir)
+    if len(y) == 0:
+        raise EvaluationError(f"{shards_prefix} has no test rows to evaluate on")
+    classes = [class_key(c) for c in manifest["classes"]]
+    frame = pd.DataFrame(X.astype("float64"), columns=columns)
+    frame[TARGET_COLUMN] = np.asarray(classes, dtype=object)[np.asarray(y, dtype=np.int64)]
+    return EvaluationData(frame=frame, classes=classes, source_uri=manifest_uri(shards_prefix))
+
+
+def evaluate_model(model_uri: str, dataset: Any, classes: Sequence[str], *, model_id: str | None,
+                   what: str) -> Any:
+    """Score the model at ``model_uri`` on ``dataset`` (``EvaluationData.dataset()``) with the default
+    classifier evaluator, in the active run (one is started if none is) and linked to the
+    LoggedModel ``model_id`` (None: to no model). Returns the ``EvaluationResult``; ``what`` names
+    the model in errors. Runs under the caller's tracking URI (evaluate logs through the fluent API).
+    """
+    import mlflow
+
+    model = mlflow.pyfunc.load_model(model_uri)
+    known = set(classes)
+
+    def predict(features: Any) -> Any:
+        # The classifier evaluator wants one column of predictions; the model also returns
+        # the probability of each.
+        try:
+            labels = model.predict(features)["label"].map(class_key)
+        except Exception as exc:  # e.g. a model trained on other features
+            raise EvaluationError(f"{what} cannot score the test data: {exc}") from exc
+        unknown = sorted(set(labels) - known)
+        if unknown:
+            raise EvaluationError(f"{what} predicts classes {unknown[:10]} that the test data does not have "
+                                  f"({list(classes)[:20]})")
+        return labels
+
+    return mlflow.models.evaluate(
+        model=predict, data=dataset, model_type="classifier", evaluators="default", model_id=model_id,
+        # SHAP is not installed, and would cost minutes on wide inputs.
+        evaluator_config={"label_list": list(classes), "log_model_explainability": False})

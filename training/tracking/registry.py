@@ -2,12 +2,13 @@
 
 ``log_model_run`` is what the pipeline's register step calls (on rank 0 or in an Airflow task).
 It is safe to retry: given the ``run_id`` of an earlier attempt it reuses that run, skips params
-and metric points that are already there, and reuses a model version already registered from
-the same run with the same model bytes. MLflow params are immutable, so a retry that brings a
-*different* value for a logged key fails at once with ``ParamConflictError`` (deterministic:
-not worth an Airflow retry) instead of the server's generic 400. What is sent (flattened
-params, metric points, batch sizes) is worked out by ``training.tracking.mlflow_params``; evaluating an
-export is ``training.tracking.evaluation``.
+and metric points that are already there, reuses a model version already registered from the
+same run with the same model bytes, and the test metrics already linked to that version's model.
+MLflow params are immutable, so a retry that brings a *different* value for a logged key fails
+at once with ``ParamConflictError`` (deterministic: not worth an Airflow retry) instead of the
+server's generic 400. What is sent (flattened params, metric points, batch sizes) is worked out
+by ``training.tracking.mlflow_params``; scoring the logged model on the test split is
+``training.tracking.evaluation``.
 
 Bounded waits: every MLflow HTTP call runs under ``bounded_mlflow_env()``, which sets
 ``MLFLOW_HTTP_REQUEST_TIMEOUT`` / ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / backoff (only where the
@@ -33,6 +34,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
+from training.tracking.evaluation import EvaluationData
 from training.tracking.mlflow_params import (
     MAX_METRICS_PER_BATCH,
     MAX_PARAMS_PER_BATCH,
@@ -50,6 +52,8 @@ LOGGED_MODEL_NAME = "model"
 # Rows of the input example stored in the model (MLflow also replays it at log time).
 MAX_EXAMPLE_ROWS = 5
 REGISTRATION_WAIT_S = 60
+# The run's test metric (README, demo output): the evaluator's accuracy_score under its old name.
+TEST_ACCURACY = "test_accuracy"
 
 MLFLOW_ENV_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
@@ -233,8 +237,18 @@ def _existing_version(client: Any, name: str, run_id: str, digest: str) -> Any |
     return max(same, key=lambda v: int(v.version)) if same else None
 
 
+def logged_model_id(version: Any) -> str | None:
+    """The LoggedModel behind a model version: MLflow's field where the store fills it, else the
+    ``models:/<model_id>`` source the open-source store keeps; None for a version registered
+    from a run's artifacts (before MLflow 3)."""
+    if getattr(version, "model_id", None):
+        return version.model_id
+    ref = version.source[len("models:/"):] if version.source.startswith("models:/") else ""
+    return ref if ref and "/" not in ref else None
+
+
 def _version_model_uri(version: Any) -> str:
-    model_id = getattr(version, "model_id", None)
+    model_id = logged_model_id(version)
     return f"models:/{model_id}" if model_id else version.source
 
 
@@ -328,6 +342,32 @@ def _fluent_run(run_id: str, log_system_metrics: bool = False) -> contextlib.Abs
     )
 
 
+def _evaluate(client: Any, run_id: str, model_uri: str, model_id: str, test_data: EvaluationData, step: int,
+              what: str) -> dict[str, float]:
+    """Score the logged model on ``test_data`` in the active run, linked to its LoggedModel, and add
+    ``test_accuracy`` at the model's step; returns the metrics. A retry whose earlier attempt got
+    this far finds them on the LoggedModel (from this run, on this data) and reads them back
+    instead of scoring again."""
+    import mlflow
+
+    from training.tracking.evaluation import evaluate_model
+
+    dataset = test_data.dataset()
+    done = {m.key: m.value for m in client.get_logged_model(model_id).metrics
+            if m.run_id == run_id and m.dataset_digest == dataset.digest}
+    if TEST_ACCURACY in done:
+        log.info("%s was already evaluated on this test split by run %s", what, run_id)
+        return done
+    started = time.monotonic()
+    result = evaluate_model(model_uri, dataset, test_data.classes, model_id=model_id, what=what)
+    metrics = {key: float(value) for key, value in result.metrics.items()}
+    metrics[TEST_ACCURACY] = metrics["accuracy_score"]
+    mlflow.log_metric(TEST_ACCURACY, metrics[TEST_ACCURACY], step=step, model_id=model_id, dataset=dataset)
+    log.info("evaluated %s on %d test rows in %.1f s: %s", what, len(test_data.frame), time.monotonic() - started,
+             metrics)
+    return metrics
+
+
 def log_model_run(
     *,
     tracking_uri: str,
@@ -345,8 +385,10 @@ def log_model_run(
     dataset: Mapping[str, Any] | None = None,
     log_system_metrics: bool = False,
     step_metrics: Sequence[Mapping[str, float]] = (),
+    test_data: EvaluationData | None = None,
 ) -> dict:
-    """Log params, metrics, extra artifacts and the pyfunc model; register it as ``challenger``.
+    """Log params, metrics, extra artifacts and the pyfunc model; score the logged model on
+    ``test_data``; register it as ``challenger``.
 
     ``artifacts`` maps a run-relative artifact path to a local file (logged under that name, e.g.
     ``{"manifest.json": "/tmp/x/manifest.json"}`` or ``{"reports/val.json": ...}``) or to a local
@@ -354,8 +396,12 @@ def log_model_run(
     "digest"}``) becomes the run's ``mlflow.data`` input; ``log_system_metrics`` samples MLflow's
     system metrics while this call logs (the training job's own processes are not covered).
     ``step_metrics`` (the worker's ``step_history``: ``{"step": global_step, "train_loss": …}``)
-    are logged as ``train_loss_step`` etc. at ``step=global_step``, in the same batches. Returns
-    ``run_id, experiment_id, model_uri, registered_model_name, version, run_url``.
+    are logged as ``train_loss_step`` etc. at ``step=global_step``, in the same batches.
+    ``test_data`` is scored by MLflow's classifier evaluator (``evaluation.evaluate_model``) before
+    the version is registered: its metrics (``accuracy_score``, ``f1_score``, ... and
+    ``test_accuracy``, the same accuracy) and plots go to the run, the metrics to the LoggedModel
+    too. Returns ``run_id, experiment_id, model_uri, registered_model_name, version, run_url``
+    and ``test_metrics`` (empty without ``test_data``).
     """
     from mlflow import MlflowClient
 
@@ -398,12 +444,15 @@ def log_model_run(
             if reusable is not None:
                 log.info("version %s of %s was already registered from run %s with these bytes; reusing it",
                          reusable.version, registered_model_name, rid)
-                version, model_uri = reusable, _version_model_uri(reusable)
+                version, model_uri, model_id = reusable, _version_model_uri(reusable), logged_model_id(reusable)
             else:
                 info = _log_pyfunc(files=files, input_example=input_example, step=final_step, tags=version_tags)
-                model_uri = info.model_uri
-                version = _register(client, registered_model_name, model_uri, info.model_id, rid,
-                                    {**version_tags, "model_id": info.model_id}, url, run_name)
+                version, model_uri, model_id = None, info.model_uri, info.model_id
+            test_metrics = {} if test_data is None else _evaluate(
+                client, rid, model_uri, model_id, test_data, final_step, f"{registered_model_name} model {model_id}")
+            if version is None:
+                version = _register(client, registered_model_name, model_uri, model_id, rid,
+                                    {**version_tags, "model_id": model_id}, url, run_name)
             client.set_registered_model_alias(registered_model_name, CHALLENGER_ALIAS, version.version)
 
     log.info(
@@ -418,4 +467,5 @@ def log_model_run(
         "registered_model_name": registered_model_name,
         "version": str(version.version),
         "run_url": url,
+        "test_metrics": test_metrics,
     }

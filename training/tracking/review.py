@@ -5,8 +5,9 @@ alias, or tag the version rejected).
 Airflow-free (the review DAG's tasks call it through ``plugins.review``): everything here runs
 from a shell against any MLflow tracking server. Both versions are loaded through
 ``mlflow.pyfunc`` exactly as a serving job would load them and scored with
-``mlflow.models.evaluate`` (the default classifier evaluator: accuracy, precision, recall, F1,
-a per-class table and a confusion matrix) on the *challenger's* test split (the shards its
+``mlflow.models.evaluate`` (``training.tracking.evaluation``, as the training DAG's register
+step scores a new model: the default classifier evaluator's accuracy, precision, recall, F1,
+per-class table and confusion matrix) on the *challenger's* test split (the shards its
 training run read, named by the version's ``dataset.shards_prefix`` tag), so the two are
 comparable. Each evaluation is a run nested in the review run and linked to the version's
 LoggedModel (``model_id``), so the model's page in MLflow lists its test metrics too. mlflow,
@@ -21,7 +22,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from training.tracking.registry import CHALLENGER_ALIAS, _get_or_create_experiment, _tracking_uri, bounded_mlflow_env
+from training.tracking.evaluation import EvaluationError, class_key, evaluate_model, load_test_split
+from training.tracking.registry import (
+    CHALLENGER_ALIAS,
+    _get_or_create_experiment,
+    _tracking_uri,
+    bounded_mlflow_env,
+    logged_model_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +45,11 @@ GATE_TAG = "review.gate"  # "passed", or why the version failed the gate
 GATE_PASSED = "passed"
 GATE_FAILED = "gate_failed"  # the REVIEW_TAG of a version the gate stopped before any reviewer saw it
 MAX_TAG_VALUE = 5000  # MLflow's model-version tag value limit
-# The label column of the evaluation data (the model's own output column is ``label``).
-TARGET_COLUMN = "true_label"
 
 
-class ReviewError(ValueError):
-    """A review cannot be done as asked (no such version, no test data, incompatible models)."""
+class ReviewError(EvaluationError):
+    """A review cannot be done as asked (no such version, no test data, incompatible models);
+    the test data and the scoring raise its base, ``EvaluationError``."""
 
 
 @dataclass(frozen=True)
@@ -62,14 +69,6 @@ class Target:
 # ---------------------------------------------------------------- pure helpers (unit-tested)
 
 
-def _key(value: Any) -> str:
-    """A class value as a string: class values come back from JSON, CSV and pandas with different
-    types (``3``, ``3.0``, ``"3"``), and the evaluator must see one type on both sides."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return str(value)
-
-
 def summary(result: Any, *, version: str, model_id: str | None) -> dict[str, Any]:
     """What the review keeps of one version's ``EvaluationResult`` (JSON-safe, for the XCom):
     its metrics and, when the evaluator made its per-class table (more than two classes), each
@@ -77,7 +76,7 @@ def summary(result: Any, *, version: str, model_id: str | None) -> dict[str, Any
     per_class = result.artifacts.get("per_class_metrics")
     recall = {}
     if per_class is not None:
-        recall = {_key(row["positive_class"]): float(row["recall_score"])
+        recall = {class_key(row["positive_class"]): float(row["recall_score"])
                   for _, row in per_class.content.iterrows()}
     return {"version": version, "model_id": model_id, "run_id": result.run_id,
             "metrics": {k: float(v) for k, v in result.metrics.items()}, "per_class_recall": recall}
@@ -181,86 +180,23 @@ def resolve_target(tracking_uri: str, name: str, version: str | None = None,
                       shards_prefix=prefix)
 
 
-def load_test_frame(shards_prefix: str, work_dir: str) -> tuple[Any, list[str]]:
-    """The test split of a sharded dataset as one frame (the feature columns as float64, the
-    model's input schema, and the class values in ``TARGET_COLUMN``) and the classes, as strings."""
-    import numpy as np
-    import pandas as pd
-
-    from training.feed import data
-
-    manifest = data.load_manifest(shards_prefix)
-    columns = [str(c) for c in manifest["feature_columns"]]
-    if TARGET_COLUMN in columns:
-        raise ReviewError(f"{shards_prefix}: a feature column is named {TARGET_COLUMN!r}, the review's label column")
-    test = [s for s in manifest["shards"] if s["split"] == "test"]
-    X, y = data.fetch_split(manifest, shards_prefix, test, work_dir)
-    if len(y) == 0:
-        raise ReviewError(f"{shards_prefix} has no test rows to review on")
-    classes = [_key(c) for c in manifest["classes"]]
-    frame = pd.DataFrame(X.astype("float64"), columns=columns)
-    frame[TARGET_COLUMN] = np.asarray(classes, dtype=object)[np.asarray(y, dtype=np.int64)]
-    return frame, classes
-
-
-def _test_dataset(frame: Any, shards_prefix: str) -> Any:
-    """The frame as an ``mlflow.data`` dataset whose source is the manifest: both versions'
-    evaluations name the same dataset (same digest), and so do their LoggedModels' metrics."""
-    import mlflow.data
-
-    from common.manifest import manifest_uri
-    from training.tracking.run_extras import dataset_source
-
-    return mlflow.data.from_pandas(frame, source=dataset_source(manifest_uri(shards_prefix)),
-                                   targets=TARGET_COLUMN, name="test split")
-
-
 def evaluate_version(name: str, version: str, dataset: Any, classes: list[str], *, role: str,
                      experiment_id: str) -> tuple[Any, str | None]:
-    """Score a registered version through ``mlflow.pyfunc`` with ``mlflow.models.evaluate``, in a
-    run nested in the active review run and linked to the version's LoggedModel: its
-    ``EvaluationResult`` and that LoggedModel's id.
+    """Score a registered version (``evaluation.evaluate_model``) in a run nested in the active
+    review run: its ``EvaluationResult`` and the id of the LoggedModel it is linked to.
 
     Runs under ``_tracking_uri`` (evaluate logs through the fluent API).
     """
     import mlflow
     from mlflow import MlflowClient
 
-    model_id = _logged_model_id(MlflowClient().get_model_version(name, version))
-    model = mlflow.pyfunc.load_model(f"models:/{name}/{version}")
-    known = set(classes)
-
-    def predict(features: Any) -> Any:
-        # The classifier evaluator wants one column of predictions; the model also returns
-        # the probability of each.
-        try:
-            labels = model.predict(features)["label"].map(_key)
-        except Exception as exc:  # a champion trained on other features cannot be compared
-            raise ReviewError(f"{name} version {version} cannot score the test data: {exc}") from exc
-        unknown = sorted(set(labels) - known)
-        if unknown:
-            raise ReviewError(f"{name} version {version} predicts classes {unknown[:10]} that the test data "
-                              f"does not have ({classes[:20]})")
-        return labels
-
+    model_id = logged_model_id(MlflowClient().get_model_version(name, version))
     with mlflow.start_run(experiment_id=experiment_id, run_name=f"{role} (version {version})", nested=True,
                           tags={"model.name": name, "model.version": version, "review.role": role}) as run:
-        result = mlflow.models.evaluate(
-            model=predict, data=dataset, model_type="classifier", evaluators="default", model_id=model_id,
-            # SHAP is not installed, and would cost minutes on wide inputs.
-            evaluator_config={"label_list": list(classes), "log_model_explainability": False})
+        result = evaluate_model(f"models:/{name}/{version}", dataset, classes, model_id=model_id,
+                                what=f"{name} version {version}")
     log.info("%s version %s (%s): %s (run %s)", name, version, role, result.metrics, run.info.run_id)
     return result, model_id
-
-
-def _logged_model_id(version: Any) -> str | None:
-    """The LoggedModel behind a model version: MLflow's field where the store fills it, else the
-    ``models:/<model_id>`` source the open-source store keeps; None for a version registered
-    from a run's artifacts (before MLflow 3), whose evaluation is then linked to no model."""
-    if version.model_id:
-        return version.model_id
-    ref = version.source[len("models:/"):] if version.source.startswith("models:/") else ""
-    return ref if ref and "/" not in ref else None
 
 
 def _log_confusion_png(result: Any, role: str, tmp: str) -> None:
@@ -281,11 +217,11 @@ def review(tracking_uri: str, target: Target, *, run_name: str, tags: Mapping[st
     import mlflow
 
     with tempfile.TemporaryDirectory(prefix="mxpipe-review-") as tmp:
-        frame, classes = load_test_frame(target.shards_prefix, os.path.join(tmp, "data"))
+        test = load_test_split(target.shards_prefix, os.path.join(tmp, "data"))
         roles = {"challenger": target.challenger, **({"champion": target.champion} if target.champion else {})}
         with bounded_mlflow_env(), _tracking_uri(tracking_uri):
             experiment_id = _get_or_create_experiment(client(tracking_uri), REVIEW_EXPERIMENT)
-            dataset = _test_dataset(frame, target.shards_prefix)
+            dataset = test.dataset()
             with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags={
                     **dict(tags or {}), "model.name": target.name, "model.challenger": target.challenger,
                     "model.champion": target.champion or ""}) as run:
@@ -293,7 +229,7 @@ def review(tracking_uri: str, target: Target, *, run_name: str, tags: Mapping[st
                                    "champion": target.champion or "none", "shards_prefix": target.shards_prefix})
                 evaluations = {}
                 for role, version in roles.items():
-                    result, model_id = evaluate_version(target.name, version, dataset, classes, role=role,
+                    result, model_id = evaluate_version(target.name, version, dataset, test.classes, role=role,
                                                         experiment_id=experiment_id)
                     evaluations[role] = summary(result, version=version, model_id=model_id)
                     _log_confusion_png(result, role, tmp)

@@ -1,9 +1,10 @@
 """What a training run's MLflow page shows beyond params, metrics and the model.
 
 The dataset manifest as an ``mlflow.data`` input (so the run's "Datasets used" names the exact
-shards it trained on, by digest), a loss/accuracy curve and a confusion-matrix PNG built from
-the epoch history and the test evaluation. Airflow-free; mlflow and matplotlib are imported
-inside the functions (matplotlib missing: no image, a log line, nothing fails).
+shards it trained on, by digest) and a loss/accuracy curve built from the epoch history (the
+test split's confusion matrix and per-class figures come from MLflow's evaluator:
+``training.tracking.evaluation``). Airflow-free; mlflow and matplotlib are imported inside the
+functions (matplotlib missing: no image, a log line, nothing fails).
 """
 from __future__ import annotations
 
@@ -89,31 +90,8 @@ def curves_png(history: Sequence[Mapping[str, float]], path: str) -> str | None:
     return path
 
 
-def confusion_png(evaluation: Mapping[str, Any], title: str, path: str) -> str | None:
-    """The test split's confusion matrix (``evaluate_classifier``'s) as a heat map."""
-    plt = _pyplot()
-    if plt is None:
-        return None
-    m, classes = evaluation["confusion_matrix"], [str(c) for c in evaluation["classes"]]
-    side = 1 + 0.5 * len(classes)
-    fig, ax = plt.subplots(figsize=(max(side, 3), max(side, 3)), dpi=100)
-    ax.imshow(m, cmap="Blues")
-    ax.set(xticks=range(len(classes)), yticks=range(len(classes)), xticklabels=classes, yticklabels=classes,
-           xlabel="predicted", ylabel="true", title=title)
-    for i, row in enumerate(m):
-        for j, v in enumerate(row):
-            ax.text(j, i, str(v), ha="center", va="center", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def plot_artifacts(history: Sequence[Mapping[str, float]], evaluation: Mapping[str, Any],
-                   out_dir: str) -> dict[str, str]:
+def plot_artifacts(history: Sequence[Mapping[str, float]], out_dir: str) -> dict[str, str]:
     """``{run-relative artifact path: local PNG}`` for ``log_model_run(artifacts=...)``."""
     os.makedirs(out_dir, exist_ok=True)
-    made = {"plots/curves.png": curves_png(history, os.path.join(out_dir, "curves.png")),
-            "plots/confusion_matrix.png": confusion_png(evaluation, "test split",
-                                                        os.path.join(out_dir, "confusion_matrix.png"))}
-    return {dest: path for dest, path in made.items() if path}
+    curves = curves_png(history, os.path.join(out_dir, "curves.png"))
+    return {"plots/curves.png": curves} if curves else {}
