@@ -154,15 +154,13 @@ def connection_env(params: Mapping[str, Any] | None = None) -> EnvChanges:
     return env
 
 
-def _apply(changes: EnvChanges) -> EnvChanges:
-    """Set (or, for None, unset) each variable; returns the previous values, to undo it."""
-    previous: EnvChanges = {k: os.environ.get(k) for k in changes}
+def _apply(changes: EnvChanges) -> None:
+    """Set (or, for None, unset) each variable in this process's environment."""
     for key, value in changes.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-    return previous
 
 
 def _fail(exc: ConnectionSettingsError) -> Exception:
@@ -175,14 +173,16 @@ def _fail(exc: ConnectionSettingsError) -> Exception:
 def task_environment(params: Mapping[str, Any] | None = None) -> Iterator[None]:
     """This process's environment with the run's connections applied, restored on the way out.
     A missing or unusable connection fails the task without a retry."""
+    # The one helper that snapshots variables and puts them back (tests/unit/test_settings.py).
+    from training.tracking.registry import environ_restored
+
     try:
-        previous = _apply(connection_env(params))
+        changes = connection_env(params)
     except ConnectionSettingsError as exc:
         raise _fail(exc) from exc
-    try:
+    with environ_restored(changes):
+        _apply(changes)
         yield
-    finally:
-        _apply(previous)
 
 
 def with_connections(func: F) -> F:
