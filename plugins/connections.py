@@ -48,7 +48,6 @@ MLFLOW_DEFAULT_CONN_ID = "mlflow_default"
 AWS_CONN_PARAM, MLFLOW_CONN_PARAM = "aws_conn_id", "mlflow_conn_id"
 CLUSTER_VARIABLES = {"hosts": "mxpipe_hosts", "ec2": "mxpipe_ec2"}
 
-AWS_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 MLFLOW_AUTH = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 
 # The value None in an environment change means "unset this variable".

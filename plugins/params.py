@@ -13,6 +13,7 @@ from airflow.sdk import Param
 
 from common.config import BACKENDS, KVSTORES, MODELS, OPTIMIZERS, TrainConfig, recipe
 from common.settings import DEFAULT_MODEL_NAME, settings
+from plugins.connections import AWS_CONN_PARAM, MLFLOW_CONN_PARAM
 from training.tracking.warm_start import MODEL_URI_PATTERN
 
 # s3:// URI (bucket 3–63 chars of [a-z0-9.-], then a key) or an absolute path; a table file, a
@@ -75,13 +76,13 @@ def training_params() -> dict[str, Param]:
                                description="EC2 instance type (e.g. c5.xlarge) for the ec2 backend; empty = the "
                                            "launch template's."),
         # Empty: the default connection where it exists, else the environment (plugins.connections).
-        "aws_conn_id": Param("", type="string", pattern=CONN_ID_PATTERN,
-                             description="Airflow AWS connection for S3 (credentials, endpoint, region); empty = "
-                                         "aws_default where it exists, else the workers' AWS environment."),
-        "mlflow_conn_id": Param("", type="string", pattern=CONN_ID_PATTERN,
-                                description="Airflow connection of the MLflow tracking server (URI, token or "
-                                            "login/password); empty = mlflow_default where it exists, else "
-                                            "MLFLOW_TRACKING_URI."),
+        AWS_CONN_PARAM: Param("", type="string", pattern=CONN_ID_PATTERN,
+                              description="Airflow AWS connection for S3 (credentials, endpoint, region); empty = "
+                                          "aws_default where it exists, else the workers' AWS environment."),
+        MLFLOW_CONN_PARAM: Param("", type="string", pattern=CONN_ID_PATTERN,
+                                 description="Airflow connection of the MLflow tracking server (URI, token or "
+                                             "login/password); empty = mlflow_default where it exists, else "
+                                             "MLFLOW_TRACKING_URI."),
         "warm_start": Param("", type="string", pattern=WARM_START_PATTERN,
                             description="Initialise the model from the newest valid checkpoint of another run "
                                         "of this DAG (its run id), or from a registered version "
