@@ -60,7 +60,8 @@ class Settings(BaseSettings):
     aws_region: str = _var("us-east-1", "AWS_DEFAULT_REGION", "Region of the S3 client", group="storage")
     aws_access_key_id: str | None = _var(None, "AWS_ACCESS_KEY_ID", "Part of the S3 client cache "
                                          "key (boto3 reads the credentials itself)", group="storage")
-    mlflow_tracking_uri: str | None = _var(None, "MLFLOW_TRACKING_URI", "MLflow tracking server; "
+    mlflow_tracking_uri: str | None = _var(None, "MLFLOW_TRACKING_URI", "MLflow tracking server "
+                                           "(in Airflow, set by each task from its MLflow connection); "
                                            "unset: MLflow's own default", group="storage")
 
     # --- the DAGs --------------------------------------------------------------------------
@@ -90,9 +91,9 @@ class Settings(BaseSettings):
     cluster_ttl_s: float = _var(6 * 3600.0, "MXPIPE_CLUSTER_TTL_S", "Age after which "
                                 "`cluster_reaper` tears a cluster down", group="cluster")
     hosts_file: str | None = _var(None, "MXPIPE_HOSTS_FILE", "JSON list of hosts of the `hosts` "
-                                  "backend", group="cluster")
+                                  "backend (the Airflow Variable `mxpipe_hosts` wins)", group="cluster")
     ec2_file: str | None = _var(None, "MXPIPE_EC2_FILE", "JSON object of EC2 options of the "
-                                "`ec2` backend", group="cluster")
+                                "`ec2` backend (the Airflow Variable `mxpipe_ec2` wins)", group="cluster")
     flush_denormals: bool = _var(False, "MXPIPE_FLUSH_DENORMALS", "Set by the launcher for each "
                                  "role from `cluster.flush_denormals`", group="cluster")
 

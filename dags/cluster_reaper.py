@@ -4,7 +4,8 @@ Every cluster carries its run id and an expiry time (a local record for every ba
 tags on EC2 instances). A teardown task that never ran (a scheduler crash, a deleted DAG run)
 leaves such a cluster behind; this DAG terminates it once its TTL has passed.
 ``MXPIPE_REAPER_SCHEDULE`` sets the cron schedule (default every 15 minutes, UTC; ``none``
-turns it off).
+turns it off). The EC2 side uses the ``aws_default`` connection and the ``mxpipe_ec2`` Variable
+(else the environment and ``MXPIPE_EC2_FILE``).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from airflow.sdk import CronTriggerTimetable, dag, task
 
 from common.settings import settings
 from plugins import pipeline_tasks as tasks
+from plugins.connections import with_connections
 
 SCHEDULE = settings().reaper_schedule
 
@@ -29,6 +31,7 @@ SCHEDULE = settings().reaper_schedule
 )
 def cluster_reaper() -> None:
     @task(execution_timeout=timedelta(minutes=10))
+    @with_connections
     def reap() -> dict:
         return tasks.reap()
 

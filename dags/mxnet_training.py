@@ -8,6 +8,10 @@ This file reads like a config: Airflow's SDK and the project's light task module
 no I/O at parse time. The schedule comes from ``MXPIPE_SCHEDULE`` (a cron expression; ``none``
 turns scheduling off), read once at parse time from the settings (``common.settings``).
 
+Every task that touches S3, MLflow or a cluster runs inside the run's Airflow connections
+(``with_connections``: ``aws_default`` / ``mlflow_default``, or the ``aws_conn_id`` /
+``mlflow_conn_id`` Params' connections; see ``plugins.connections``).
+
 The shard task resolves the run's config once and pushes it as its ``config`` XCom; every later
 task takes the config from there (see ``plugins.pipeline_tasks``).
 """
@@ -21,6 +25,7 @@ from airflow.sdk import (AssetAlias, AssetOrTimeSchedule, CronTriggerTimetable, 
 from common.settings import settings
 from plugins import callbacks
 from plugins.assets import MODEL, SHARDS, SOURCE_DATASET
+from plugins.connections import with_connections
 from plugins import pipeline_tasks as tasks
 from plugins.params import training_params
 from plugins.review import model_asset
@@ -68,6 +73,7 @@ def _ids() -> tuple[str, str, int]:
 )
 def mxnet_training() -> None:
     @task(outlets=[SHARDS])
+    @with_connections
     def shard(params: dict | None = None) -> dict:
         dag_id, run_id, _ = _ids()
         config, out = tasks.shard(params, dag_id, run_id)
@@ -83,6 +89,7 @@ def mxnet_training() -> None:
     # One task per shard (named by the shard); a data failure fails it without a retry
     # (AirflowFailException); the one retry is for infrastructure errors.
     @task(map_index_template="{{ task.op_kwargs['shard_name'] }}", retries=1, retry_delay=timedelta(seconds=5))
+    @with_connections
     def validate_shard(shard_name: str, shards: dict, config: dict) -> dict:
         dag_id, run_id, _ = _ids()
         return tasks.validate_shard(config, shards, shard_name, dag_id, run_id)
@@ -90,25 +97,30 @@ def mxnet_training() -> None:
     # Runs when the shards exist and every shard task is done, even failed ones: it writes the
     # whole report and fails with every failure listed; provision runs only if it succeeds.
     @task(trigger_rule="all_done_min_one_success")
+    @with_connections
     def validate(shards: dict, config: dict) -> dict:
         dag_id, run_id, _ = _ids()
         return tasks.validate(config, shards, dag_id, run_id)
 
     @setup
+    @with_connections
     def provision(config: dict, params: dict | None = None) -> dict:
         dag_id, run_id, _ = _ids()
         return tasks.provision(config, params, dag_id, run_id)
 
     @task(retries=2, retry_delay=RETRY_DELAY, retry_exponential_backoff=True)
+    @with_connections
     def train(cluster: dict, shards: dict, config: dict, params: dict | None = None) -> dict:
         dag_id, run_id, try_number = _ids()
         return tasks.train(config, params, cluster, shards, dag_id, run_id, try_number)
 
     @teardown
+    @with_connections
     def release(cluster: dict) -> dict:
         return tasks.teardown(cluster)
 
     @task(retries=2, retry_delay=RETRY_DELAY, outlets=[MODEL, REGISTERED_MODEL])
+    @with_connections
     def register(shards: dict, trained: dict, validation: dict, config: dict, params: dict | None = None) -> dict:
         dag_id, run_id, try_number = _ids()
         out = tasks.register(config, params, shards, trained, validation, dag_id, run_id, try_number)

@@ -27,11 +27,11 @@ from infra.stack_config import (
     REPO_ROOT,
     ServiceError,
     StackConfig,
+    airflow_task_env,
     check_ports_free,
     load_credentials,
     mxpipe_home,
     service_env,
-    stack_env,
 )
 
 AIRFLOW_COMPONENTS = ("dag-processor", "scheduler", "triggerer", "api-server")
@@ -78,8 +78,11 @@ def airflow_env(home: str | os.PathLike[str], *, api_port: int = 8080,
     return env
 
 
-def _airflow_process_env(cfg: StackConfig, client_env: Mapping[str, str] | None) -> dict[str, str]:
-    extra = dict(stack_env(cfg.home) if client_env is None else client_env)
+def airflow_process_env(cfg: StackConfig, client_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of every Airflow component: the ambient one cleaned (``service_env``),
+    ``client_env`` for the tasks (default: the stack's connections, ``airflow_task_env``; no
+    component needs S3 or MLflow itself) and Airflow's configuration."""
+    extra = dict(airflow_task_env(cfg.home) if client_env is None else client_env)
     extra.update(airflow_env(cfg.home, api_port=cfg.airflow_port, dags_folder=cfg.dags_folder,
                              plugins_folder=cfg.plugins_folder))
     return service_env(extra)
@@ -138,11 +141,12 @@ def start_airflow(cfg: StackConfig, *, client_env: Mapping[str, str] | None = No
                   timeout_s: float = 300.0) -> list[ServiceHandle]:
     """Migrate the DB once, start each component in its own session, wait until healthy.
 
-    ``client_env`` (S3/MLflow env for the tasks) defaults to :func:`stack_env` of ``cfg.home``.
+    ``client_env`` (what the tasks find in their environment) defaults to the stack's S3 and
+    MLflow connections (:func:`airflow_task_env` of ``cfg.home``).
     Components already running for this home are reused.
     """
     components = list(components)
-    env = _airflow_process_env(cfg, client_env)
+    env = airflow_process_env(cfg, client_env)
     airflow_migrate(cfg, env)
     since = 0.0  # heartbeats must be newer than the first launch (the DB keeps old jobs)
     handles: list[ServiceHandle] = []

@@ -1,15 +1,20 @@
-"""Where a backend's machines are, read from the settings files of the Airflow workers.
+"""Where a backend's machines are: the deployment's settings, given as JSON text (an Airflow
+Variable, which ``plugins.connections`` fetches) or read from the settings files of the Airflow
+workers.
 
 The config says which backend a run uses (``cluster.backend``) and how big its job is; the
-machines themselves are the deployment's, not the run's: ``MXPIPE_HOSTS_FILE`` is a JSON list of
-hosts (``infra.transport.HostSpec`` fields) for ``hosts``, ``MXPIPE_EC2_FILE`` a JSON object of
+machines themselves are the deployment's, not the run's: a JSON list of hosts
+(``infra.transport.HostSpec`` fields) for ``hosts``, a JSON object of
 ``infra.ec2_cluster.Ec2Options`` fields (region, launch template, subnet, spot, ...) for ``ec2``.
-A missing or malformed file is a ``ClusterSettingsError`` (the same settings fail the same way).
+Given text (a ``SettingsSource`` whose text is set) wins; otherwise ``MXPIPE_HOSTS_FILE`` /
+``MXPIPE_EC2_FILE`` name the file. Missing or malformed settings are a ``ClusterSettingsError``
+(the same settings fail the same way), naming where they came from.
 """
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from common.config import ClusterConfig
@@ -21,7 +26,16 @@ log = logging.getLogger(__name__)
 
 
 class ClusterSettingsError(ValueError):
-    """A backend's settings file is missing or malformed: deterministic, not worth a retry."""
+    """A backend's settings are missing or malformed: deterministic, not worth a retry."""
+
+
+@dataclass(frozen=True)
+class SettingsSource:
+    """A backend's settings as JSON text from outside the settings file: ``where`` names it in
+    errors (``Airflow Variable mxpipe_hosts``); ``text`` None means it is not set there."""
+
+    where: str
+    text: str | None
 
 
 def _settings_file(backend: str) -> tuple[str, str | None]:
@@ -30,45 +44,58 @@ def _settings_file(backend: str) -> tuple[str, str | None]:
     return {"hosts": ("MXPIPE_HOSTS_FILE", current.hosts_file), "ec2": ("MXPIPE_EC2_FILE", current.ec2_file)}[backend]
 
 
-def cluster_options(backend: str) -> dict[str, Any]:
-    """``ClusterSpec.options`` of ``backend``: ``{}`` for local, ``{"hosts": [...]}`` for hosts,
-    the EC2 options object for ec2."""
-    if backend == "local":
-        return {}
+def _document(backend: str, source: SettingsSource | None) -> tuple[str, Any]:
+    """``(where, parsed JSON)`` of the backend's settings: the given text, else the file."""
+    if source is not None and source.text is not None:
+        try:
+            return source.where, json.loads(source.text)
+        except ValueError as exc:
+            raise ClusterSettingsError(f"{source.where}: not a JSON document: {exc}") from exc
     var, path = _settings_file(backend)
     if not path:
-        raise ClusterSettingsError(f"backend {backend!r} needs {var} (a JSON file describing its machines)")
+        also = f" or the {source.where}" if source is not None else ""
+        raise ClusterSettingsError(f"backend {backend!r} needs {var} (a JSON file describing its machines){also}")
     try:
         with open(path) as fh:
-            raw = json.load(fh)
+            return f"{var}={path}", json.load(fh)
     except (OSError, ValueError) as exc:
         raise ClusterSettingsError(f"{var}={path}: cannot read a JSON document from it: {exc}") from exc
+
+
+def cluster_options(backend: str, source: SettingsSource | None = None) -> dict[str, Any]:
+    """``ClusterSpec.options`` of ``backend``: ``{}`` for local, ``{"hosts": [...]}`` for hosts,
+    the EC2 options object for ec2; from ``source`` where it holds text, else the file."""
+    if backend == "local":
+        return {}
+    where, raw = _document(backend, source)
     wanted = list if backend == "hosts" else dict
     if not isinstance(raw, wanted):
-        raise ClusterSettingsError(f"{var}={path}: expected a JSON {'list of hosts' if wanted is list else 'object'}, "
+        raise ClusterSettingsError(f"{where}: expected a JSON {'list of hosts' if wanted is list else 'object'}, "
                                    f"got {type(raw).__name__}")
     return {"hosts": raw} if backend == "hosts" else raw
 
 
-def cluster_spec(run_tag: str, cluster: ClusterConfig, instance_type: str = "") -> ClusterSpec:
+def cluster_spec(run_tag: str, cluster: ClusterConfig, instance_type: str = "",
+                 source: SettingsSource | None = None) -> ClusterSpec:
     """A run's ``ClusterSpec``: its shape and backend from the config, its machines from the
-    backend's settings file, its TTL from ``MXPIPE_CLUSTER_TTL_S``. ``instance_type`` (a run's
-    choice) wins over the settings file's."""
-    options = cluster_options(cluster.backend)
+    backend's settings (``cluster_options``), its TTL from ``MXPIPE_CLUSTER_TTL_S``.
+    ``instance_type`` (a run's choice) wins over the settings'."""
+    options = cluster_options(cluster.backend, source)
     return ClusterSpec(run_tag=run_tag, workers=cluster.num_workers, servers=cluster.num_servers,
                        backend=cluster.backend, devices_per_worker=int(options.get("devices_per_worker", 0)),
                        instance_type=str(instance_type or options.get("instance_type", "")),
                        image=str(options.get("image", "")), ttl_s=settings().cluster_ttl_s, options=options)
 
 
-def reap(older_than_s: float = 0.0) -> dict[str, Any]:
-    """Tear down every cluster past its TTL: the local records, and (when ``MXPIPE_EC2_FILE`` is
-    set) EC2 instances by their tags, which the reaper finds even if a record was lost."""
+def reap(older_than_s: float = 0.0, ec2: SettingsSource | None = None) -> dict[str, Any]:
+    """Tear down every cluster past its TTL: the local records, and (where EC2 settings exist:
+    ``ec2`` holds text, or ``MXPIPE_EC2_FILE`` is set) EC2 instances by their tags, which the
+    reaper finds even if a record was lost."""
     reaped: dict[str, Any] = {"clusters": reap_records(older_than_s)}
-    if settings().ec2_file:
+    if (ec2 is not None and ec2.text is not None) or settings().ec2_file:
         from infra.ec2_cluster import Ec2Options, reap_expired
 
-        reaped["ec2_instances"] = reap_expired(Ec2Options.from_dict(cluster_options("ec2")),
+        reaped["ec2_instances"] = reap_expired(Ec2Options.from_dict(cluster_options("ec2", ec2)),
                                                older_than_s=older_than_s)
     log.info("reaper: %s", reaped)
     return reaped

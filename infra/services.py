@@ -11,6 +11,10 @@ or ``<repo>/.local``::
     s3/                SeaweedFS data        mlflow/mlflow.db    MLflow backend store
     airflow/           AIRFLOW_HOME (SQLite metadata DB, task logs)
 
+The Airflow components get S3 and MLflow as the connections ``aws_default`` and
+``mlflow_default`` (``AIRFLOW_CONN_*`` in their environment, ``stack_config.airflow_task_env``),
+not as AWS or MLflow variables; ``env`` prints the plain variables for a shell.
+
 The pieces: ``infra.stack_config`` (home, ports, credentials, environments),
 ``infra.processes`` (launch/stop of a service's session, pid files, bounded waits),
 ``infra.s3_service`` (SeaweedFS) and ``infra.airflow_service`` (Airflow). MLflow is small
@@ -39,6 +43,7 @@ from infra.stack_config import (
     REGION,
     ServiceError,
     StackConfig,
+    airflow_task_env,
     check_ports_free,
     load_credentials,
     mxpipe_home,
@@ -178,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p_down.add_argument("--only", default=",".join(SERVICES))
     sub.add_parser("status", help="show each service")
     p_env = sub.add_parser("env", help="print export lines for clients")
-    p_env.add_argument("--airflow", action="store_true", help="also the AIRFLOW__* config")
+    p_env.add_argument("--airflow", action="store_true",
+                       help="also the AIRFLOW__* config and the stack's connections (AIRFLOW_CONN_*)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     home = mxpipe_home(args.home)
@@ -204,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     env = stack_env(home)
     if args.airflow:
         cfg = StackConfig.load(home)
+        env.update(airflow_task_env(home))
         env.update(airflow_env(home, api_port=cfg.airflow_port, dags_folder=cfg.dags_folder,
                                plugins_folder=cfg.plugins_folder))
     import shlex

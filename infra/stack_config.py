@@ -141,7 +141,8 @@ def load_credentials(home: str | os.PathLike[str] | None = None) -> dict[str, st
 
 
 def stack_env(home: str | os.PathLike[str] | None = None) -> dict[str, str]:
-    """The client environment for this stack: S3, MLflow, artifact root, Airflow home."""
+    """The client environment for this stack (a shell, the CLIs): S3, MLflow, artifact root,
+    Airflow home, as plain variables."""
     cfg = StackConfig.load(home)
     creds = load_credentials(cfg.home)
     return {
@@ -155,15 +156,38 @@ def stack_env(home: str | os.PathLike[str] | None = None) -> dict[str, str]:
     }
 
 
+def connections_env(*, s3_endpoint: str, access_key: str, secret_key: str, mlflow_uri: str,
+                    region: str = REGION) -> dict[str, str]:
+    """The Airflow connections ``aws_default`` (S3: key pair, endpoint, region) and
+    ``mlflow_default`` (the tracking server) as ``AIRFLOW_CONN_*`` variables in Airflow's JSON
+    form, which its environment-variables secrets backend reads first."""
+    aws = {"conn_type": "aws", "login": access_key, "password": secret_key,
+           "extra": {"endpoint_url": s3_endpoint, "region_name": region}}
+    mlflow = {"conn_type": "http", "extra": {"uri": mlflow_uri}}
+    return {"AIRFLOW_CONN_AWS_DEFAULT": json.dumps(aws), "AIRFLOW_CONN_MLFLOW_DEFAULT": json.dumps(mlflow)}
+
+
+def airflow_task_env(home: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """What the Airflow processes of this stack add for the tasks: S3 and MLflow as connections
+    (no AWS or MLflow variables: a task applies its connections to its own environment,
+    ``plugins.connections``), and the artifact root."""
+    cfg = StackConfig.load(home)
+    creds = load_credentials(cfg.home)
+    return {**connections_env(s3_endpoint=cfg.s3_endpoint, access_key=creds["access_key"],
+                              secret_key=creds["secret_key"], mlflow_uri=cfg.mlflow_uri),
+            "MXPIPE_ARTIFACT_ROOT": f"s3://{cfg.bucket}/runs"}
+
+
 _DROPPED_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "MLFLOW_TRACKING_URI", "AIRFLOW_HOME",
-                "PYTHONDONTWRITEBYTECODE")
+                "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_TOKEN",
+                "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "AIRFLOW_HOME", "PYTHONDONTWRITEBYTECODE")
 
 
 def service_env(extra: Mapping[str, str]) -> dict[str, str]:
-    """The ambient environment without stray credentials/Airflow config, plus ``extra``."""
+    """The ambient environment without stray credentials, Airflow config and connections, plus
+    ``extra``."""
     env = {k: v for k, v in os.environ.items()
-           if k not in _DROPPED_ENV and not k.startswith("AIRFLOW__")}
+           if k not in _DROPPED_ENV and not k.startswith(("AIRFLOW__", "AIRFLOW_CONN_"))}
     env.setdefault("PYTHONPYCACHEPREFIX", str(pycache_dir()))
     env.update({"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"})
     env.update(extra)

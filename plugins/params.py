@@ -13,6 +13,7 @@ from airflow.sdk import Param
 
 from common.config import BACKENDS, KVSTORES, MODELS, OPTIMIZERS, TrainConfig, recipe
 from common.settings import DEFAULT_MODEL_NAME, settings
+from plugins.connections import AWS_CONN_PARAM, MLFLOW_CONN_PARAM
 from training.tracking.warm_start import MODEL_URI_PATTERN
 
 # s3:// URI (bucket 3–63 chars of [a-z0-9.-], then a key) or an absolute path; a table file, a
@@ -21,6 +22,8 @@ DATASET_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/|/)[^\s]*(\.(csv
 # Empty (train from scratch), an Airflow run id of this DAG, or a registered model version:
 # models:/<name>/<version> or models:/<name>@<alias>.
 WARM_START_PATTERN = r"^$|^[A-Za-z0-9_.:+~-]{1,250}$|" + MODEL_URI_PATTERN
+# Empty, or an Airflow connection id (letters, digits, '_', '.', '-').
+CONN_ID_PATTERN = r"^[A-Za-z0-9_.-]{0,250}$"
 RECIPES = ("digits", "debug")
 # Form-level caps: tighter than TrainConfig's hard limits, they keep a manual run on a sane scale.
 MAX_WORKERS, MAX_SERVERS = 16, 8
@@ -66,11 +69,20 @@ def training_params() -> dict[str, Param]:
                                        description="MLflow registered model to add a version to."),
         # Feeds cluster.backend of the config.
         "backend": Param(base.cluster.backend, type="string", enum=list(BACKENDS),
-                         description="Where the roles run: local processes, the hosts of MXPIPE_HOSTS_FILE "
-                                     "(SSH), or EC2 instances (MXPIPE_EC2_FILE)."),
+                         description="Where the roles run: local processes, the hosts of the mxpipe_hosts "
+                                     "Variable or MXPIPE_HOSTS_FILE (SSH), or EC2 instances (mxpipe_ec2 "
+                                     "or MXPIPE_EC2_FILE)."),
         "instance_type": Param("", type="string", pattern=r"^$|^[a-z][a-z0-9-]*\.[a-z0-9]+$",
                                description="EC2 instance type (e.g. c5.xlarge) for the ec2 backend; empty = the "
                                            "launch template's."),
+        # Empty: the default connection where it exists, else the environment (plugins.connections).
+        AWS_CONN_PARAM: Param("", type="string", pattern=CONN_ID_PATTERN,
+                              description="Airflow AWS connection for S3 (credentials, endpoint, region); empty = "
+                                          "aws_default where it exists, else the workers' AWS environment."),
+        MLFLOW_CONN_PARAM: Param("", type="string", pattern=CONN_ID_PATTERN,
+                                 description="Airflow connection of the MLflow tracking server (URI, token or "
+                                             "login/password); empty = mlflow_default where it exists, else "
+                                             "MLFLOW_TRACKING_URI."),
         "warm_start": Param("", type="string", pattern=WARM_START_PATTERN,
                             description="Initialise the model from the newest valid checkpoint of another run "
                                         "of this DAG (its run id), or from a registered version "

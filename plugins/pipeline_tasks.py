@@ -5,6 +5,12 @@ by ``data_checks``, ``training``, ``infra`` and ``common``, and a small dict of 
 ids, digests) goes out: XCom carries pointers, never data. Heavy imports (mxnet, pandas,
 great_expectations, mlflow, boto3) happen inside the functions.
 
+S3, MLflow and the cluster backends' machines come from Airflow: every task of the DAG runs
+inside its run's connections (``plugins.connections``: ``aws_default`` / ``mlflow_default`` or
+the connections the ``aws_conn_id`` / ``mlflow_conn_id`` Params name, applied to the task's
+environment), and the hosts and EC2 settings come from the ``mxpipe_hosts`` / ``mxpipe_ec2``
+Variables, each with the environment and the settings files as the fallback.
+
 The config is resolved once. ``shard``, the first task, turns the Params into the typed
 ``TrainConfig`` (``resolve_config``; an invalid combination fails there, at once) and returns its
 dict beside the shard pointers; the DAG pushes that dict as the shard task's ``config`` XCom
@@ -18,11 +24,11 @@ pointers. ``shard`` checks the reference first all the same, before anything is 
 provisioned, so a run naming a missing run, model, version or alias fails at once, not after a
 cluster was provisioned for it.
 
-Failure kinds are chosen on purpose: bad input, a failed data check, an invalid config or
-cluster settings file, a warm start naming nothing usable and a NaN loss raise
-``AirflowFailException`` (no retry: the same input fails the same way); a lost role, a stall or
-a storage error raise an ordinary exception, so Airflow retries the task and the retry resumes
-from the latest committed checkpoint.
+Failure kinds are chosen on purpose: bad input, a failed data check, an invalid config,
+invalid cluster settings, a missing or unusable connection, a warm start naming nothing usable
+and a NaN loss raise ``AirflowFailException`` (no retry: the same input fails the same way); a
+lost role, a stall or a storage error raise an ordinary exception, so Airflow retries the task
+and the retry resumes from the latest committed checkpoint.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from common.config import ConfigError, TrainConfig, recipe
 from common.paths import DatasetPaths, RunPaths
 from common.settings import settings
+from plugins.connections import cluster_settings, role_base_env
 from training.tracking.server import tracking_uri as mlflow_server
 
 if TYPE_CHECKING:
@@ -190,12 +197,14 @@ def validate(config: Mapping[str, Any], shards: dict[str, Any], dag_id: str, run
 
 def cluster_spec(config: Mapping[str, Any], params: Mapping[str, Any], dag_id: str, run_id: str) -> ClusterSpec:
     """The run's ``ClusterSpec``: shape and backend from the config, machines from the backend's
-    settings file (a missing or malformed one fails without a retry)."""
+    Airflow Variable or settings file (missing or malformed settings fail without a retry)."""
     from infra.cluster_settings import ClusterSettingsError
     from infra.cluster_settings import cluster_spec as spec_for
 
+    cluster = load_config(config).cluster
     try:
-        return spec_for(f"{dag_id}--{run_id}", load_config(config).cluster, params.get("instance_type") or "")
+        return spec_for(f"{dag_id}--{run_id}", cluster, params.get("instance_type") or "",
+                        cluster_settings(cluster.backend))
     except ClusterSettingsError as exc:
         raise _fail(f"provision: {exc}") from exc
 
@@ -228,7 +237,7 @@ def reap(older_than_s: float = 0.0) -> dict[str, Any]:
     from infra.cluster_settings import reap as reap_clusters
 
     try:
-        return reap_clusters(older_than_s)
+        return reap_clusters(older_than_s, cluster_settings("ec2"))
     except ClusterSettingsError as exc:
         raise _fail(f"reap: {exc}") from exc
 
@@ -262,7 +271,8 @@ def train(config: Mapping[str, Any], params: Mapping[str, Any], cluster: dict[st
     backend = attach(cluster)
     if try_number > 1:
         backend = type(backend).provision(backend.spec, backend.home)
-    sup = Supervisor(cfg, cluster=backend, base_env=os.environ)
+    # The roles get the S3 settings this task's connections put in its environment.
+    sup = Supervisor(cfg, cluster=backend, base_env=role_base_env(os.environ))
     try:
         sup.run(job_uri)
     except JobFailed as exc:

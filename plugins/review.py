@@ -19,6 +19,7 @@ from typing import Any
 from airflow.sdk import Asset
 
 from common.settings import settings
+from plugins.connections import apply_connections
 from training.tracking.gate import DEFAULT_GATE, PARAM_SCHEMA as GATE_SCHEMA  # noqa: F401  (the DAG's Param)
 
 log = logging.getLogger(__name__)
@@ -41,11 +42,13 @@ def review_models() -> list[str]:
 
 def _tracking_uri() -> str:
     """``MLFLOW_TRACKING_URI``, which a review requires (no fallback to MLflow's default store)."""
+    apply_connections()  # mlflow_default and aws_default, for the rest of this task's process
     uri = settings().mlflow_tracking_uri
     if not uri:
         from airflow.sdk.exceptions import AirflowFailException
 
-        raise AirflowFailException("MLFLOW_TRACKING_URI is not set: nowhere to find the models")
+        raise AirflowFailException("no mlflow_default connection and MLFLOW_TRACKING_URI is not set: "
+                                   "nowhere to find the models")
     return uri
 
 

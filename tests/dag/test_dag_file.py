@@ -38,7 +38,8 @@ def test_structure(dag):
 
 @pytest.mark.parametrize("name,bad", [("num_workers", 0), ("num_workers", 17), ("epochs", 0),
                                       ("learning_rate", 0), ("kvstore", "local"), ("model", "resnet"),
-                                      ("dataset_uri", "s3://bucket/data.txt")])
+                                      ("dataset_uri", "s3://bucket/data.txt"), ("aws_conn_id", "not an id"),
+                                      ("mlflow_conn_id", "x" * 251)])
 def test_params_reject_out_of_range_values(dag, name, bad):
     from airflow.sdk.definitions.param import ParamsDict
     from airflow.sdk.exceptions import ParamValidationError
@@ -71,3 +72,5 @@ def test_form_enums_and_defaults_follow_training_config(dag):
         assert dag.params.get_param(name).description, name
         assert "type" in schema[name], name
     assert dag.params["warm_start"] == ""  # a new run never starts from another run unless asked
+    # Empty: the default connections where defined, else the environment.
+    assert dag.params["aws_conn_id"] == dag.params["mlflow_conn_id"] == ""

@@ -1,6 +1,8 @@
 """The real Airflow stack for a test module: api-server, scheduler, dag-processor (and, unless
-left out, triggerer) on free ports, with the S3 and MLflow fixtures' settings for the tasks.
-Every component runs in its own process group and is stopped, group and all, on the way out."""
+left out, triggerer) on free ports, with the S3 and MLflow fixtures' servers as the tasks'
+``aws_default`` and ``mlflow_default`` connections (as ``python -m infra.services up`` sets
+them: no AWS or MLflow variable reaches a component). Every component runs in its own process
+group and is stopped, group and all, on the way out."""
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +14,7 @@ from typing import Any
 from common.procs import Watch
 from infra.airflow_client import wait_for_dag
 from infra.airflow_service import AIRFLOW_COMPONENTS, start_airflow, stop_airflow
-from infra.stack_config import StackConfig
+from infra.stack_config import StackConfig, connections_env
 
 
 @contextlib.contextmanager
@@ -21,7 +23,9 @@ def airflow_stack(home: Path, s3_server: Any, mlflow_server: Any, dags: Mapping[
                   components: Iterable[str] = AIRFLOW_COMPONENTS) -> Iterator[StackConfig]:
     """Start the stack, wait (bounded) until every DAG of ``dags`` (dag_id → file) is parsed."""
     cfg = StackConfig.with_free_ports(home)
-    client_env = {**s3_server.env, "MLFLOW_TRACKING_URI": mlflow_server.tracking_uri,
+    client_env = {**connections_env(s3_endpoint=s3_server.endpoint, access_key=s3_server.access_key,
+                                    secret_key=s3_server.secret_key, mlflow_uri=mlflow_server.tracking_uri),
+                  "MXPIPE_ARTIFACT_ROOT": s3_server.env["MXPIPE_ARTIFACT_ROOT"],
                   "MXPIPE_HOME": str(home), "MXPIPE_SCHEDULE": "none", "MXPIPE_RETRY_DELAY_S": "1",
                   **(extra_env or {})}
     handles = start_airflow(cfg, client_env=client_env, components=components)

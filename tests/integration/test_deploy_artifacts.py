@@ -4,7 +4,9 @@ through ``docker compose config`` / ``docker-compose config`` (which validate ag
 Compose schema and resolve variables without an engine; ``scripts/bootstrap.sh`` installs
 Debian's docker-compose when neither is present) and a structural check of what the scaled-out
 stack needs."""
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,9 +72,15 @@ def test_compose_stack_has_what_the_scaled_out_pipeline_needs():
     airflow = {k: v for k, v in services.items() if k.startswith("airflow-")}
     assert all(v["environment"]["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor" for v in airflow.values())
     assert all("healthcheck" in services[s] for s in ("postgres", "redis", "seaweedfs", "mlflow"))
-    # Secrets come from the env file, never from the compose file itself.
+    # Secrets come from the env file, never from the compose file itself; S3 and MLflow reach the
+    # tasks as connections only.
     env = services["airflow-scheduler"]["environment"]
-    assert all(env[k].startswith("${") for k in ("AWS_SECRET_ACCESS_KEY", "AIRFLOW__CORE__FERNET_KEY"))
+    assert env["AIRFLOW__CORE__FERNET_KEY"].startswith("${")
+    assert not [k for k in env if k.startswith(("AWS_", "MLFLOW_"))], env
+    aws = json.loads(re.sub(r"\$\{(\w+):\?[^}]*\}", r"\1", env["AIRFLOW_CONN_AWS_DEFAULT"]))
+    assert (aws["conn_type"], aws["login"], aws["password"]) == ("aws", "S3_ACCESS_KEY", "S3_SECRET_KEY")
+    assert aws["extra"]["endpoint_url"] == "http://seaweedfs:8333"
+    assert json.loads(env["AIRFLOW_CONN_MLFLOW_DEFAULT"])["extra"]["uri"] == "http://mlflow:5000"
     # Published ports are bound to loopback only.
     ports = [p for s in services.values() for p in s.get("ports", [])]
     assert ports and all(p.startswith("127.0.0.1:") for p in ports)

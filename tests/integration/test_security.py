@@ -10,7 +10,8 @@ The secrets: the S3 key pair is the S3 fixture's real, randomly generated one (t
 be able to use it, so it cannot be fake; it is as recognisable as a fake: 20 and 40 random
 characters); the MLflow token (``MLFLOW_TRACKING_TOKEN``, which the MLflow client sends as a
 bearer token; the test server ignores it) and the checkpoint encryption key are fake and
-recognisable. The DAG does not expose ``checkpoint.encryption_key_env``, so the encryption key is
+recognisable. The DAG run gets the key pair and the token only through the ``aws_default`` and
+``mlflow_default`` connections, as a deployment does. The DAG does not expose ``checkpoint.encryption_key_env``, so the encryption key is
 checked on the local-job path only (``training.launch.launcher.Supervisor`` as the ``train`` task runs
 it). Every scan also plants a control secret in each kind of source it reads and requires the
 scanner to find it there: a scan that read nothing could not pass.
@@ -181,17 +182,47 @@ def _check(scanner: Scanner, control: str, kinds: set[str]) -> None:
     assert leaks == [], "secrets leaked:\n" + "\n".join(f"{h.secret} in {h.where}" for h in leaks)
 
 
+def _connections(s3_server, mlflow_server) -> dict[str, str]:
+    """The fixtures' servers as the ``aws_default`` and ``mlflow_default`` connections (JSON form),
+    the S3 key pair and the MLflow token planted in them."""
+    from urllib.parse import urlsplit
+
+    from airflow.sdk import Connection
+
+    tracking = urlsplit(mlflow_server.tracking_uri)
+    aws = Connection(conn_id="aws_default", conn_type="aws", login=s3_server.access_key,
+                     password=s3_server.secret_key,
+                     extra=json.dumps({"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}))
+    mlflow = Connection(conn_id="mlflow_default", conn_type="http", host=tracking.hostname, port=tracking.port,
+                        schema=tracking.scheme, extra=json.dumps({"token": FAKE_TOKEN}))
+    return {"AIRFLOW_CONN_AWS_DEFAULT": aws.as_json(), "AIRFLOW_CONN_MLFLOW_DEFAULT": mlflow.as_json()}
+
+
 @pytest.mark.timeout(900)
-def test_dag_run_leaks_no_secret(s3_server, mlflow_server, tmp_path_factory, digits_csv):
+def test_dag_run_through_connections_only_succeeds_and_leaks_no_secret(s3_server, mlflow_server,
+                                                                        tmp_path_factory, digits_csv):
+    """S3 and MLflow reach the tasks only as Airflow connections: no AWS or MLflow variable is in
+    the run's environment. The run goes shard → register, and the secrets planted in the
+    connections appear nowhere it leaves anything."""
     home = str(tmp_path_factory.mktemp("sec-home"))
     env = airflow_env(home, MXPIPE_ARTIFACT_ROOT=f"s3://{s3_server.bucket}/security-runs",
-                      MLFLOW_TRACKING_URI=mlflow_server.tracking_uri, MLFLOW_TRACKING_TOKEN=FAKE_TOKEN)
+                      **_connections(s3_server, mlflow_server))
+    env = {k: v for k, v in env.items() if not k.startswith(("AWS_", "MLFLOW_"))}
     source = f"s3://{s3_server.bucket}/security-data/dag-digits.csv"
     storage.put_bytes(source, digits_csv)
     conf = {"dataset_uri": source, "label_column": "label", "recipe": "debug", "epochs": 2, "num_workers": 2,
             "num_servers": 1, "checkpoint_every_n_steps": 10, "registered_model_name": "digits-security"}
     report, output = run_confs(env, [conf])
-    assert report["results"][0].get("state") == "success", (report, output[-4000:])
+    result = report["results"][0]
+    assert result.get("state") == "success", (report, output[-4000:])
+    # (the mapped validate_shard tasks are not listed by the runner)
+    assert {t: v["state"] for t, v in result["tasks"].items()} == dict.fromkeys(
+        ("shard", "shard_names", "validate", "provision", "train", "release", "register"), "success")
+    from mlflow.tracking import MlflowClient
+
+    version = MlflowClient(mlflow_server.tracking_uri).get_model_version_by_alias("digits-security", "challenger")
+    run = MlflowClient(mlflow_server.tracking_uri).get_run(version.run_id)
+    assert run.data.tags["airflow.run_id"] == result["run_id"]
 
     control = "CONTROL-" + uuid.uuid4().hex
     airflow_home = env["AIRFLOW_HOME"]

@@ -32,7 +32,6 @@ RUNTIME_FOLDERS = ("common", "training", "infra", "plugins", "dags", "data_check
 CHECKOUT_FOLDERS = ("scripts", "benchmarks", "tests")
 # Declared for what they are, not for an import.
 NOT_IMPORTED = {
-    "apache-airflow-providers-amazon": "kept for the S3 and EC2 hooks of the AWS side",
     "s3fs": "fsspec loads it by protocol for s3:// sources (data_checks/filesystems.py)",
 }
 TRAINER_REQUIREMENTS = REPO / "docker" / "trainer-requirements.txt"

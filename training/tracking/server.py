@@ -1,4 +1,12 @@
-"""Where the MLflow tracking server is: the one resolver every task and CLI uses."""
+"""Where the MLflow tracking server is: the one resolver every task and CLI uses.
+
+It reads the environment only. In Airflow, a task has applied its MLflow connection
+(``mlflow_default``, or the one the run's ``mlflow_conn_id`` Param names) to its own environment
+before it gets here (``plugins.connections``): the server as ``MLFLOW_TRACKING_URI``, its token or
+basic auth as ``MLFLOW_TRACKING_TOKEN`` / ``_USERNAME`` / ``_PASSWORD``, which MLflow's client
+reads on every request. Without a connection (a shell, or a deployment that sets the variables),
+the environment is what it was.
+"""
 from __future__ import annotations
 
 from common.settings import settings
