@@ -81,19 +81,21 @@ def _as_param_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in schema.items() if k not in ("title", "description", "default", "source")}
 
 
-def _shortcut(name: str, default: Any, description: str, **narrower: Any) -> Param:
-    """The Param of a shortcut field: its config field's schema, narrowed by ``narrower``."""
+def _shortcut(base: TrainConfig, name: str, description: str, **narrower: Any) -> Param:
+    """The Param of a shortcut field: its config field's schema (narrowed by ``narrower``) and
+    its value in ``base`` as the default."""
     section, field = SHORTCUTS[name]
-    schema = {k: v for k, v in section_schema(section)["properties"][field].items() if k not in ("default", "title")}
-    return Param(default, description=f"{description} {SHORTCUT_NOTE}", **{**schema, **narrower})
+    schema = _as_param_schema(section_schema(section)["properties"][field])
+    return Param(getattr(getattr(base, section), field), description=f"{description} {SHORTCUT_NOTE}",
+                 **{**schema, **narrower})
 
 
 def training_params() -> dict[str, Param]:
-    """The form of the training DAG, built from the config's schema and the recipe."""
-    base = recipe("digits", "")
-    d, m, o, c = base.data, base.model, base.optim, base.cluster
+    """The form of the training DAG, built from the config's schema; the defaults are the
+    ``digits`` recipe's, with the configured dataset."""
+    base = recipe("digits", settings().dataset_uri)
     return {
-        "dataset_uri": _shortcut("dataset_uri", settings().dataset_uri, pattern=DATASET_URI_PATTERN,
+        "dataset_uri": _shortcut(base, "dataset_uri", pattern=DATASET_URI_PATTERN,
                                  description="Source (data.source_uri): a CSV/Parquet file, a glob of them, or a "
                                              "folder ending in '/' (its table files, or images + labels.csv); "
                                              "s3://bucket/key or an absolute path."),
@@ -113,39 +115,38 @@ def training_params() -> dict[str, Param]:
                               description="Further data.* fields as a JSON object, e.g. {\"id_column\": \"uid\", "
                                           "\"classes\": [0, 1], \"drift_action\": \"fail\"}; over config's "
                                           "data section."),
-        "label_column": _shortcut("label_column", d.label_column, maxLength=200,
+        "label_column": _shortcut(base, "label_column", maxLength=200,
                                   description="Name of the label column (data.label_column)."),
-        "model": _shortcut("model", m.name, description="Network architecture (model.name)."),
-        "dropout": _shortcut("dropout", m.dropout, description="Dropout rate (model.dropout), in [0, 1)."),
-        "epochs": _shortcut("epochs", o.epochs, maximum=1000, description="Training epochs (optim.epochs)."),
-        "batch_size": _shortcut("batch_size", o.batch_size, maximum=4096,
+        "model": _shortcut(base, "model", description="Network architecture (model.name)."),
+        "dropout": _shortcut(base, "dropout", description="Dropout rate (model.dropout), in [0, 1)."),
+        "epochs": _shortcut(base, "epochs", maximum=1000, description="Training epochs (optim.epochs)."),
+        "batch_size": _shortcut(base, "batch_size", maximum=4096,
                                 description="Batch size per worker (optim.batch_size; global batch = this × "
                                             "workers)."),
-        "learning_rate": _shortcut("learning_rate", o.learning_rate,
+        "learning_rate": _shortcut(base, "learning_rate",
                                    description="Learning rate (optim.learning_rate), in (0, 10]."),
-        "optimizer": _shortcut("optimizer", o.optimizer, description="Optimizer (optim.optimizer)."),
-        "lr_schedule": _shortcut("lr_schedule", o.lr_schedule,
+        "optimizer": _shortcut(base, "optimizer", description="Optimizer (optim.optimizer)."),
+        "lr_schedule": _shortcut(base, "lr_schedule",
                                  description="Learning-rate schedule (optim.lr_schedule); 'step' needs "
                                              "optim.lr_decay_epochs, given in config."),
-        "weight_decay": _shortcut("weight_decay", o.weight_decay, description="Weight decay (optim.weight_decay)."),
-        "num_workers": _shortcut("num_workers", c.num_workers, maximum=MAX_WORKERS,
+        "weight_decay": _shortcut(base, "weight_decay", description="Weight decay (optim.weight_decay)."),
+        "num_workers": _shortcut(base, "num_workers", maximum=MAX_WORKERS,
                                  description="MXNet workers (cluster.num_workers)."),
-        "num_servers": _shortcut("num_servers", c.num_servers, maximum=MAX_SERVERS,
+        "num_servers": _shortcut(base, "num_servers", maximum=MAX_SERVERS,
                                  description="Parameter servers (cluster.num_servers)."),
         # 'local' is one process: a distributed DAG run always uses a dist_* mode.
-        "kvstore": _shortcut("kvstore", c.kvstore, enum=[k for k in KVSTORES if k.startswith("dist_")],
+        "kvstore": _shortcut(base, "kvstore", enum=[k for k in KVSTORES if k.startswith("dist_")],
                              description="Parameter-server mode (cluster.kvstore)."),
-        "backend": _shortcut("backend", c.backend,
+        "backend": _shortcut(base, "backend",
                              description="Where the roles run (cluster.backend): local processes, the hosts of "
                                          "MXPIPE_HOSTS_FILE (SSH), or EC2 instances (MXPIPE_EC2_FILE)."),
-        "device": _shortcut("device", c.device, description="Device type of each worker's contexts (cluster.device)."),
-        "devices_per_worker": _shortcut("devices_per_worker", c.devices_per_worker,
+        "device": _shortcut(base, "device", description="Device type of each worker's contexts (cluster.device)."),
+        "devices_per_worker": _shortcut(base, "devices_per_worker",
                                         description="Contexts per worker (cluster.devices_per_worker); the batch "
                                                     "is split evenly over them."),
-        "job_timeout_s": _shortcut("job_timeout_s", c.job_timeout_s,
+        "job_timeout_s": _shortcut(base, "job_timeout_s",
                                    description="The training job's time limit in seconds (cluster.job_timeout_s)."),
-        "checkpoint_every_n_steps": _shortcut("checkpoint_every_n_steps", base.checkpoint.every_n_steps,
-                                              maximum=1_000_000,
+        "checkpoint_every_n_steps": _shortcut(base, "checkpoint_every_n_steps", maximum=1_000_000,
                                               description="Checkpoint to S3 every N steps, and at each epoch end "
                                                           "(checkpoint.every_n_steps)."),
         "registered_model_name": Param(DEFAULT_MODEL_NAME, type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",
