@@ -16,7 +16,8 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator,
+                      model_validator)
 from pydantic.fields import FieldInfo
 
 MODELS = ("mlp", "lenet", "resnet18", "resnet50")
@@ -61,7 +62,7 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def _keep_int(value: Any, handler: Any) -> Any:
+def _keep_int(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     checked = handler(value)
     return value if type(value) is int else checked
 
