@@ -11,13 +11,13 @@ the connections the ``aws_conn_id`` / ``mlflow_conn_id`` Params name, applied to
 environment), and the hosts and EC2 settings come from the ``mxpipe_hosts`` / ``mxpipe_ec2``
 Variables, each with the environment and the settings files as the fallback.
 
-The config is resolved once. ``shard``, the first task, turns the Params into the typed
-``TrainConfig`` (``resolve_config``; an invalid combination fails there, at once) and returns its
-dict beside the shard pointers; the DAG pushes that dict as the shard task's ``config`` XCom
-(``CONFIG_XCOM_KEY``, about 2 KB), and every later task rebuilds the same config from it
-(``load_config``) rather than deriving it again from the Params. The Params that are not part of
-the config (the registered model name, the warm start, the EC2 instance type) are read by the
-task that uses them.
+The config is resolved once. ``shard``, the first task, turns the Params (and the file
+``config_uri`` names) into the typed ``TrainConfig`` (``resolve_config``; a wrong type or an
+invalid combination fails there, at once) and returns its dict beside the shard pointers; the
+DAG pushes that dict as the shard task's ``config`` XCom (``CONFIG_XCOM_KEY``, about 2 KB), and
+every later task rebuilds the same config from it (``load_config``) rather than deriving it
+again from the Params. The Params that are not part of the config (the registered model
+name, the warm start, the EC2 instance type) are read by the task that uses them.
 
 Warm start is resolved by ``train``, for the job it starts; the shard XCom carries only shard
 pointers. ``shard`` checks the reference first all the same, before anything is written or
@@ -39,9 +39,10 @@ import tempfile
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from common.config import ConfigError, TrainConfig, recipe
+from common.config import ConfigError, TrainConfig
 from common.paths import DatasetPaths, RunPaths
 from common.settings import settings
+from plugins import run_config
 from plugins.connections import cluster_settings, role_base_env
 from training.tracking.server import tracking_uri as mlflow_server
 
@@ -66,20 +67,12 @@ def run_paths(dag_id: str, run_id: str) -> RunPaths:
 
 
 def resolve_config(params: Mapping[str, Any]) -> TrainConfig:
-    """DAG params → the one typed ``TrainConfig`` (an invalid combination fails here, at once)."""
+    """DAG params → the one typed ``TrainConfig`` (``plugins.run_config``: recipe, config_uri,
+    config, form fields). A wrong type, an unknown key or an invalid combination fails here, at
+    once, without a retry."""
     try:
-        base = recipe(params.get("recipe", "digits"), params["dataset_uri"])
-        return base.replace(
-            # data_options: further data.* fields (id_column, classes, drift_action, ...) as a JSON object.
-            data={"label_column": params["label_column"], **(params.get("data_options") or {})},
-            model={"name": params["model"]},
-            optim={"epochs": params["epochs"], "batch_size": params["batch_size"],
-                   "learning_rate": params["learning_rate"], "optimizer": params["optimizer"]},
-            cluster={"num_workers": params["num_workers"], "num_servers": params["num_servers"],
-                     "kvstore": params["kvstore"], "backend": params.get("backend") or base.cluster.backend},
-            checkpoint={"every_n_steps": params["checkpoint_every_n_steps"]},
-        )
-    except (ConfigError, KeyError) as exc:
+        return run_config.resolve(params)
+    except ConfigError as exc:
         raise _fail(f"invalid configuration: {exc}") from exc
 
 

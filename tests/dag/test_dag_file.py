@@ -49,6 +49,16 @@ def test_params_reject_out_of_range_values(dag, name, bad):
         params[name] = bad
 
 
+@pytest.mark.parametrize("uri", ["s3://mxpipe/datasets/d.csv", "/data/d.parquet", "file:///data/part-*.csv",
+                                 "https://example.org/d.csv.gz", "gs://bucket/tables/", "az://container/d.csv"])
+def test_dataset_uri_takes_every_source_the_shard_task_reads(dag, uri):
+    from airflow.sdk.definitions.param import ParamsDict
+
+    params = ParamsDict(dag.params)
+    params["dataset_uri"] = uri  # sources go through fsspec (data_checks/filesystems.py)
+    assert params["dataset_uri"] == uri
+
+
 def test_params_defaults_resolve_to_a_valid_config(dag):
     from plugins.pipeline_tasks import resolve_config
 

@@ -28,6 +28,12 @@ REFUSED_AT_TRIGGER = [
     ("malformed S3 URI (one slash)", {"dataset_uri": "s3:/mxpipe/data.csv"}, "dataset_uri"),
     ("malformed S3 URI (bucket name)", {"dataset_uri": "s3://Bad_Bucket/data.csv"}, "dataset_uri"),
     ("warm start that is no run id", {"warm_start": "no such run!"}, "warm_start"),
+    ("wrong type in config: 'false' for a boolean", {"config": {"checkpoint": {"elastic": "false"}}},
+     "On instance['checkpoint']['elastic']"),
+    ("wrong type in config: fractional workers", {"config": {"cluster": {"num_workers": 2.5}}},
+     "2.5 is not of type 'integer'"),
+    ("unknown key in config", {"config": {"optim": {"epochz": 3}}}, "'epochz' was unexpected"),
+    ("config file that is neither JSON nor YAML", {"config_uri": "/etc/run.txt"}, "config_uri"),
 ]
 
 

@@ -193,10 +193,10 @@ def test_every_declared_runtime_package_is_imported():
 
 
 def test_the_import_check_catches_an_undeclared_import(tmp_path):
-    module = tmp_path / "uses_yaml.py"
-    module.write_text("def load(text):\n    import yaml\n    return yaml.safe_load(text)\n")
+    module = tmp_path / "uses_moto.py"  # moto is a dev tool, not a project dependency
+    module.write_text("def server():\n    import moto.server\n    return moto.server\n")
     project, _ = _declared()
-    assert _undeclared([module], project, set()) == {"yaml": os.path.relpath(module, REPO)}
+    assert _undeclared([module], project, set()) == {"moto": os.path.relpath(module, REPO)}
 
 
 # --- the lock and the images -------------------------------------------------------------------
