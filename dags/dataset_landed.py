@@ -12,6 +12,7 @@ from airflow.sdk import dag, task
 
 from common.settings import settings
 from plugins.assets import SOURCE_DATASET, check_landed
+from plugins.connections import with_connections
 
 
 @dag(
@@ -26,6 +27,7 @@ from plugins.assets import SOURCE_DATASET, check_landed
 def dataset_landed() -> None:
     # The event is emitted only if the task succeeds: no data, no retraining run.
     @task(outlets=[SOURCE_DATASET])
+    @with_connections  # the source is read with the S3 connection, like the training DAG's tasks
     def announce() -> dict:
         return check_landed(settings().dataset_uri)
 
