@@ -428,6 +428,13 @@ def log_model_run(
         # Before start_run: a conflicting retry must not flip the original run to FAILED.
         n_params = _log_params(client, run, flat)
 
+        if test_data is not None:
+            # Imported before the system-metrics thread starts. mlflow.models.evaluate imports its
+            # evaluators lazily under MLflow's import-hook lock, which that thread also takes (to
+            # look for a Spark session) while importing: two threads, two locks, taken in the
+            # opposite order. A register task hung there for good before this.
+            import mlflow.models.evaluation.evaluator_registry  # noqa: F401
+
         with _fluent_run(rid, log_system_metrics):
             if run_id is not None:  # tags are mutable: refresh them on a retry
                 _log_tags(client, rid, str_tags)
