@@ -368,6 +368,61 @@ def _evaluate(client: Any, run_id: str, model_uri: str, model_id: str, test_data
     return metrics
 
 
+def _import_evaluators() -> None:
+    """Import MLflow's evaluators before the system-metrics thread starts. ``mlflow.models.evaluate``
+    imports them lazily under MLflow's import-hook lock, which that thread also takes (to look for a
+    Spark session) while importing: two threads, two locks, taken in the opposite order. A
+    register task hung there for good before this."""
+    import mlflow.models.evaluation.evaluator_registry  # noqa: F401
+
+
+def _export_files(model_dir: str) -> tuple[dict[str, str], str]:
+    """The exported model's files and the digest of their bytes (a retry's reuse test)."""
+    from training.tracking.pyfunc_model import find_export_files
+
+    files = find_export_files(model_dir)
+    return files, files_digest([files[k] for k in ("symbol", "params", "meta")])
+
+
+def _existing_artifacts(artifacts: Mapping[str, str]) -> dict[str, str]:
+    for dest, path in artifacts.items():
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"artifact {dest!r}: {path} does not exist")
+    return dict(artifacts)
+
+
+def _log_run_contents(client: Any, run: Any, *, refresh_tags: bool, tags: dict[str, str],
+                      points: list, dataset: Mapping[str, Any] | None, extra: Mapping[str, str]) -> int:
+    """Tags (refreshed on a retry: they are mutable), metric points, the dataset input and the extra
+    artifacts of the active run; returns the number of metric points logged."""
+    rid = run.info.run_id
+    if refresh_tags:
+        _log_tags(client, rid, tags)
+    n_metrics = _log_metrics(client, run, points)
+    if dataset is not None:
+        from training.tracking.run_extras import log_dataset_input
+
+        log_dataset_input(dataset["manifest"], dataset["manifest_uri"], dataset["digest"])
+    for dest, path in extra.items():
+        _log_extra_artifact(client, rid, dest, path)
+    return n_metrics
+
+
+def _logged_model(client: Any, registered_model_name: str, rid: str, digest: str, *, retry: bool,
+                  files: Mapping[str, str], input_example: Any, step: int,
+                  tags: dict[str, str]) -> tuple[Any, str, str]:
+    """``(version or None, model_uri, model_id)``: on a retry, the version an earlier attempt
+    registered from this run with the same bytes; otherwise the pyfunc model, logged now and not
+    yet registered."""
+    reusable = _existing_version(client, registered_model_name, rid, digest) if retry else None
+    if reusable is not None:
+        log.info("version %s of %s was already registered from run %s with these bytes; reusing it",
+                 reusable.version, registered_model_name, rid)
+        return reusable, _version_model_uri(reusable), logged_model_id(reusable)
+    info = _log_pyfunc(files=files, input_example=input_example, step=step, tags=tags)
+    return None, info.model_uri, info.model_id
+
+
 def log_model_run(
     *,
     tracking_uri: str,
@@ -405,19 +460,13 @@ def log_model_run(
     """
     from mlflow import MlflowClient
 
-    from training.tracking.pyfunc_model import find_export_files
-
     # Deterministic checks first: they must fail before anything is created.
-    files = find_export_files(model_dir)
+    files, digest = _export_files(model_dir)
     flat = flatten_params(params)
     points, final_step = metric_points(epoch_metrics, final_metrics)
     points += step_metric_points(step_metrics)
-    extra = dict(artifacts or {})
-    for dest, path in extra.items():
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"artifact {dest!r}: {path} does not exist")
+    extra = _existing_artifacts(artifacts or {})
     str_tags = {str(k): str(v) for k, v in tags.items()}
-    digest = files_digest([files[k] for k in ("symbol", "params", "meta")])
     started = time.monotonic()
 
     with bounded_mlflow_env(), _tracking_uri(tracking_uri):
@@ -429,32 +478,15 @@ def log_model_run(
         n_params = _log_params(client, run, flat)
 
         if test_data is not None:
-            # Imported before the system-metrics thread starts. mlflow.models.evaluate imports its
-            # evaluators lazily under MLflow's import-hook lock, which that thread also takes (to
-            # look for a Spark session) while importing: two threads, two locks, taken in the
-            # opposite order. A register task hung there for good before this.
-            import mlflow.models.evaluation.evaluator_registry  # noqa: F401
-
+            _import_evaluators()
         with _fluent_run(rid, log_system_metrics):
-            if run_id is not None:  # tags are mutable: refresh them on a retry
-                _log_tags(client, rid, str_tags)
-            n_metrics = _log_metrics(client, run, points)
-            if dataset is not None:
-                from training.tracking.run_extras import log_dataset_input
-
-                log_dataset_input(dataset["manifest"], dataset["manifest_uri"], dataset["digest"])
-            for dest, path in extra.items():
-                _log_extra_artifact(client, rid, dest, path)
+            n_metrics = _log_run_contents(client, run, refresh_tags=run_id is not None, tags=str_tags,
+                                          points=points, dataset=dataset, extra=extra)
             version_tags = {**str_tags, "source_run_id": rid, "run_name": run_name,
                             "experiment": experiment, "model_sha256": digest}
-            reusable = _existing_version(client, registered_model_name, rid, digest) if run_id else None
-            if reusable is not None:
-                log.info("version %s of %s was already registered from run %s with these bytes; reusing it",
-                         reusable.version, registered_model_name, rid)
-                version, model_uri, model_id = reusable, _version_model_uri(reusable), logged_model_id(reusable)
-            else:
-                info = _log_pyfunc(files=files, input_example=input_example, step=final_step, tags=version_tags)
-                version, model_uri, model_id = None, info.model_uri, info.model_id
+            version, model_uri, model_id = _logged_model(
+                client, registered_model_name, rid, digest, retry=run_id is not None, files=files,
+                input_example=input_example, step=final_step, tags=version_tags)
             test_metrics = {} if test_data is None else _evaluate(
                 client, rid, model_uri, model_id, test_data, final_step, f"{registered_model_name} model {model_id}")
             if version is None:
@@ -462,17 +494,9 @@ def log_model_run(
                                     {**version_tags, "model_id": model_id}, url, run_name)
             client.set_registered_model_alias(registered_model_name, CHALLENGER_ALIAS, version.version)
 
-    log.info(
-        "logged run %s (%d params, %d metric points) and registered %s version %s as %r in %.1f s",
-        rid, n_params, n_metrics, registered_model_name, version.version, CHALLENGER_ALIAS,
-        time.monotonic() - started,
-    )
-    return {
-        "run_id": rid,
-        "experiment_id": experiment_id,
-        "model_uri": model_uri,
-        "registered_model_name": registered_model_name,
-        "version": str(version.version),
-        "run_url": url,
-        "test_metrics": test_metrics,
-    }
+    log.info("logged run %s (%d params, %d metric points) and registered %s version %s as %r in %.1f s",
+             rid, n_params, n_metrics, registered_model_name, version.version, CHALLENGER_ALIAS,
+             time.monotonic() - started)
+    return {"run_id": rid, "experiment_id": experiment_id, "model_uri": model_uri,
+            "registered_model_name": registered_model_name, "version": str(version.version), "run_url": url,
+            "test_metrics": test_metrics}
