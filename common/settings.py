@@ -119,6 +119,11 @@ class Settings(BaseSettings):
                                    "environment it is given for the roles", group="faults")
 
     @property
+    def s3_endpoint(self) -> str | None:
+        """The S3 endpoint boto3 and s3fs use: the S3-specific variable, else the general one."""
+        return self.s3_endpoint_url or self.endpoint_url
+
+    @property
     def local_home(self) -> str:
         """The state folder, absolute: ``MXPIPE_HOME`` or ``<repo>/.local`` (git-ignored)."""
         return os.path.abspath(self.home or os.path.join(REPO_ROOT, ".local"))

@@ -88,7 +88,7 @@ def _client_for(endpoint: str | None, key_id: str | None, region: str) -> Any:
 def s3_client() -> Any:
     """A boto3 S3 client for the endpoint and credentials in the current environment."""
     env = settings()
-    return _client_for(env.s3_endpoint_url or env.endpoint_url, env.aws_access_key_id, env.aws_region)
+    return _client_for(env.s3_endpoint, env.aws_access_key_id, env.aws_region)
 
 
 def _is_not_found(exc: Exception) -> bool:

@@ -26,7 +26,7 @@ def s3fs_options() -> dict[str, Any]:
     from common.settings import settings
 
     s = settings()
-    return {"endpoint_url": s.s3_endpoint_url or s.endpoint_url,
+    return {"endpoint_url": s.s3_endpoint,
             "client_kwargs": {"region_name": s.aws_region},
             "config_kwargs": {"s3": {"addressing_style": "path"}}}
 
