@@ -368,14 +368,6 @@ def _evaluate(client: Any, run_id: str, model_uri: str, model_id: str, test_data
     return metrics
 
 
-def _import_evaluators() -> None:
-    """Import MLflow's evaluators before the system-metrics thread starts. ``mlflow.models.evaluate``
-    imports them lazily under MLflow's import-hook lock, which that thread also takes (to look for a
-    Spark session) while importing: two threads, two locks, taken in the opposite order. A
-    register task hung there for good before this."""
-    import mlflow.models.evaluation.evaluator_registry  # noqa: F401
-
-
 def _export_files(model_dir: str) -> tuple[dict[str, str], str]:
     """The exported model's files and the digest of their bytes (a retry's reuse test)."""
     from training.tracking.pyfunc_model import find_export_files
@@ -477,8 +469,6 @@ def log_model_run(
         # Before start_run: a conflicting retry must not flip the original run to FAILED.
         n_params = _log_params(client, run, flat)
 
-        if test_data is not None:
-            _import_evaluators()
         with _fluent_run(rid, log_system_metrics):
             n_metrics = _log_run_contents(client, run, refresh_tags=run_id is not None, tags=str_tags,
                                           points=points, dataset=dataset, extra=extra)
@@ -487,6 +477,11 @@ def log_model_run(
             version, model_uri, model_id = _logged_model(
                 client, registered_model_name, rid, digest, retry=run_id is not None, files=files,
                 input_example=input_example, step=final_step, tags=version_tags)
+        # Scored after the system-metrics thread has stopped, never beside it: mlflow.models.evaluate
+        # registers import hooks under MLflow's import-hook lock while the thread's lazy imports
+        # take the same lock and Python's import locks in the other order. Register tasks hung
+        # for good there, in the evaluator's registry and in its autologging setup.
+        with _fluent_run(rid):
             test_metrics = {} if test_data is None else _evaluate(
                 client, rid, model_uri, model_id, test_data, final_step, f"{registered_model_name} model {model_id}")
             if version is None:
