@@ -63,6 +63,11 @@ class Settings(BaseSettings):
     mlflow_tracking_uri: str | None = _var(None, "MLFLOW_TRACKING_URI", "MLflow tracking server "
                                            "(in Airflow, set by each task from its MLflow connection); "
                                            "unset: MLflow's own default", group="storage")
+    live_tracking: bool = _var(True, "MXPIPE_LIVE_TRACKING", "The train task logs to the DAG run's "
+                               "MLflow run while training runs (epoch metrics, role system metrics, "
+                               "cost); `0` where no tracking server is reachable", group="storage")
+    live_sync_s: float = _var(10.0, "MXPIPE_LIVE_SYNC_S", "Seconds between the train task's "
+                              "live MLflow updates", group="storage")
 
     # --- the DAGs --------------------------------------------------------------------------
     schedule: str = _var("0 3 * * *", "MXPIPE_SCHEDULE", "Cron schedule (UTC) of the training "

@@ -20,6 +20,12 @@ variables come from ``common.roles`` (its docstring says why each ps-lite knob i
 ``PS_RESEND`` and heartbeats off, ``DMLC_NODE_HOST`` per host, ``DMLC_INTERFACE`` only when a
 backend names one).
 
+An optional ``JobObserver`` (``training.tracking.live.LiveRun`` in the train task, handed in by
+the caller: this package imports nothing of ``training.tracking``) sees the job as the supervisor
+does: ``start`` as it starts, every role line, ``sync`` with the local role pids every poll (it
+decides itself when to sample or send), and ``end`` with the outcome (succeeded, failed, stopped:
+this process interrupted or terminated) and the error text once every role is stopped.
+
 With ``MXPIPE_EVENTS_FILE`` set in its base environment, the supervisor appends one JSON line
 per event (job start, roles started, each role line with the time it arrived, the failure it
 detected, roles stopped) to that file: what ``benchmarks/recovery.py`` measures recovery from.
@@ -27,6 +33,7 @@ detected, roles stopped) to that file: what ``benchmarks/recovery.py`` measures 
 from __future__ import annotations
 
 import collections
+import ipaddress
 import json
 import logging
 import os
@@ -44,7 +51,7 @@ from common.settings import settings
 from common.config import TrainConfig
 from training.launch.job import DETERMINISTIC_EXIT_CODES
 
-__all__ = ["JobFailed", "Supervisor", "role_argv", "launch_for"]
+__all__ = ["JobFailed", "JobObserver", "Supervisor", "role_argv", "launch_for", "outcome_of"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +97,35 @@ class RoleCluster(Protocol):
     def start_roles(self, launch: JobLaunch) -> Sequence[RoleHandle]: ...
 
     def stop_roles(self, handles: Sequence[RoleHandle], *, grace_s: float = 5.0) -> int: ...
+
+
+class JobObserver(Protocol):
+    """What watches a job beside its supervisor (live tracking); it must never raise or block."""
+
+    def start(self) -> None: ...
+
+    def on_line(self, role: str, line: str) -> None: ...
+
+    def sync(self, pids: Mapping[str, int]) -> None: ...
+
+    def end(self, outcome: str, error: str) -> None: ...
+
+
+def outcome_of(error: BaseException | None) -> tuple[str, str]:
+    """``(outcome, error text)`` of a job's end: an exception is a failure; anything else that is
+    not an ``Exception`` (KeyboardInterrupt, SystemExit, Airflow's task termination) a stop."""
+    if error is None:
+        return "succeeded", ""
+    if isinstance(error, Exception):
+        return "failed", str(error) or type(error).__name__
+    return "stopped", f"stopped: {type(error).__name__} {error}".strip()
+
+
+def _is_local(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class JobFailed(RuntimeError):
@@ -162,7 +198,7 @@ class Supervisor:
 
     def __init__(self, cfg: TrainConfig, spawner: Spawner | None = None, *, host: str = "127.0.0.1",
                  port: int = 0, base_env: Mapping[str, str] | None = None,
-                 cluster: RoleCluster | None = None) -> None:
+                 cluster: RoleCluster | None = None, observer: JobObserver | None = None) -> None:
         if (spawner is None) == (cluster is None):
             raise ValueError("give the supervisor either a cluster or a spawner (with host and port)")
         self.cfg = cfg
@@ -173,6 +209,7 @@ class Supervisor:
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.roles: list[_Role] = []
         self.events = _Events(settings(self.base_env).events_file)
+        self.observer = observer
 
     # -- starting ---------------------------------------------------------------------------
 
@@ -198,6 +235,8 @@ class Supervisor:
             role.last_output = time.monotonic()
             role.seen_output = True
             log.info("[%s] %s", prefix, line)
+            if self.observer is not None:
+                self.observer.on_line(role.name, line)
             self.events("line", role=role.name, text=line)
 
     def run(self, job_uri: str) -> None:
@@ -209,6 +248,9 @@ class Supervisor:
         else:
             log.info("starting job: 1 worker, kvstore %s (no scheduler or servers) on %s", c.kvstore, where)
         orderly = True
+        error: BaseException | None = None
+        if self.observer is not None:
+            self.observer.start()
         try:
             if self.cluster is not None:
                 # The cluster supplies each host's base environment; the job adds what a role
@@ -221,11 +263,21 @@ class Supervisor:
                     self._start(role.name, role.kind, role_argv(role.kind, job_uri))
             self.events("roles_started", roles=[r.name for r in self.roles])
             self._watch()
-        except JobFailed as exc:
-            orderly = exc.role == "job"  # a job timeout: every role is still alive
+        except BaseException as exc:
+            error = exc
+            if isinstance(exc, JobFailed):
+                orderly = exc.role == "job"  # a job timeout: every role is still alive
             raise
         finally:
             self._stop_all(orderly=orderly)
+            if self.observer is not None:
+                self.observer.end(*outcome_of(error))
+
+    def local_pids(self) -> dict[str, int]:
+        """Role name → pid of the roles whose process on this machine is the role itself (the
+        local backend); a remote role's local process is only its transport's client."""
+        return {r.name: r.handle.proc.pid for r in self.roles
+                if _is_local(r.host) and getattr(r.handle, "proc", None) is not None}
 
     def _stop(self, handles: Sequence[Any], grace_s: float) -> int:
         if self.cluster is not None:
@@ -266,6 +318,8 @@ class Supervisor:
         while True:
             time.sleep(POLL_S)
             now = time.monotonic()
+            if self.observer is not None:
+                self.observer.sync(self.local_pids())
             for role in self.roles:
                 code = role.handle.poll()
                 if code not in (None, 0):

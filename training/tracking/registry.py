@@ -156,6 +156,23 @@ def _resolve_run(client: Any, *, experiment: str, run_id: str | None, run_name: 
     return run
 
 
+def _tags_query(tags: Mapping[str, str]) -> str:
+    return " and ".join(f"tags.`{key}` = '{value}'" for key, value in tags.items())
+
+
+def open_run(client: Any, *, experiment: str, run_name: str, find_tags: Mapping[str, str],
+             tags: Mapping[str, str]) -> Any:
+    """The active run of ``experiment`` carrying every one of ``find_tags`` (its ``tags`` set
+    again: they are mutable), or a new one carrying both: how a training attempt finds the run
+    its DAG run's earlier attempts (and later ``register``) use."""
+    experiment_id = _get_or_create_experiment(client, experiment)
+    found = client.search_runs([experiment_id], filter_string=_tags_query(find_tags), max_results=1)
+    if not found:
+        return client.create_run(experiment_id, run_name=run_name, tags={**find_tags, **tags})
+    _log_tags(client, found[0].info.run_id, tags)
+    return found[0]
+
+
 def find_run(tracking_uri: str, experiment: str, tags: Mapping[str, str]) -> str | None:
     """The id of a run of ``experiment`` carrying every one of ``tags``, or None.
 
@@ -169,8 +186,7 @@ def find_run(tracking_uri: str, experiment: str, tags: Mapping[str, str]) -> str
         exp = client.get_experiment_by_name(experiment)
         if exp is None:
             return None
-        query = " and ".join(f"tags.`{key}` = '{value}'" for key, value in tags.items())
-        found = client.search_runs([exp.experiment_id], filter_string=query, max_results=1)
+        found = client.search_runs([exp.experiment_id], filter_string=_tags_query(tags), max_results=1)
     return found[0].info.run_id if found else None
 
 
