@@ -112,7 +112,10 @@ def mxnet_training() -> None:
     @with_connections
     def train(cluster: dict, shards: dict, config: dict, params: dict | None = None) -> dict:
         dag_id, run_id, try_number = _ids()
-        return tasks.train(config, params, cluster, shards, dag_id, run_id, try_number)
+        ti = get_current_context()["ti"]
+        # The "MLflow run" link reads it while the job trains (plugins.links).
+        return tasks.train(config, params, cluster, shards, dag_id, run_id, try_number,
+                           on_run=lambda url: ti.xcom_push(key=tasks.LIVE_RUN_XCOM_KEY, value=url))
 
     @teardown
     @with_connections

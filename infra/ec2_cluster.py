@@ -177,6 +177,10 @@ class Ec2Cluster(Cluster):
         """One worker (and at most one server) per instance, as MXNet's launcher places them."""
         return max(self.spec.workers, self.spec.servers)
 
+    def live_instances(self) -> list[dict[str, Any]]:
+        """The cluster's instances not terminated yet, as DescribeInstances returns them."""
+        return self._own(NOT_TERMINATED)
+
     def _own(self, states: list[str]) -> list[dict[str, Any]]:
         return _instances(self.ec2, [{"Name": f"tag:{TAG_CLUSTER}", "Values": [self.cluster_id]},
                                      {"Name": "instance-state-name", "Values": states}])

@@ -36,7 +36,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from common.config import ConfigError, TrainConfig
@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 EXPERIMENT = "mxnet-pipeline"
 # The shard task's XCom holding the resolved config (``TrainConfig`` as a JSON-able dict).
 CONFIG_XCOM_KEY = "config"
+# The train task's XCom holding its live MLflow run's URL (the "MLflow run" link during training).
+LIVE_RUN_XCOM_KEY = "mlflow_run_url"
 
 
 def _fail(message: str) -> Exception:
@@ -235,9 +237,29 @@ def reap(older_than_s: float = 0.0) -> dict[str, Any]:
         raise _fail(f"reap: {exc}") from exc
 
 
+def live_run(cfg: TrainConfig, backend: Any, dag_id: str, run_id: str, try_number: int,
+             on_run: Callable[[str], None] | None) -> Any:
+    """The DAG run's live MLflow run for this attempt (``training.tracking.live``), or None when
+    ``MXPIPE_LIVE_TRACKING`` is off. On ``ec2`` its cost adds the instance-hours and their price."""
+    from common.version import git_sha
+    from infra.cost import cluster_cost
+    from training.tracking.live import LiveRun
+
+    if not settings().live_tracking:
+        return None
+    c = cfg.cluster
+    return LiveRun(tracking_uri=mlflow_server(), experiment=EXPERIMENT, run_name=f"{dag_id}/{run_id}",
+                   find_tags={"airflow.dag_id": dag_id, "airflow.run_id": run_id},
+                   tags={"airflow.try_number": str(try_number), "mlflow.source.git.commit": git_sha()},
+                   sync_s=settings().live_sync_s, gpus_per_worker=c.devices_per_worker if c.device == "gpu" else 0,
+                   on_run=on_run, cost_extras=(lambda: cluster_cost(backend)) if c.backend == "ec2" else None)
+
+
 def train(config: Mapping[str, Any], params: Mapping[str, Any], cluster: dict[str, Any], shards: dict[str, Any],
-          dag_id: str, run_id: str, try_number: int) -> dict[str, Any]:
-    """Run the distributed job on the provisioned cluster; a retry resumes from its checkpoints."""
+          dag_id: str, run_id: str, try_number: int,
+          on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the distributed job on the provisioned cluster; a retry resumes from its checkpoints.
+    ``on_run`` gets the URL of the live MLflow run once it exists."""
     from common import storage
     from infra.cluster import attach
     from training.checkpoint.store import CheckpointStore
@@ -265,7 +287,8 @@ def train(config: Mapping[str, Any], params: Mapping[str, Any], cluster: dict[st
     if try_number > 1:
         backend = type(backend).provision(backend.spec, backend.home)
     # The roles get the S3 settings this task's connections put in its environment.
-    sup = Supervisor(cfg, cluster=backend, base_env=role_base_env(os.environ))
+    sup = Supervisor(cfg, cluster=backend, base_env=role_base_env(os.environ),
+                     observer=live_run(cfg, backend, dag_id, run_id, try_number, on_run))
     try:
         sup.run(job_uri)
     except JobFailed as exc:

@@ -62,7 +62,7 @@ class UsageMeter:
                 continue
             now = time.monotonic()
             usage = self.trees.setdefault(name, TreeUsage(first_seen=now, last_seen=now))
-            rss = 0
+            rss, read = 0, 0
             for proc in procs:
                 try:
                     with proc.oneshot():
@@ -72,6 +72,9 @@ class UsageMeter:
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     continue
                 usage._per_process[key] = times.user + times.system
+                read += 1
+            if not read:  # exited (a zombie until reaped): keep its last live sample
+                continue
             before, elapsed = usage.core_seconds, now - usage.last_seen
             usage.core_seconds = sum(usage._per_process.values())
             if elapsed > 0:

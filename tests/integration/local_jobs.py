@@ -14,12 +14,13 @@ def make_job(cfg, shards_prefix, prefix, **overrides):
                    model_prefix=storage.join(prefix, "model"), metrics_uri=storage.join(prefix, "metrics.json"))
 
 
-def run_job(job, prefix, tmp_path, env=None):
+def run_job(job, prefix, tmp_path, env=None, observer=None):
     job_uri = storage.join(prefix, "job.json")
     job.save(job_uri)
     record_dir = str(tmp_path / f"procs-{len(os.listdir(tmp_path))}")
     spawner = GroupSpawner(record_dir)
-    sup = Supervisor(job.config, spawner, host="127.0.0.1", port=free_port(), base_env={**os.environ, **(env or {})})
+    sup = Supervisor(job.config, spawner, host="127.0.0.1", port=free_port(), base_env={**os.environ, **(env or {})},
+                     observer=observer)
     try:
         sup.run(job_uri)
     finally:

@@ -7,9 +7,9 @@ from its own threads and never waiting on MLflow:
   ``airflow.dag_id`` / ``airflow.run_id`` tags ``register`` reuses it by, so the model lands in
   this run) or creates it, marks it RUNNING and hands its URL to ``on_run`` (the train task puts
   it in an XCom for the "MLflow run" link);
-- ``on_line(role, line)`` for every line a role prints: rank 0's epoch line carries its epoch
-  record as JSON (``training.loop.worker.end_epoch``), the progress and resume lines the global
-  step. Workers stay free of MLflow: what is logged is what they already print;
+- ``on_line(role, line)`` for every line a role prints: rank 0 (the worker whose start line says
+  ``worker 0/W started``) ends each epoch's line with its epoch record as JSON
+  (``training.loop.worker.end_epoch``), the progress and resume lines carry the global step. Workers stay free of MLflow: what is logged is what they already print;
 - ``sync(pids)`` every poll: samples the local role process trees (``common.procs.usage``) at
   most every ``SAMPLE_S``; cheap when not due;
 - ``end(outcome, error)`` once: the last points, the cost metrics and a cost line in the log,
@@ -45,11 +45,12 @@ MAX_QUEUED_POINTS = 100_000  # while MLflow is unreachable: the oldest points go
 ERROR_TAG_CHARS = 5000
 # MLflow's run statuses for the supervisor's outcomes.
 STATUSES = {"succeeded": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
-RANK0 = "worker-0"
 
 _EPOCH_RECORD = re.compile(r"epoch \d+ done: .*? (\{.*\})\s*$")
 _GLOBAL_STEP = re.compile(r"\bglobal_step=(\d+)")
 _RESUMED = re.compile(r"\(resumed from step (\d+)\)")
+# ps-lite assigns the ranks: worker-0 need not be rank 0, which says so in its start line.
+_RANK0 = re.compile(r"\bworker 0/\d+ started\b")
 
 
 class LiveRun:
@@ -77,6 +78,7 @@ class LiveRun:
         self._started_ms = 0
         self._last_sample = 0.0
         self._final_cost: dict[str, float] = {}
+        self._rank0 = ""  # the role that is rank 0 (only it evaluates: its epoch records are the run's)
         self._ending = threading.Event()
         self._outcome = ("failed", "")
         self._thread = threading.Thread(target=self._loop, name="mlflow-live", daemon=True)
@@ -89,7 +91,9 @@ class LiveRun:
     def on_line(self, role: str, line: str) -> None:
         step = _GLOBAL_STEP.search(line)
         resumed = _RESUMED.search(line)
-        record = _EPOCH_RECORD.search(line) if role == RANK0 else None
+        if _RANK0.search(line):
+            self._rank0 = role
+        record = _EPOCH_RECORD.search(line) if role == self._rank0 else None
         if not (step or resumed or record):
             return
         with self._lock:
