@@ -29,6 +29,7 @@ def test_link_resolves_to_the_run_url_on_train_and_register(dag, monkeypatch):
         return {"run_url": URL, "version": "3"} if run_id == "manual__done" else None
 
     monkeypatch.setattr(links, "register_xcom", fake_xcom)
+    monkeypatch.setattr(links, "live_run_url", lambda dag_id, run_id: "")  # no live run either
     link = links.MlflowRunLink()
     key = SimpleNamespace(dag_id="mxnet_training", run_id="manual__done", task_id="train", map_index=-1)
     for task_id in ("train", "register"):
@@ -37,3 +38,12 @@ def test_link_resolves_to_the_run_url_on_train_and_register(dag, monkeypatch):
     # Before register has succeeded there is no URL yet.
     assert link.get_link(dag.get_task("train"), ti_key=SimpleNamespace(**{**key.__dict__, "run_id": "r2"})) == ""
     assert seen == [("mxnet_training", "manual__done")] * 2 + [("mxnet_training", "r2")]
+
+
+def test_link_resolves_to_the_live_run_while_the_job_trains(dag, monkeypatch):
+    from plugins import links
+
+    monkeypatch.setattr(links, "register_xcom", lambda dag_id, run_id: None)
+    monkeypatch.setattr(links, "live_run_url", lambda dag_id, run_id: URL if run_id == "manual__training" else "")
+    key = SimpleNamespace(dag_id="mxnet_training", run_id="manual__training", task_id="train", map_index=-1)
+    assert links.MlflowRunLink().get_link(dag.get_task("train"), ti_key=key) == URL

@@ -47,7 +47,7 @@ ERROR_TAG_CHARS = 5000
 STATUSES = {"succeeded": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
 
 _EPOCH_RECORD = re.compile(r"epoch \d+ done: .*? (\{.*\})\s*$")
-_GLOBAL_STEP = re.compile(r"\bglobal_step=(\d+)")
+_GLOBAL_STEP = re.compile(r"\bglobal_step\"?(?:=|: )(\d+)")  # progress lines, and the epoch records' JSON
 _RESUMED = re.compile(r"\(resumed from step (\d+)\)")
 # ps-lite assigns the ranks: worker-0 need not be rank 0, which says so in its start line.
 _RANK0 = re.compile(r"\bworker 0/\d+ started\b")
