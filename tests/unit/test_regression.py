@@ -168,3 +168,34 @@ def test_a_missing_or_text_target_column_is_named(diabetes_csv, tmp_path):
     pd.DataFrame({"x": [1.0, 2.0, 3.0], "target": ["a", "b", "c"]}).to_csv(text, index=False)
     with pytest.raises(DataError, match="non-numeric target columns .*'target'"):
         shard_dataset(regression_config(str(text)), str(tmp_path / "b"))
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+
+def test_regression_shards_validate_without_label_checks(sharded):
+    from data_checks.validate import validate_shards
+
+    cfg, prefix, _ = sharded
+    summary = validate_shards(prefix, cfg)
+    assert summary["success"]
+
+
+def test_non_finite_and_out_of_range_targets_fail_naming_the_rows(diabetes_csv, tmp_path):
+    from data_checks.errors import DataValidationError
+    from data_checks.validate import validate_shards
+
+    frame = pd.read_csv(diabetes_csv)
+    frame.loc[7, "target"] = np.nan
+    frame.loc[20, "target"] = 1000.0
+    path = str(tmp_path / "bad.csv")
+    frame.to_csv(path, index=False)
+    cfg = regression_config(path, target_range=[0, 400])
+    prefix = str(tmp_path / "shards")
+    shard_dataset(cfg, prefix)
+    with pytest.raises(DataValidationError) as info:
+        validate_shards(prefix, cfg)
+    message = str(info.value)
+    assert "every target is finite" in message and "row 7: target=nan" in message
+    assert "every target is within [0, 400]" in message and "row 20: target=1000.0" in message
+    assert "label" not in {f["column"] for f in info.value.failures}
