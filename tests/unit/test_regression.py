@@ -199,3 +199,22 @@ def test_non_finite_and_out_of_range_targets_fail_naming_the_rows(diabetes_csv, 
     assert "every target is finite" in message and "row 7: target=nan" in message
     assert "every target is within [0, 400]" in message and "row 20: target=1000.0" in message
     assert "label" not in {f["column"] for f in info.value.failures}
+
+
+def test_the_default_gate_follows_the_task():
+    from mlflow.models import EvaluationResult
+
+    from training.tracking.gate import DEFAULT_GATE, DEFAULT_REGRESSION_GATE, evaluate_gate, gate_for_task
+
+    assert gate_for_task(DEFAULT_GATE, "classification") is DEFAULT_GATE
+    assert gate_for_task(DEFAULT_GATE, "regression") is DEFAULT_REGRESSION_GATE
+    custom = {"r2_score": {"greater_is_better": True, "threshold": 0.3}}
+    assert gate_for_task(custom, "regression") is custom
+
+    def scored(rmse: float) -> EvaluationResult:
+        return EvaluationResult(metrics={"root_mean_squared_error": rmse}, artifacts={})
+
+    spec = gate_for_task(DEFAULT_GATE, "regression")
+    assert evaluate_gate(spec, scored(50.0), scored(52.0))["passed"]  # lower RMSE wins
+    assert evaluate_gate(spec, scored(50.4), scored(50.0))["passed"]  # within 1 %
+    assert not evaluate_gate(spec, scored(55.0), scored(50.0))["passed"]
