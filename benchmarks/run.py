@@ -108,6 +108,12 @@ def _compression(r: dict[str, Any]) -> Row:
             f"throughput ×{r['throughput_ratio']:.2f}", ratio, None)
 
 
+def _q2(r: dict[str, Any]) -> Row:
+    row = r["rows"][0]
+    return (f"R² {row['pipeline_test_r2']:.3f} vs {row['ridge_test_r2']:.3f} ({row['test_rows']} test rows, "
+            f"{row['epochs']} epochs)", row["ratio"], r["met"])
+
+
 def _r4(r: dict[str, Any]) -> Row:
     trials = [t for t in r["trials"] if t["scenario"] == "R4"]
     if not trials:
@@ -139,6 +145,8 @@ BENCHES = (
           "kvstore_modes.py", ("--epochs", "5"), (), 1800, _p8),
     Bench("C1", "2-bit gradient compression: bytes pushed per step, compressed ÷ plain", "≈ 1/16",
           "compression.py", ("--quick",), (), 1200, _compression),
+    Bench("Q2", "diabetes regression: pipeline test R² ÷ scikit-learn Ridge's, same train/test split",
+          "≥ 1.0", "regression_reference.py", (), ("--seeds", "42,7,1"), 1800, _q2),
     Bench("R4", "network fault on the netns hosts backend: a worker host's link down 5 s and 30 s "
           "(stall timeout 20 s)", "short: rides it out; long: torn down by the stall detector, retry resumes",
           "chaos.py", ("--scenarios", "R4"), ("--scenarios", "R4", "--cut-s", "2,5,10,30,60"), 1500, _r4),

@@ -49,6 +49,16 @@ OPTIMIZER_PLACEMENTS = ("servers", "workers")
 # that its names are exactly these): local processes, a static host list over SSH, EC2 instances.
 BACKENDS = ("local", "hosts", "ec2")
 DRIFT_ACTIONS = ("off", "warn", "fail")
+# What the network predicts: class indices (softmax cross-entropy, accuracy) or float targets.
+TASKS = ("classification", "regression")
+# The loss of each task; "auto" is the task's first ("softmax_cross_entropy" or "l2").
+TASK_LOSSES = {"classification": ("softmax_cross_entropy",), "regression": ("l2", "l1", "huber")}
+LOSSES = ("auto", *(loss for losses in TASK_LOSSES.values() for loss in losses))
+# Fields added after checkpoints embedded the config's digest: left out of ``digest_dict`` while
+# they hold their default, so a config that does not use them keeps its digest (and its
+# checkpoints still resume).
+_DIGEST_OMITTED_AT_DEFAULT = {"data": ("target_columns", "target_range"),
+                              "model": ("task", "loss", "huber_rho")}
 # S3 server-side encryption of checkpoint objects: none, S3-managed keys, KMS.
 SSE_MODES = ("", "AES256", "aws:kms")
 
@@ -135,6 +145,11 @@ class DataConfig(_Strict):
     # memory of prepared batches. 0 = none: each batch is built inline when the step needs it.
     # (The bounds are checked below, in the message that says what 0 means.)
     prefetch_batches: int = Field(2, json_schema_extra={"minimum": 0, "maximum": 64})
+    # Regression (model.task='regression') only: the float target columns, in output order;
+    # empty = the one column data.label_column. Optional (min, max) every target must lie in
+    # (checked by validation, like feature_range).
+    target_columns: Strings = ()
+    target_range: Numbers = ()
 
     @model_validator(mode="after")
     def _combinations(self) -> DataConfig:
@@ -148,6 +163,12 @@ class DataConfig(_Strict):
         _check(len(self.feature_range) in (0, 2) and (not self.feature_range or
                                                       self.feature_range[0] < self.feature_range[1]),
                f"data.feature_range must be empty or (min, max) with min < max, got {self.feature_range}")
+        overlap = {self.id_column} & set(self.target_columns) | set(self.feature_columns) & set(self.target_columns)
+        _check(not overlap, f"data.target_columns must not include the id or a feature column: {sorted(overlap)}")
+        _check(len(set(self.target_columns)) == len(self.target_columns), "data.target_columns has duplicates")
+        _check(len(self.target_range) in (0, 2) and (not self.target_range or
+                                                     self.target_range[0] < self.target_range[1]),
+               f"data.target_range must be empty or (min, max) with min < max, got {self.target_range}")
         _check(0 <= self.prefetch_batches <= 64,
                f"data.prefetch_batches must be an integer in [0, 64] (0 = no prefetch thread), "
                f"got {self.prefetch_batches!r}")
@@ -162,6 +183,25 @@ class ModelConfig(_Strict):
     # the worker's cluster.devices_per_worker contexts, one stage each (data parallelism across
     # workers stays: hybrid). See training/loop/placement.py for what MXNet 1.9 gluon allows.
     placement: Literal[PLACEMENTS] = "replicated"
+    # "classification": labels are classes (softmax cross-entropy, accuracy); "regression": float
+    # targets (data.target_columns), one output each (RMSE, MAE, R²). See training/loop/metrics.py.
+    task: Literal[TASKS] = "classification"
+    # The task's loss (TASK_LOSSES); "auto" = its first. huber_rho: where Huber turns from
+    # quadratic to linear (gluon HuberLoss's rho).
+    loss: Literal[LOSSES] = "auto"
+    huber_rho: Number = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> ModelConfig:
+        allowed = TASK_LOSSES[self.task]
+        _check(self.loss == "auto" or self.loss in allowed,
+               f"model.loss={self.loss!r} does not fit model.task={self.task!r}: expected 'auto' or one of {allowed}")
+        return self
+
+    @property
+    def loss_name(self) -> str:
+        """``loss`` with "auto" resolved to the task's default."""
+        return TASK_LOSSES[self.task][0] if self.loss == "auto" else self.loss
 
 
 class OptimConfig(_Strict):
@@ -357,6 +397,13 @@ class TrainConfig(_Strict):
                    "model.placement='split' needs the optimizer on the workers (cluster.optimizer_on='workers' "
                    "or 'auto' with a sync kvstore): every stage's Trainer would send its own optimizer to the servers")
             _check(self.optim.precision == "fp32", "model.placement='split' is fp32 only (AMP with split is untested)")
+        if self.model.task == "regression":
+            _check(not self.data.classes, "data.classes declares classes, but model.task='regression' has float "
+                                          "targets: remove data.classes or set model.task='classification'")
+        else:
+            for name in ("target_columns", "target_range"):
+                _check(not getattr(self.data, name), f"data.{name} is for model.task='regression', "
+                                                     f"but model.task={self.model.task!r}")
         workers = self.cluster.num_workers
         _check(self.num_train_shards >= workers,
                f"data.num_shards={self.num_train_shards} cannot be spread over cluster.num_workers={workers}: "
@@ -365,6 +412,11 @@ class TrainConfig(_Strict):
         _check(lr <= 10, f"the scaled learning rate {lr:g} (optim.lr_scaling='linear', global batch "
                          f"{self.global_batch(workers)}, base_batch {self.optim.base_batch}) must be <= 10")
         return self
+
+    @property
+    def target_columns(self) -> tuple[str, ...]:
+        """The regression targets in output order (data.target_columns, else the label column)."""
+        return self.data.target_columns or (self.data.label_column,)
 
     @property
     def num_train_shards(self) -> int:
@@ -388,9 +440,19 @@ class TrainConfig(_Strict):
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)
 
+    def digest_dict(self) -> dict[str, Any]:
+        """``to_dict`` without the fields added later that hold their default (what digests hash)."""
+        raw = self.to_dict()
+        for section, names in _DIGEST_OMITTED_AT_DEFAULT.items():
+            fields = type(getattr(self, section)).model_fields
+            for name in names:
+                if raw[section][name] == fields[name].get_default(call_default_factory=True):
+                    raw[section].pop(name)
+        return raw
+
     def digest(self) -> str:
         """A stable hash of the resolved config (embedded in checkpoints)."""
-        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        canon = json.dumps(self.digest_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     @classmethod

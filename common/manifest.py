@@ -23,6 +23,25 @@ READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 
 
+# The task's view of a manifest. A regression manifest adds "task": "regression",
+# "target_columns" and "num_targets"; a record then holds the features followed by the targets
+# (float32), its header label is 0. Classification manifests are unchanged (no such keys).
+
+
+def is_regression(manifest: dict[str, Any]) -> bool:
+    return manifest.get("task") == "regression"
+
+
+def record_width(manifest: dict[str, Any]) -> int:
+    """Float32 values a record holds after its header: the features, then the regression targets."""
+    return int(manifest["num_features"]) + int(manifest.get("num_targets", 0))
+
+
+def num_outputs(manifest: dict[str, Any]) -> int:
+    """The network's outputs: one per regression target, else one per class."""
+    return int(manifest["num_targets"]) if is_regression(manifest) else int(manifest["num_classes"])
+
+
 def shards_prefix(prefix_or_uri: str) -> str:
     """The folder of a manifest, given either the folder or the manifest's own URI."""
     if prefix_or_uri.rstrip("/").endswith("/" + MANIFEST_NAME):

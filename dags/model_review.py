@@ -39,7 +39,9 @@ PARAMS = {
                            description="Test data (a shards prefix); empty: the version's "
                                        "'dataset.shards_prefix' tag."),
     "gate": Param(tasks.DEFAULT_GATE, **tasks.GATE_SCHEMA,
-                  description="Automatic gate before the reviewer: {metric: {greater_is_better, threshold, "
+                  description="Automatic gate before the reviewer (left at this default, a regression model "
+                              "gets root_mean_squared_error, at most 1 % above the champion's): "
+                              "{metric: {greater_is_better, threshold, "
                               "min_absolute_change, min_relative_change, max_absolute_drop, max_relative_drop}} "
                               "(metrics as mlflow.models.evaluate names them). threshold is a floor; min_* a "
                               "required gain over the champion; max_* a tolerated loss. With no champion only "

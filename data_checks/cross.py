@@ -8,6 +8,10 @@
 * label distribution drift and schema change against the dataset's previous validated manifest
   (``data.drift_action``: "warn" reports, "fail" fails, "off" skips).
 
+The label checks (label mix, declared classes, label drift) are for classification: a
+regression manifest (float targets, ``common.manifest.is_regression``) has no classes, and its
+targets are checked per shard (finite, in ``data.target_range``).
+
 Each check is a dict ``{check, success, severity, description, failures, …details}``; a failed
 check of severity "warn" is a warning, not a failure.
 """
@@ -19,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.manifest import load_manifest
+from common.manifest import is_regression, load_manifest
 from data_checks.errors import DataError
 
 if TYPE_CHECKING:
@@ -35,8 +39,10 @@ _MIN_ROWS_PER_CLASS_FOR_SKEW = 10
 def cross_shard_checks(manifest: dict[str, Any], results: dict[str, dict[str, Any] | None],
                        ids: dict[str, np.ndarray], cfg: "TrainConfig",
                        previous_manifest_uri: str | None) -> list[dict[str, Any]]:
-    checks = [_all_validated(manifest, results), _balanced(manifest, cfg), _label_skew(manifest, cfg),
-              _layout(manifest, cfg), _declared_present(manifest)]
+    classification = not is_regression(manifest)
+    checks = [_all_validated(manifest, results), _balanced(manifest, cfg),
+              *([_label_skew(manifest, cfg)] if classification else []), _layout(manifest, cfg),
+              *([_declared_present(manifest)] if classification else [])]
     if manifest.get("id_column"):
         checks.append(_unique_ids(ids, manifest))
     checks += _drift(manifest, cfg, previous_manifest_uri)
@@ -162,6 +168,10 @@ def _drift(manifest: dict[str, Any], cfg: "TrainConfig", previous_uri: str | Non
         return [_check("label_drift", "label distribution close to the previous validated run's", [],
                        severity="warn", skipped=f"previous manifest unreadable: {exc}")]
     severity = "fail" if action == "fail" else "warn"
+    schema = _schema_drift(manifest, previous, previous_uri, severity)
+    if is_regression(manifest) or is_regression(previous):
+        return [_check("label_drift", "label distribution close to the previous validated run's", [],
+                       severity="warn", skipped="regression targets have no label distribution"), schema]
 
     def overall(m: dict[str, Any]) -> dict[str, float]:
         hist: dict[str, int] = {}
@@ -186,6 +196,11 @@ def _drift(manifest: dict[str, Any], cfg: "TrainConfig", previous_uri: str | Non
                    severity=severity, distance=distance, threshold=cfg.data.drift_threshold,
                    previous_manifest_uri=previous_uri, new_classes=new, missing_classes=gone,
                    rows=rows_now, previous_rows=rows_before, current=now, previous=before)
+    return [drift, schema]
+
+
+def _schema_drift(manifest: dict[str, Any], previous: dict[str, Any], previous_uri: str,
+                  severity: str) -> dict[str, Any]:
     cols_now, cols_before = manifest["feature_columns"], previous["feature_columns"]
     schema_failures = [] if cols_now == cols_before else [{
         "column": None, "unexpected_count": 1,
@@ -193,6 +208,5 @@ def _drift(manifest: dict[str, Any], cfg: "TrainConfig", previous_uri: str | Non
                      f"removed {[c for c in cols_before if c not in cols_now][:_EXAMPLES]}"],
         "message": f"feature columns differ from the previous validated manifest {previous_uri} "
                    f"({len(cols_before)} → {len(cols_now)} columns)"}]
-    schema = _check("schema_matches_previous", "feature columns equal the previous validated run's",
-                    schema_failures, severity=severity)
-    return [drift, schema]
+    return _check("schema_matches_previous", "feature columns equal the previous validated run's",
+                  schema_failures, severity=severity)

@@ -45,6 +45,12 @@ class Chunk:
     label_values: list[Any]  # canonical class values (see canonical_label)
     row_ids: np.ndarray  # [n] int64 row numbers over the whole source
     id_hashes: np.ndarray | None  # [n] uint64 hash of the id column, None without one
+    # Regression: [n, num_targets] float32 (NaN/inf kept for validation); None for classes.
+    targets: np.ndarray | None = None
+
+    def payload(self) -> np.ndarray:
+        """What a record holds after its header: the features, then the targets (regression)."""
+        return self.features if self.targets is None else np.hstack([self.features, self.targets])
 
 
 @dataclass
@@ -55,11 +61,18 @@ class Layout:
     id_column: str
     feature_columns: list[str]
     source_columns: list[dict[str, str]] = field(default_factory=list)  # name + type, as read
+    target_columns: list[str] = field(default_factory=list)  # regression: the float targets, in order
 
     def schema(self) -> dict[str, Any]:
+        targets = {"target_columns": self.target_columns, "target_dtype": "float32"} if self.target_columns else {}
         return {"label_column": self.label_column, "id_column": self.id_column or None,
-                "feature_columns": self.feature_columns, "feature_dtype": "float32",
+                "feature_columns": self.feature_columns, "feature_dtype": "float32", **targets,
                 "source_columns": self.source_columns}
+
+    @property
+    def role_columns(self) -> list[str]:
+        """The columns that are not features: the label (or the targets), then the id."""
+        return [*(self.target_columns or [self.label_column]), *([self.id_column] if self.id_column else [])]
 
 
 def canonical_label(value: Any) -> Any:
@@ -96,12 +109,17 @@ def hash_ids(values: np.ndarray) -> np.ndarray:
 
 
 class TableReader:
-    """Iterate :class:`Chunk` s over every file of a table source, in file order."""
+    """Iterate :class:`Chunk` s over every file of a table source, in file order.
+
+    ``targets`` (regression): the float target columns, read into ``Chunk.targets``; the label
+    column then plays no part. ``()`` (classification): the label column is read as classes.
+    """
 
     def __init__(self, plan: sources.SourcePlan, data: "DataConfig", work_dir: str,
-                 on_bytes: Callable[[int], None] | None = None) -> None:
+                 on_bytes: Callable[[int], None] | None = None, targets: tuple[str, ...] = ()) -> None:
         self.plan = plan
         self.data = data
+        self.targets = list(targets)
         self.work_dir = work_dir
         self.on_bytes = on_bytes
         self.layout: Layout | None = None
@@ -125,13 +143,17 @@ class TableReader:
     def _layout(self, uri: str, names: list[str], types: dict[str, str], numeric: dict[str, bool],
                 example: Callable[[str], Any]) -> Layout:
         d = self.data
-        if d.label_column not in names:
+        missing_targets = [c for c in self.targets if c not in names]
+        if missing_targets:
+            raise DataError(f"target columns {missing_targets} (data.target_columns, else data.label_column) not "
+                            f"found in {uri}; available columns: {names}")
+        if not self.targets and d.label_column not in names:
             raise DataError(f"label column {d.label_column!r} not found in {uri}; available columns: {names}")
         if d.id_column and d.id_column not in names:
             raise DataError(f"id column {d.id_column!r} (data.id_column) not found in {uri}; "
                             f"available columns: {names}")
         if self.layout is not None:  # every later file must have the first file's columns
-            first = [d.label_column, *([d.id_column] if d.id_column else []), *self.layout.feature_columns]
+            first = [*self.layout.role_columns, *self.layout.feature_columns]
             missing = [c for c in first if c not in names]
             extra = [c for c in names if c not in first] if not d.feature_columns else []
             if missing or extra:
@@ -145,9 +167,14 @@ class TableReader:
                                 f"available columns: {names}")
             features = list(d.feature_columns)
         else:
-            features = [c for c in names if c not in (d.label_column, d.id_column)]
+            features = [c for c in names if c not in (*(self.targets or [d.label_column]), d.id_column)]
         if not features:
             raise DataError(f"{uri} has no feature columns besides the label column {d.label_column!r}")
+        bad_targets = [c for c in self.targets if not numeric[c]]
+        if bad_targets:
+            shown = "; ".join(f"{c!r} ({types[c]}, e.g. {example(c)!r})" for c in bad_targets)
+            raise DataError(f"non-numeric target columns in {uri}: {shown}; model.task='regression' needs float "
+                            "targets")
         bad = [c for c in features if not numeric[c]]
         if bad:
             shown = "; ".join(f"{c!r} ({types[c]}, e.g. {example(c)!r})" for c in bad[:10])
@@ -158,7 +185,8 @@ class TableReader:
         if shape and math.prod(shape) != len(features):
             raise DataError(f"data.input_shape {tuple(shape)} holds {math.prod(shape)} values but {uri} has "
                             f"{len(features)} feature columns")
-        return Layout(d.label_column, d.id_column, features, [{"name": n, "type": types[n]} for n in names])
+        return Layout("" if self.targets else d.label_column, d.id_column, features,
+                      [{"name": n, "type": types[n]} for n in names], list(self.targets))
 
     # -- CSV ------------------------------------------------------------------------------------
 
@@ -179,8 +207,9 @@ class TableReader:
         lay = self.layout
         # Parsed straight to float32 (what the records hold; half the memory of float64).
         types = {c: pa.bool_() if pa.types.is_boolean(sample.schema.field(c).type) else pa.float32()
-                 for c in lay.feature_columns}
-        types[lay.label_column] = pa.string()
+                 for c in [*lay.feature_columns, *lay.target_columns]}
+        if not lay.target_columns:
+            types[lay.label_column] = pa.string()
         if lay.id_column:
             types[lay.id_column] = pa.string()
         # pyarrow's streaming reader reads up to 32 blocks ahead of the consumer, whatever the
@@ -188,8 +217,7 @@ class TableReader:
         line_bytes = max(1, len(head) // max(1, head.count(b"\n")))
         block = int(min(_MAX_BLOCK, max(_MIN_BLOCK, self.data.chunk_rows * line_bytes // 4)))
         convert = pcsv.ConvertOptions(column_types=types, strings_can_be_null=True,
-                                      include_columns=[lay.label_column, *([lay.id_column] if lay.id_column else []),
-                                                       *lay.feature_columns])
+                                      include_columns=[*lay.role_columns, *lay.feature_columns])
         with sources.open_stream(source, self.on_bytes) as stream:
             raw: Any = pa.CompressedInputStream(pa.PythonFile(stream, mode="r"), "gzip") if gz else stream
             try:
@@ -229,7 +257,7 @@ class TableReader:
             self.layout = self._layout(source.uri, names, {n: str(schema.field(n).type) for n in names},
                                        {n: _numeric_type(schema.field(n).type) for n in names}, example)
             lay = self.layout
-            columns = [lay.label_column, *([lay.id_column] if lay.id_column else []), *lay.feature_columns]
+            columns = [*lay.role_columns, *lay.feature_columns]
             try:
                 yield from self._rebatch(pf.iter_batches(batch_size=self.data.chunk_rows, columns=columns),
                                          source.uri)
@@ -260,17 +288,16 @@ class TableReader:
             yield self._chunk(pa.Table.from_batches(pending).combine_chunks(), uri)
 
     def _chunk(self, batch: "pa.Table", uri: str) -> Chunk:
-        import pyarrow as pa
         import pyarrow.compute as pc
 
         lay = self.layout
         assert lay is not None
         n = batch.num_rows
-        X = np.empty((n, len(lay.feature_columns)), dtype=np.float32)
-        for j, name in enumerate(lay.feature_columns):
-            # safe=False: an int64 or float64 beyond float32's precision is rounded, as the records need.
-            X[:, j] = pc.cast(batch.column(name).combine_chunks(), pa.float32(), safe=False).to_numpy(
-                zero_copy_only=False)
+        X = _float32_columns(batch, lay.feature_columns)
+        if lay.target_columns:  # regression: float targets, no classes (one stratum for the split)
+            targets = _float32_columns(batch, lay.target_columns)
+            return self._counted(Chunk(X, np.zeros(n, np.int64), [0], self._row_ids(n),
+                                       self._id_hashes(batch, uri, n), targets))
         labels = batch.column(lay.label_column).combine_chunks()
         if labels.null_count:
             first = np.flatnonzero(labels.is_null().to_numpy(zero_copy_only=False))[:5] + self.rows
@@ -281,20 +308,45 @@ class TableReader:
         values = list(dict.fromkeys(raw_values))  # "3" and "3.0" are one class
         remap = np.array([values.index(v) for v in raw_values], dtype=np.int64)
         codes = remap[encoded.indices.to_numpy(zero_copy_only=False)]
-        id_hashes = None
-        if lay.id_column:
-            ids = batch.column(lay.id_column).combine_chunks()
-            if ids.null_count:
-                raise DataError(f"id column {lay.id_column!r} in {uri} has {ids.null_count} missing values "
-                                f"in rows {self.rows}..{self.rows + n - 1}")
-            id_hashes = hash_ids(pc.cast(ids, pa.string()).to_numpy(zero_copy_only=False))
-        chunk = Chunk(X, codes, values, np.arange(self.rows, self.rows + n, dtype=np.int64), id_hashes)
-        self.rows += n
+        return self._counted(Chunk(X, codes, values, self._row_ids(n), self._id_hashes(batch, uri, n)))
+
+    def _row_ids(self, n: int) -> np.ndarray:
+        return np.arange(self.rows, self.rows + n, dtype=np.int64)
+
+    def _id_hashes(self, batch: "pa.Table", uri: str, n: int) -> np.ndarray | None:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        lay = self.layout
+        assert lay is not None
+        if not lay.id_column:
+            return None
+        ids = batch.column(lay.id_column).combine_chunks()
+        if ids.null_count:
+            raise DataError(f"id column {lay.id_column!r} in {uri} has {ids.null_count} missing values "
+                            f"in rows {self.rows}..{self.rows + n - 1}")
+        return hash_ids(pc.cast(ids, pa.string()).to_numpy(zero_copy_only=False))
+
+    def _counted(self, chunk: Chunk) -> Chunk:
+        self.rows += len(chunk.row_ids)
         return chunk
 
     def _record(self, source: sources.SourceFile, sha256: str, nbytes: int) -> None:
         self.files_read.append({"uri": source.uri, "bytes": nbytes, "sha256": sha256,
                                 **({"etag": source.etag} if source.etag else {})})
+
+
+def _float32_columns(batch: "pa.Table", columns: list[str]) -> np.ndarray:
+    """``columns`` of ``batch`` as float32 ``[n, len(columns)]``; a missing value becomes NaN."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    X = np.empty((batch.num_rows, len(columns)), dtype=np.float32)
+    for j, name in enumerate(columns):
+        # safe=False: an int64 or float64 beyond float32's precision is rounded, as the records need.
+        X[:, j] = pc.cast(batch.column(name).combine_chunks(), pa.float32(), safe=False).to_numpy(
+            zero_copy_only=False)
+    return X
 
 
 def _numeric_type(t: "pa.DataType") -> bool:

@@ -51,10 +51,13 @@ _UPLOAD_THREADS = 4
 def sharding_params(cfg: TrainConfig) -> dict[str, Any]:
     """The settings that decide the shard bytes (chunk_rows does not: the output is the same)."""
     d = cfg.data
-    return {"format_version": FORMAT_VERSION, "assignment": "blocked-v1", "label_column": d.label_column,
-            "id_column": d.id_column, "classes": list(d.classes), "feature_columns": list(d.feature_columns),
-            "num_train_shards": cfg.num_train_shards, "val_fraction": d.val_fraction,
-            "test_fraction": d.test_fraction, "input_shape": list(d.input_shape), "seed": cfg.seed}
+    params = {"format_version": FORMAT_VERSION, "assignment": "blocked-v1", "label_column": d.label_column,
+              "id_column": d.id_column, "classes": list(d.classes), "feature_columns": list(d.feature_columns),
+              "num_train_shards": cfg.num_train_shards, "val_fraction": d.val_fraction,
+              "test_fraction": d.test_fraction, "input_shape": list(d.input_shape), "seed": cfg.seed}
+    if cfg.model.task == "regression":  # only then: classification fingerprints stay what they were
+        params.update(task="regression", target_columns=list(cfg.target_columns))
+    return params
 
 
 def fingerprint(plan: sources.SourcePlan, params: dict[str, Any]) -> str:
@@ -206,19 +209,28 @@ def _shard(plan: sources.SourcePlan, cfg: TrainConfig, params: dict[str, Any], f
     progress = _Progress(plan.total_bytes)
     block = SplitBlock.from_fractions(cfg.data.val_fraction, cfg.data.test_fraction)
     assigner = Assigner(block, n_train, cfg.seed)
-    classes = _Classes(cfg.data.classes, assigner.add_class)
+    regression = cfg.model.task == "regression"
+    if regression:  # float targets: every row is of one stratum, the split is a seeded random one
+        if plan.kind == "images":
+            raise DataError(f"model.task='regression' needs a table source with target columns, {plan.spec} "
+                            "is an image folder")
+        assigner.add_class(0, "regression")
+    else:
+        classes = _Classes(cfg.data.classes, assigner.add_class)
     with tempfile.TemporaryDirectory(prefix="shards-", dir=work_dir) as tmp:
         if plan.kind == "images":
             from data_checks.images import ImageReader
 
             reader: Any = ImageReader(plan, cfg.data, tmp, progress.add_bytes)
         else:
-            reader = TableReader(plan, cfg.data, tmp, progress.add_bytes)
+            reader = TableReader(plan, cfg.data, tmp, progress.add_bytes,
+                                 targets=cfg.target_columns if regression else ())
         shards = _Shards(tmp, names)
         held: dict[int, tuple[np.ndarray, int, int]] = {}  # row id → (features, class id, id hash)
         try:
             for chunk in reader.chunks():
-                _route(chunk, classes.ids(chunk.label_values)[chunk.label_codes], assigner, held, shards, n_train)
+                cids = chunk.label_codes if regression else classes.ids(chunk.label_values)[chunk.label_codes]
+                _route(chunk, cids, assigner, held, shards, n_train)
                 progress.add_rows(len(chunk.row_ids))
             rest, split, shard = assigner.finish()
             if len(rest):
@@ -228,8 +240,8 @@ def _shard(plan: sources.SourcePlan, cfg: TrainConfig, params: dict[str, Any], f
         finally:
             shards.close()
         progress.log("read")
-        ordered, mapping = classes.final_order()
-        _check_splits(shards, ordered, plan.spec, n_train)
+        ordered, mapping = ([], np.zeros(1, np.int64)) if regression else classes.final_order()
+        _check_splits(shards, ordered, plan.spec, n_train, regression)
         if not np.array_equal(mapping, np.arange(len(mapping))):
             for idx, rec in shards.paths:
                 records.rewrite_labels(idx, rec, mapping)
@@ -255,6 +267,7 @@ def _shard(plan: sources.SourcePlan, cfg: TrainConfig, params: dict[str, Any], f
         "classes": ordered,
         "num_classes": len(ordered),
         "declared_classes": [canonical_label(v) for v in cfg.data.classes] or None,
+        **(_regression_fields(cfg) if regression else {}),
         "splits": _split_totals(entries),
         "shards": entries,
         "sharding": {**params, "split_rule": split_summary(block)},
@@ -275,30 +288,32 @@ def _route(chunk: Chunk, cids: np.ndarray, assigner: Assigner, held: dict[int, t
     emitted, split, shard, newly_held = assigner.assign(cids, chunk.row_ids)
     base, n = (int(chunk.row_ids[0]), len(chunk.row_ids)) if len(chunk.row_ids) else (0, 0)
     ids = chunk.id_hashes if chunk.id_hashes is not None else np.zeros(n, np.uint64)
+    payload = chunk.payload()
     for h in newly_held:
-        held[h] = (chunk.features[h - base].copy(), int(cids[h - base]), int(ids[h - base]))
+        held[h] = (payload[h - base].copy(), int(cids[h - base]), int(ids[h - base]))
     local = emitted - base
     outside = np.flatnonzero((local < 0) | (local >= n))  # released rows held from earlier chunks
     if len(outside):  # rare (at most 2 per class): gather them into a small extension of the chunk
         extra = [held.pop(int(emitted[i])) for i in outside]
-        features = np.concatenate([chunk.features, np.stack([e[0] for e in extra])])
+        features = np.concatenate([payload, np.stack([e[0] for e in extra])])
         cids = np.concatenate([cids, [e[1] for e in extra]])
         ids = np.concatenate([ids, np.array([e[2] for e in extra], np.uint64)])
         local[outside] = n + np.arange(len(outside))
     else:
-        features = chunk.features
+        features = payload
     dest = np.where(split == TRAIN, shard, n_train - 1 + split)  # val → n_train, test → n_train + 1
     shards.write(dest, local, features, cids, emitted, ids if chunk.id_hashes is not None else None)
 
 
-def _check_splits(shards: _Shards, classes: list[Any], spec: str, n_train: int) -> None:
-    if len(classes) < 2:
+def _check_splits(shards: _Shards, classes: list[Any], spec: str, n_train: int, regression: bool) -> None:
+    if not regression and len(classes) < 2:
         raise DataError(f"label column in {spec} has a single class ({classes[0]!r}): nothing to learn"
                         if classes else f"{spec} has no labelled rows")
     counts = [w.count for w in shards.writers]
     if counts[-1] == 0 or counts[-2] == 0:
-        raise DataError(f"too few rows per class for a train/val/test split: every class has fewer than 3 rows "
-                        f"(source {spec})")
+        raise DataError(f"too few rows for a train/val/test split: fewer than 3 rows (source {spec})" if regression
+                        else f"too few rows per class for a train/val/test split: every class has fewer than 3 rows "
+                             f"(source {spec})")
     if min(counts[:n_train]) == 0:
         raise DataError(f"{sum(counts[:n_train])} train rows cannot fill {n_train} train shards "
                         f"(source {spec}): lower data.num_shards or cluster.num_workers")
@@ -334,6 +349,13 @@ def _split_totals(entries: list[dict[str, Any]]) -> dict[str, Any]:
         totals[split] = {"count": sum(e["count"] for e in entries if e["split"] == split),
                          "label_histogram": {k: hist[k] for k in sorted(hist, key=int)}}
     return totals
+
+
+def _regression_fields(cfg: TrainConfig) -> dict[str, Any]:
+    """What a regression manifest adds: its targets (each record's values after the features)."""
+    return {"task": "regression", "target_columns": list(cfg.target_columns),
+            "num_targets": len(cfg.target_columns),
+            "declared_target_range": list(cfg.data.target_range) or None}
 
 
 def _source_sha(files: list[dict[str, Any]], plan: sources.SourcePlan) -> str:

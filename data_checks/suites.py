@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 NONFINITE_COLUMN = "_nonfinite_features"
 RANGE_COLUMN = "_out_of_range"
+# Regression: the same derived columns for the float targets (they replace the class label).
+NONFINITE_TARGETS_COLUMN = "_nonfinite_targets"
+TARGET_RANGE_COLUMN = "_targets_out_of_range"
 EXAMPLES = 5
 # Rows described value by value in a derived column; further bad rows are only marked.
 _DESCRIBED_ROWS = 200
@@ -46,6 +49,9 @@ class SuiteSpec:
     has_ids: bool
     value_range: tuple[float, float] | None
     num_features: int
+    # Regression (model.task='regression'): how many float targets, and their declared range.
+    num_targets: int = 0
+    target_range: tuple[float, float] | None = None
 
 
 def _common(spec: SuiteSpec) -> list[Any]:
@@ -57,18 +63,38 @@ def _common(spec: SuiteSpec) -> list[Any]:
         gxe.ExpectTableRowCountToBeBetween(min_value=1, description="the shard holds rows"),
         gxe.ExpectTableRowCountToEqual(value=spec.expected_rows,
                                        description="the shard holds the manifest's record count"),
-        gxe.ExpectColumnValuesToBeOfType(column="label", type_="int32", description="labels are class indices"),
         gxe.ExpectColumnValuesToBeOfType(column="row_id", type_="int64", description="row ids are integers"),
         gxe.ExpectColumnValuesToBeNull(column=NONFINITE_COLUMN,
                                        description="every feature is finite (no null, NaN or inf)"),
-        gxe.ExpectColumnValuesToBeInSet(column="label", value_set=list(range(spec.allowed_labels)),
-                                        description="labels are within the declared label set"),
+        *(_target_expectations(spec) if spec.num_targets else _label_expectations(spec)),
         gxe.ExpectColumnValuesToBeUnique(column="row_id", description="no source row appears twice"),
         gxe.ExpectColumnValuesToBeBetween(column="row_id", min_value=0, max_value=max(spec.total_rows - 1, 0),
                                           description="row ids point into the source table"),
     ]
     if spec.has_ids:
         out.append(gxe.ExpectColumnValuesToBeUnique(column="id_hash", description="no id appears twice"))
+    return out
+
+
+def _label_expectations(spec: SuiteSpec) -> list[Any]:
+    """Classification: labels are class indices of the (declared) label set."""
+    import great_expectations.expectations as gxe
+
+    return [gxe.ExpectColumnValuesToBeOfType(column="label", type_="int32", description="labels are class indices"),
+            gxe.ExpectColumnValuesToBeInSet(column="label", value_set=list(range(spec.allowed_labels)),
+                                            description="labels are within the declared label set")]
+
+
+def _target_expectations(spec: SuiteSpec) -> list[Any]:
+    """Regression: every target is finite and, if ``data.target_range`` is declared, inside it."""
+    import great_expectations.expectations as gxe
+
+    out = [gxe.ExpectColumnValuesToBeNull(column=NONFINITE_TARGETS_COLUMN,
+                                          description="every target is finite (no null, NaN or inf)")]
+    if spec.target_range is not None:
+        lo, hi = spec.target_range
+        out.append(gxe.ExpectColumnValuesToBeNull(column=TARGET_RANGE_COLUMN,
+                                                  description=f"every target is within [{lo}, {hi}]"))
     return out
 
 

@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from common import storage
-from common.manifest import download_shard, load_manifest, shards_prefix
+from common.manifest import download_shard, is_regression, load_manifest, record_width, shards_prefix
 from data_checks import report as reporting
 from data_checks.cross import cross_shard_checks
 from data_checks.errors import DataError, DataValidationError
-from data_checks.suites import NONFINITE_COLUMN, RANGE_COLUMN, SuiteSpec, describe_rows, ge_failures, run_suite
+from data_checks.suites import (NONFINITE_COLUMN, NONFINITE_TARGETS_COLUMN, RANGE_COLUMN, TARGET_RANGE_COLUMN,
+                                SuiteSpec, describe_rows, ge_failures, run_suite)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REPORT_NAME = reporting.REPORT_NAME
-_RESERVED = ("label", "row_id", "id_hash", NONFINITE_COLUMN, RANGE_COLUMN)
+_RESERVED = ("label", "row_id", "id_hash", NONFINITE_COLUMN, RANGE_COLUMN, NONFINITE_TARGETS_COLUMN,
+             TARGET_RANGE_COLUMN)
 
 
 @dataclass
@@ -64,7 +66,7 @@ def validate_shard(manifest_prefix: str, shard_name: str, cfg: "TrainConfig", *,
     with tempfile.TemporaryDirectory(prefix="validate-") as tmp:
         try:
             idx, rec = download_shard(manifest, prefix, shard_name, tmp)
-            shard = read_shard(idx, rec, manifest["num_features"])
+            shard = read_shard(idx, rec, record_width(manifest))
         except (DataError, ValueError) as exc:  # ValueError: a record of the wrong width
             problem = {"expectation": "shard_files_match_manifest", "column": None, "shard": shard_name,
                        "unexpected_count": 1, "examples": [str(exc)], "message": f"{shard_name}: {exc}"}
@@ -127,27 +129,46 @@ def _frame(manifest: dict[str, Any], entry: dict[str, Any], shard: Any,
     names = list(manifest["feature_columns"])
     features = names if not (set(names) & set(_RESERVED) or len(set(names)) != len(names)) else \
         [f"f{i}" for i in range(len(names))]
-    X, ids = shard.features, shard.row_ids
+    regression = is_regression(manifest)
+    X, ids = shard.features[:, :manifest["num_features"]], shard.row_ids
     has_ids = bool(manifest.get("id_column"))
     kind = manifest.get("source_kind", "table")
     value_range = tuple(cfg.data.feature_range) or ((0.0, 1.0) if kind == "images" else None)
-    nonfinite = ~np.isfinite(X)
-    parts = [pd.DataFrame({"label": shard.labels, "row_id": ids, **({"id_hash": shard.id_hashes} if has_ids else {})}),
-             pd.DataFrame(X, columns=features, copy=False),
-             pd.DataFrame({NONFINITE_COLUMN: describe_rows(nonfinite, X, ids, names, "non-finite")})]
-    counts = {NONFINITE_COLUMN: _per_column(nonfinite, names)}
-    if value_range is not None:
-        with np.errstate(invalid="ignore"):
-            outside = np.isfinite(X) & ((X < value_range[0]) | (X > value_range[1]))
-        parts.append(pd.DataFrame({RANGE_COLUMN: describe_rows(outside, X, ids, names, "out of range")}))
-        counts[RANGE_COLUMN] = _per_column(outside, names)
+    # Regression: the float targets replace the class label (always 0 in their records' headers).
+    label = {} if regression else {"label": shard.labels}
+    parts = [pd.DataFrame({**label, "row_id": ids, **({"id_hash": shard.id_hashes} if has_ids else {})}),
+             pd.DataFrame(X, columns=features, copy=False)]
+    counts: dict[str, dict[str, int]] = {}
+    _derived(parts, counts, X, ids, names, value_range, NONFINITE_COLUMN, RANGE_COLUMN)
+    target_range = tuple(cfg.data.target_range) or None
+    if regression:
+        _derived(parts, counts, shard.features[:, manifest["num_features"]:], ids, manifest["target_columns"],
+                 target_range, NONFINITE_TARGETS_COLUMN, TARGET_RANGE_COLUMN)
     frame = pd.concat(parts, axis=1)
     declared = manifest.get("declared_classes")
     spec = SuiteSpec(shard=entry["name"], columns=list(frame.columns), expected_rows=entry["count"],
                      allowed_labels=len(declared) if declared else manifest["num_classes"],
                      total_rows=_total_rows(manifest), has_ids=has_ids,
-                     value_range=value_range, num_features=manifest["num_features"])
+                     value_range=value_range, num_features=manifest["num_features"],
+                     num_targets=int(manifest.get("num_targets", 0)), target_range=target_range)
     return frame, spec, counts
+
+
+def _derived(parts: list["pd.DataFrame"], counts: dict[str, dict[str, int]], X: np.ndarray, ids: np.ndarray,
+             names: list[str], value_range: tuple[float, float] | None, nonfinite_column: str,
+             range_column: str) -> None:
+    """The derived columns of ``X`` (``suites``' docstring says why): its non-finite values and, if a
+    range is declared, its values outside it; each with per-column counts for the report."""
+    import pandas as pd
+
+    nonfinite = ~np.isfinite(X)
+    parts.append(pd.DataFrame({nonfinite_column: describe_rows(nonfinite, X, ids, names, "non-finite")}))
+    counts[nonfinite_column] = _per_column(nonfinite, names)
+    if value_range is not None:
+        with np.errstate(invalid="ignore"):
+            outside = np.isfinite(X) & ((X < value_range[0]) | (X > value_range[1]))
+        parts.append(pd.DataFrame({range_column: describe_rows(outside, X, ids, names, "out of range")}))
+        counts[range_column] = _per_column(outside, names)
 
 
 def _per_column(bad: np.ndarray, names: list[str]) -> dict[str, int]:

@@ -352,6 +352,11 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
             )
         except (ParamConflictError, EvaluationError) as exc:  # conflicting params, unscorable test split: no retry
             raise _fail(str(exc)) from exc
+    if test.task == "regression":
+        rmse, r2 = result["test_metrics"]["test_rmse"], result["test_metrics"]["test_r2"]
+        log.info("registered %s version %s (test RMSE %.4f, R² %.4f): %s", result["registered_model_name"],
+                 result["version"], rmse, r2, result["run_url"])
+        return {**result, "test_rmse": rmse, "test_r2": r2}
     accuracy = result["test_metrics"]["test_accuracy"]
     log.info("registered %s version %s (test accuracy %.4f): %s", result["registered_model_name"],
              result["version"], accuracy, result["run_url"])

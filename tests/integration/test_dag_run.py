@@ -148,3 +148,44 @@ def test_warm_start_from_an_earlier_run_of_the_dag(airflow_env, digits_uri):
     assert f"warm start from {first['run_id']} step" in logs  # shard's check
     # The worker's own "warm start: parameters from step" line did not appear in dag.test()'s output
     # (seen here); the worker side is checked in test_warm_start.py.
+
+
+def test_diabetes_regression_through_the_dag_registers_a_float_model(airflow_env, tmp_path):
+    """model.task='regression' end to end: scikit-learn's diabetes table from a local CSV, float
+    targets in the shards, RMSE/MAE/R² per epoch and on the test split, the predicted-vs-true
+    plot, and a registered model that returns floats."""
+    import pandas as pd
+    from sklearn.datasets import load_diabetes
+
+    d = load_diabetes()
+    frame = pd.DataFrame(d.data, columns=d.feature_names)
+    frame["progression"] = d.target
+    source = str(tmp_path / "diabetes.csv")
+    frame.to_csv(source, index=False)
+    conf = _conf(source, label_column="progression", epochs=60, learning_rate=0.02,
+                 registered_model_name="diabetes-e2e", checkpoint_every_n_steps=50,
+                 config={"model": {"task": "regression", "loss": "l2", "hidden": [64, 32]}})
+    result, logs = _run_dag(airflow_env, conf)
+    assert result["state"] == "success", logs[-6000:]
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(airflow_env["MLFLOW_TRACKING_URI"])
+    version = client.get_model_version_by_alias("diabetes-e2e", "challenger")
+    run = client.get_run(version.run_id)
+    metrics = run.data.metrics
+    assert metrics["test_r2"] > 0.15 and metrics["test_rmse"] > 0 and metrics["test_mae"] > 0, metrics
+    assert metrics["r2_score"] == pytest.approx(metrics["test_r2"], abs=1e-6)  # MLflow's regressor evaluator
+    assert "test_accuracy" not in metrics and "val_accuracy" not in metrics
+    assert {"val_rmse", "val_mae", "val_r2", "val_loss"} <= set(metrics)
+    assert len(client.get_metric_history(run.info.run_id, "val_r2")) == 60
+    plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+    assert "plots/predicted_vs_true.png" in plots and "confusion_matrix.png" not in \
+        {a.path for a in client.list_artifacts(run.info.run_id)}
+    mlflow.set_tracking_uri(airflow_env["MLFLOW_TRACKING_URI"])
+    model = mlflow.pyfunc.load_model("models:/diabetes-e2e@challenger")
+    predicted = model.predict(frame.drop(columns=["progression"]).head(20))
+    assert list(predicted.columns) == ["progression"] and predicted["progression"].dtype == "float64"
+    assert [c.name for c in model.metadata.get_output_schema().inputs] == ["progression"]
+    assert model.metadata.get_output_schema().inputs[0].type.name == "double"

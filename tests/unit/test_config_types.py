@@ -15,7 +15,7 @@ EVERY_SECTION = {
              "val_fraction": 0.15, "test_fraction": 0.25, "input_shape": [1, 8, 8], "max_shard_imbalance": 2,
              "max_label_skew": 0.3, "id_column": "uid", "classes": [3, 1, 2], "feature_columns": ["f0", "f1"],
              "feature_range": [0, 16], "chunk_rows": 1000, "drift_action": "fail", "drift_threshold": 0.2,
-             "prefetch_batches": 4},
+             "prefetch_batches": 4, "target_columns": [], "target_range": []},
     "model": {"name": "lenet", "hidden": [64, 32], "dropout": 0.25, "placement": "split"},
     "optim": {"optimizer": "sgd", "learning_rate": 0.05, "momentum": 0.8, "weight_decay": 0.0001, "batch_size": 64,
               "epochs": 12, "accumulate_steps": 2, "lr_schedule": "step", "warmup_steps": 10,

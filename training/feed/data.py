@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from common import records
-from common.manifest import download_shard, load_manifest, manifest_digest
+from common.manifest import download_shard, load_manifest, manifest_digest, record_width
 from training.feed.shard_reader import ShardSet
 
 __all__ = ["load_manifest", "manifest_digest", "fetch_split", "open_split", "shards_for_rank", "steps_per_epoch", "EpochOrder"]
@@ -44,16 +44,19 @@ def steps_per_epoch(manifest: dict[str, Any], num_workers: int, batch_size: int)
 
 def fetch_split(manifest: dict[str, Any], shards_prefix: str, shards: list[dict[str, Any]],
                 work_dir: str) -> tuple[np.ndarray, np.ndarray]:
-    """Download, verify (size + sha256) and load ``shards``: features ``[n, f]``, labels ``[n]``."""
+    """Download, verify (size + sha256) and load ``shards``: features ``[n, f]``, labels ``[n]``
+    (regression: targets ``[n, num_targets]`` float32)."""
     xs, ys = [], []
     for shard in shards:
         idx_path, rec_path = download_shard(manifest, shards_prefix, shard["name"], work_dir)
-        X, y, _ = records.read_all(idx_path, rec_path, manifest["num_features"])
+        X, y, _ = records.read_all(idx_path, rec_path, record_width(manifest))
         xs.append(X)
         ys.append(y)
-    if not xs:
-        return np.empty((0, manifest["num_features"]), np.float32), np.empty(0, np.int32)
-    return np.concatenate(xs), np.concatenate(ys)
+    f = manifest["num_features"]
+    X = np.concatenate(xs) if xs else np.empty((0, record_width(manifest)), np.float32)
+    if manifest.get("num_targets"):
+        return X[:, :f], X[:, f:]
+    return X, np.concatenate(ys) if ys else np.empty(0, np.int32)
 
 
 def open_split(manifest: dict[str, Any], shards_prefix: str, shards: list[dict[str, Any]],
@@ -63,7 +66,7 @@ def open_split(manifest: dict[str, Any], shards_prefix: str, shards: list[dict[s
     The returned set keeps working after ``work_dir`` is removed (see ``training.feed.shard_reader``).
     """
     pairs = [download_shard(manifest, shards_prefix, s["name"], work_dir) for s in shards]
-    return ShardSet.open(pairs, manifest["num_features"])
+    return ShardSet.open(pairs, manifest["num_features"], int(manifest.get("num_targets", 0)))
 
 
 @dataclass

@@ -5,7 +5,9 @@ Why a memory map: every record of a shard the sharder writes has the same size
 memmap with that struct dtype makes ``rows[idx]`` a gather from the page cache: the kernel
 reads the pages a batch touches and may drop them again under memory pressure, so a worker's
 footprint follows its batches, not its shards (image shards are many times a worker's RAM).
-What stays in memory is the labels (4 bytes a row) and the shard offsets.
+What stays in memory is the labels (4 bytes a row) and the shard offsets. Regression targets are
+the last ``num_targets`` values of a record's features (``common.manifest.record_width``): they
+are gathered with the features and split off, so nothing more is held.
 
 Fallback: a shard that is valid RecordIO but not the fixed layout (dmlc splits a record whose
 payload holds the magic word; another writer) is loaded into memory through
@@ -81,27 +83,34 @@ class ShardSet:
     indexes it exactly as it indexed the in-memory split.
     """
 
-    def __init__(self, parts: list[FeatureSource], labels: list[np.ndarray], num_features: int) -> None:
+    def __init__(self, parts: list[FeatureSource], labels: list[np.ndarray], num_features: int,
+                 num_targets: int = 0) -> None:
         self.num_features = num_features
+        self.num_targets = num_targets
         self._parts = parts
         self._starts = np.cumsum([0] + [p.num_rows for p in parts])
         self.num_rows = int(self._starts[-1])
         self.labels = np.concatenate(labels) if labels else np.empty(0, np.int32)
 
     @classmethod
-    def open(cls, pairs: list[tuple[str, str]], num_features: int) -> "ShardSet":
-        """``pairs`` of verified ``(idx_path, rec_path)``, as ``common.manifest.download_shard`` returns."""
-        opened = [open_shard(idx, rec, num_features) for idx, rec in pairs]
-        return cls([p for p, _ in opened], [y for _, y in opened], num_features)
+    def open(cls, pairs: list[tuple[str, str]], num_features: int, num_targets: int = 0) -> "ShardSet":
+        """``pairs`` of verified ``(idx_path, rec_path)``, as ``common.manifest.download_shard`` returns;
+        ``num_targets`` > 0: regression records (the targets follow the features)."""
+        opened = [open_shard(idx, rec, num_features + num_targets) for idx, rec in pairs]
+        return cls([p for p, _ in opened], [y for _, y in opened], num_features, num_targets)
 
     def gather(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rows ``idx`` (any order, repeats allowed): features ``[len(idx), f]`` float32, labels int32."""
+        """Rows ``idx`` (any order, repeats allowed): features ``[len(idx), f]`` float32 and labels
+        (int32 classes, or regression targets ``[len(idx), num_targets]`` float32)."""
         idx = np.asarray(idx, np.int64)
         if len(self._parts) == 1:
-            return self._parts[0].features(idx), self.labels[idx]
-        X = np.empty((len(idx), self.num_features), np.float32)
-        part_of = np.searchsorted(self._starts, idx, side="right") - 1
-        for p in np.unique(part_of):
-            at = part_of == p
-            X[at] = self._parts[p].features(idx[at] - self._starts[p])
+            X = self._parts[0].features(idx)
+        else:
+            X = np.empty((len(idx), self.num_features + self.num_targets), np.float32)
+            part_of = np.searchsorted(self._starts, idx, side="right") - 1
+            for p in np.unique(part_of):
+                at = part_of == p
+                X[at] = self._parts[p].features(idx[at] - self._starts[p])
+        if self.num_targets:
+            return X[:, :self.num_features], X[:, self.num_features:]
         return X, self.labels[idx]

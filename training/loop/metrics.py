@@ -1,4 +1,6 @@
-"""Throughput and step time of a worker: the progress line and the per-epoch figures.
+"""Throughput and step time of a worker: the progress line and the per-epoch figures; and the
+task's evaluation metrics (``TASK_METRICS``, ``regression_metrics``, ``higher_is_better``, from
+``common.task_metrics``).
 
 The figures are this worker's samples per second of training-loop time (data already in
 memory; evaluation and checkpoint waits at epoch ends included in the job figures only). In
@@ -8,6 +10,12 @@ the job's total is the worker's rate times the worker count (``samples_per_s_tot
 from __future__ import annotations
 
 import time
+
+# The task's metrics are defined in common (the model review ranks by them too); the loop's
+# callers (early stopping) take them from here.
+from common.task_metrics import TASK_METRICS, higher_is_better, regression_metrics
+
+__all__ = ["TASK_METRICS", "higher_is_better", "regression_metrics", "ThroughputMeter", "StepRecorder"]
 
 PROGRESS_EVERY_S = 5.0
 

@@ -95,7 +95,7 @@ def warm_start(net: Any, prefix: str, cfg: TrainConfig, ctx: Any) -> None:
 def resume_digest(cfg: TrainConfig) -> str:
     """The part of the config a checkpoint must match: what is trained and how, not the cadence,
     retention, encryption, timeouts or (elastic) the cluster size."""
-    raw = cfg.to_dict()
+    raw = cfg.digest_dict()
     raw.pop("checkpoint")
     raw["data"].pop("prefetch_batches")  # how far ahead batches are built does not change them
     if raw["model"]["placement"] == "replicated":  # left out when default: older checkpoints still match

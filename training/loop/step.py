@@ -38,7 +38,7 @@ from typing import Any, Callable
 import numpy as np
 
 from common.mx import import_mxnet
-from common.config import TrainConfig
+from common.config import ModelConfig, TrainConfig
 
 
 # One micro-batch as the step consumes it: (features per context, labels per context), NDArrays.
@@ -61,6 +61,18 @@ def contexts(cfg: TrainConfig) -> list[Any]:
     mx = import_mxnet()
     make = mx.gpu if cfg.cluster.device == "gpu" else mx.cpu
     return [make(i) for i in range(cfg.cluster.devices_per_worker)]
+
+
+def make_loss(model: ModelConfig) -> Any:
+    """The gluon loss of ``model.task`` / ``model.loss``: per-sample values of shape ``[batch]``
+    (L1, L2 and Huber average over the targets; gluon's L2 is half the squared error)."""
+    loss = import_mxnet().gluon.loss
+    name = model.loss_name
+    if name == "softmax_cross_entropy":
+        return loss.SoftmaxCrossEntropyLoss()
+    if name == "huber":
+        return loss.HuberLoss(rho=model.huber_rho)
+    return {"l2": loss.L2Loss, "l1": loss.L1Loss}[name]()
 
 
 def init_amp(cfg: TrainConfig) -> bool:

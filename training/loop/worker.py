@@ -47,7 +47,8 @@ from typing import Any, NoReturn
 import numpy as np
 
 from common import fpmode, storage
-from common.config import TrainConfig
+from common.config import ModelConfig, TrainConfig
+from common.manifest import is_regression, num_outputs
 from common.mx import import_mxnet
 from training.checkpoint import state as ckpt_state
 from training.checkpoint.manager import CheckpointManager
@@ -59,12 +60,12 @@ from training.launch.job import EXIT_PREEMPTED, JobSpec
 from training.loop import resume
 from training.loop.faults import FaultPlan
 from training.loop.kvstore_sync import make_trainer, with_gradient_compression
-from training.loop.metrics import StepRecorder, ThroughputMeter
+from training.loop.metrics import StepRecorder, ThroughputMeter, regression_metrics
 from training.loop.model import build_model, draws_random
 from training.loop.optim import learning_rate_at, optimizer_params
 from training.loop.placement import SplitNet, make_split_trainer
 from training.loop.resume import TrainState, resume_digest
-from training.loop.step import LossCheck, NaNLossError, StepRunner, contexts, init_amp, prepare
+from training.loop.step import LossCheck, NaNLossError, StepRunner, contexts, init_amp, make_loss, prepare
 
 __all__ = ["NaNLossError", "run", "evaluate", "resume_digest"]
 
@@ -118,7 +119,7 @@ class Data:
     manifest: dict[str, Any]
     steps: int  # optimizer steps per epoch, the same on every worker
     rows: Any  # this rank's train rows, memory-mapped (training.feed.shard_reader)
-    val: tuple[np.ndarray, np.ndarray] | None  # rank 0's validation split (features, labels)
+    val: tuple[np.ndarray, np.ndarray] | None  # rank 0's validation split (features, labels or targets)
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ def build_net(cfg: TrainConfig, manifest: dict[str, Any], ctxs: list[Any]) -> Mo
     np.random.seed(cfg.seed)
     use_amp = init_amp(cfg)
     split = cfg.model.placement == "split"
-    net = build_model(cfg, manifest["num_classes"])
+    net = build_model(cfg, num_outputs(manifest))
     reseed_mxnet = draws_random(net)
     if split:  # model parallel: stage i's parameters on ctxs[i] only; the batch enters on ctxs[0]
         net = SplitNet(net, ctxs)
@@ -233,7 +234,7 @@ def build_loop(cfg: TrainConfig, cluster: Cluster, data: Data, model: Model, sta
                                cfg.cluster.optimizer_placement, batch_size=global_batch)
     resume.restore_optimizer(trainer, net, ckpt, state, cfg, num_workers, steps, cluster.rank)
     prepare(net, trainer, cfg.optim.accumulate_steps, model.use_amp)
-    train_step = StepRunner(net, trainer, mx.gluon.loss.SoftmaxCrossEntropyLoss(),
+    train_step = StepRunner(net, trainer, make_loss(cfg.model),
                             cluster.ctxs[:1] if model.split else cluster.ctxs,
                             batch_size=cfg.optim.batch_size, accumulate_steps=cfg.optim.accumulate_steps,
                             global_batch=global_batch, use_amp=model.use_amp)
@@ -322,8 +323,8 @@ def end_epoch(loop: Loop, losses: LossCheck, meter: ThroughputMeter) -> None:
               "global_step": state.global_step, "learning_rate": learning_rate_at(loop.trainer),
               **meter.epoch_metrics()}
     if loop.data.val is not None:  # rank 0
-        record.update({f"val_{k}": v for k, v in evaluate(loop.model.net, *loop.data.val,
-                                                           ctx=loop.cluster.ctxs[0]).items()})
+        record.update({f"val_{k}": v for k, v in evaluate(loop.model.net, *loop.data.val, ctx=loop.cluster.ctxs[0],
+                                                           model=cfg.model).items()})
     state.history.append(record)
     remaining = (cfg.optim.epochs - state.epoch - 1) * steps
     log.info("epoch %d done: step=%d loss=%.4f samples/s=%.0f (all workers %.0f) eta=%.0fs %s", state.epoch,
@@ -332,9 +333,14 @@ def end_epoch(loop: Loop, losses: LossCheck, meter: ThroughputMeter) -> None:
     state.epoch, state.step_in_epoch = state.epoch + 1, 0
 
 
-def evaluate(net: Any, X: np.ndarray, y: np.ndarray, batch: int = 512, ctx: Any = None) -> dict[str, float]:
+def evaluate(net: Any, X: np.ndarray, y: np.ndarray, batch: int = 512, ctx: Any = None,
+             model: ModelConfig | None = None) -> dict[str, float]:
+    """The task's metrics of ``net`` on ``(X, y)`` (``training.loop.metrics.TASK_METRICS``);
+    ``model`` None: classification."""
     mx = import_mxnet()
     ctx = ctx or mx.cpu()
+    if model is not None and model.task == "regression":
+        return _evaluate_regression(net, X, y, batch, ctx, make_loss(model))
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
     total_loss, correct = 0.0, 0
     for i in range(0, len(y), batch):
@@ -344,6 +350,17 @@ def evaluate(net: Any, X: np.ndarray, y: np.ndarray, batch: int = 512, ctx: Any 
         correct += int((out.argmax(axis=1) == yb).sum().asscalar())
     n = max(len(y), 1)
     return {"loss": total_loss / n, "accuracy": correct / n}
+
+
+def _evaluate_regression(net: Any, X: np.ndarray, y: np.ndarray, batch: int, ctx: Any, loss_fn: Any) -> dict[str, float]:
+    mx = import_mxnet()
+    total_loss, preds = 0.0, []
+    for i in range(0, len(y), batch):
+        xb, yb = mx.nd.array(X[i:i + batch], ctx=ctx), mx.nd.array(y[i:i + batch], ctx=ctx)
+        out = net(xb)
+        total_loss += float(loss_fn(out, yb).sum().asscalar())
+        preds.append(out.asnumpy())
+    return {"loss": total_loss / max(len(y), 1), **regression_metrics(np.concatenate(preds), y)}
 
 
 def _checked(epoch: int, read: Any, *args: Any) -> None:
@@ -402,6 +419,8 @@ def export(net: Any, manifest: dict[str, Any], model_prefix: str) -> None:
         net.export(os.path.join(tmp, "model"), epoch=0)
         meta = {"feature_columns": manifest["feature_columns"], "classes": manifest["classes"],
                 "input_shape": manifest.get("input_shape", []), "num_features": manifest["num_features"]}
+        if is_regression(manifest):  # the pyfunc model returns one float column per target
+            meta.update(task="regression", target_columns=manifest["target_columns"])
         with open(os.path.join(tmp, "model_meta.json"), "w") as fh:
             json.dump(meta, fh, indent=2)
         for fname in sorted(os.listdir(tmp)):

@@ -8,13 +8,19 @@ with the test split as their dataset. The training DAG's register step scores th
 logged; a review scores challenger and champion the same way. ``load_test_split`` reads a sharded
 dataset's test split as the data to score on.
 
+Regression (a manifest with float targets): the frame holds each target as ``true_<target>``;
+``evaluate_regressor`` scores the model with the default *regressor* evaluator on the first target
+(MLflow's evaluator takes one target column: ``root_mean_squared_error``, ``mean_absolute_error``,
+``r2_score``, ...) and computes ``test_rmse``, ``test_mae`` and ``test_r2`` over every target
+(``common.task_metrics``); it also returns the predictions, for the predicted-vs-true plot.
+
 Importing this module is cheap (stdlib only); mlflow, pandas, numpy and the model's own imports
 (mxnet) load inside the functions.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # The label column of the evaluation data (the model's own output column is ``label``).
@@ -41,6 +47,15 @@ class EvaluationData:
     frame: Any  # pandas: the model's feature columns as float64, the class values in TARGET_COLUMN
     classes: list[str]  # every class the model may predict, as ``class_key`` strings
     source_uri: str  # where the rows come from (a shard manifest's URI, or a local file)
+    task: str = "classification"
+    target_columns: list[str] = field(default_factory=list)  # regression: the model's output columns
+
+    @property
+    def truth_columns(self) -> list[str]:
+        """The frame's columns of true values: ``TARGET_COLUMN``, or ``true_<target>`` per target."""
+        if self.task == "regression":
+            return [f"true_{t}" for t in self.target_columns]
+        return [TARGET_COLUMN]
 
     def dataset(self) -> Any:
         """The rows as an ``mlflow.data`` dataset named ``DATASET_NAME``: scoring two models on it
@@ -49,8 +64,8 @@ class EvaluationData:
 
         from training.tracking.run_extras import dataset_source
 
-        return mlflow.data.from_pandas(self.frame, source=dataset_source(self.source_uri), targets=TARGET_COLUMN,
-                                       name=DATASET_NAME)
+        return mlflow.data.from_pandas(self.frame, source=dataset_source(self.source_uri),
+                                       targets=self.truth_columns[0], name=DATASET_NAME)
 
 
 def load_test_split(shards_prefix: str, work_dir: str) -> EvaluationData:
@@ -61,19 +76,30 @@ def load_test_split(shards_prefix: str, work_dir: str) -> EvaluationData:
     from common.manifest import manifest_uri
     from training.feed import data
 
+    from common.manifest import is_regression
+
     manifest = data.load_manifest(shards_prefix)
     columns = [str(c) for c in manifest["feature_columns"]]
-    if TARGET_COLUMN in columns:
-        raise EvaluationError(f"{shards_prefix}: a feature column is named {TARGET_COLUMN!r}, the evaluation's "
-                              "label column")
+    regression = is_regression(manifest)
+    shell = EvaluationData(frame=None, classes=[class_key(c) for c in manifest["classes"]],
+                           source_uri=manifest_uri(shards_prefix), task=manifest.get("task", "classification"),
+                           target_columns=[str(c) for c in manifest.get("target_columns", [])])
+    clash = sorted(set(columns) & set(shell.truth_columns))
+    if clash:
+        raise EvaluationError(f"{shards_prefix}: feature columns {clash} have the names of the evaluation's "
+                              "true values")
     test = [s for s in manifest["shards"] if s["split"] == "test"]
     X, y = data.fetch_split(manifest, shards_prefix, test, work_dir)
     if len(y) == 0:
         raise EvaluationError(f"{shards_prefix} has no test rows to evaluate on")
-    classes = [class_key(c) for c in manifest["classes"]]
     frame = pd.DataFrame(X.astype("float64"), columns=columns)
-    frame[TARGET_COLUMN] = np.asarray(classes, dtype=object)[np.asarray(y, dtype=np.int64)]
-    return EvaluationData(frame=frame, classes=classes, source_uri=manifest_uri(shards_prefix))
+    if regression:
+        for j, name in enumerate(shell.truth_columns):
+            frame[name] = y[:, j].astype("float64")
+    else:
+        frame[TARGET_COLUMN] = np.asarray(shell.classes, dtype=object)[np.asarray(y, dtype=np.int64)]
+    return EvaluationData(frame=frame, classes=shell.classes, source_uri=shell.source_uri, task=shell.task,
+                          target_columns=shell.target_columns)
 
 
 def evaluate_model(model_uri: str, dataset: Any, classes: Sequence[str], *, model_id: str | None,
@@ -105,3 +131,38 @@ def evaluate_model(model_uri: str, dataset: Any, classes: Sequence[str], *, mode
         model=predict, data=dataset, model_type="classifier", evaluators="default", model_id=model_id,
         # SHAP is not installed, and would cost minutes on wide inputs.
         evaluator_config={"label_list": list(classes), "log_model_explainability": False})
+
+
+@dataclass(frozen=True)
+class RegressionScores:
+    result: Any  # MLflow's EvaluationResult (the first target)
+    metrics: dict[str, float]  # test_rmse, test_mae, test_r2 over every target
+    predictions: Any  # numpy [n, num_targets], in the order of the test rows
+
+
+def evaluate_regressor(model_uri: str, data: EvaluationData, dataset: Any, *, model_id: str | None,
+                       what: str) -> RegressionScores:
+    """Score a regression model on ``data`` (its ``dataset()`` as ``dataset``): MLflow's default
+    regressor evaluator on the first target, linked to the LoggedModel ``model_id`` like
+    ``evaluate_model``, and RMSE, MAE and R² over every target."""
+    import mlflow
+    import numpy as np
+
+    from common.task_metrics import regression_metrics
+
+    model = mlflow.pyfunc.load_model(model_uri)
+    features = data.frame.drop(columns=data.truth_columns)
+    try:
+        predicted = model.predict(features)[data.target_columns].to_numpy(np.float64)
+    except Exception as exc:  # e.g. a model trained on other features or targets
+        raise EvaluationError(f"{what} cannot score the test data: {exc}") from exc
+    first = data.target_columns[0]
+
+    def predict(rows: Any) -> Any:  # the evaluator's frame: features (and any further true_* columns)
+        return model.predict(rows)[first].to_numpy(np.float64)
+
+    result = mlflow.models.evaluate(model=predict, data=dataset, model_type="regressor", evaluators="default",
+                                    model_id=model_id, evaluator_config={"log_model_explainability": False})
+    true = data.frame[data.truth_columns].to_numpy(np.float64)
+    metrics = {f"test_{k}": v for k, v in regression_metrics(predicted, true).items()}
+    return RegressionScores(result=result, metrics=metrics, predictions=predicted)

@@ -32,6 +32,19 @@ from typing import Any
 DEFAULT_GATE: dict[str, dict[str, Any]] = {
     "accuracy_score": {"greater_is_better": True, "threshold": 0.5, "max_absolute_drop": 0.01},
 }
+# Regression (MLflow's regressor evaluator): lower test RMSE wins; the challenger's may be at most
+# 1 % above the champion's. No floor: an RMSE has the targets' scale.
+DEFAULT_REGRESSION_GATE: dict[str, dict[str, Any]] = {
+    "root_mean_squared_error": {"greater_is_better": False, "max_relative_drop": 0.01},
+}
+
+
+def gate_for_task(spec: Mapping[str, Any], task: str) -> Mapping[str, Any]:
+    """The gate to apply: ``spec`` as given, except that the ``gate`` Param left at its default
+    (``DEFAULT_GATE``, accuracy) means the task's default for a regression model."""
+    return DEFAULT_REGRESSION_GATE if task == "regression" and dict(spec) == DEFAULT_GATE else spec
+
+
 CHECKS = ("threshold", "min_absolute_change", "min_relative_change", "max_absolute_drop", "max_relative_drop")
 # Checks against the champion (skipped without one).
 RELATIVE_TO_CHAMPION = frozenset(CHECKS) - {"threshold"}

@@ -2,9 +2,11 @@
 
 The trainer exports with ``net.export(prefix, epoch=0)`` into one folder:
 ``<prefix>-symbol.json``, ``<prefix>-NNNN.params`` and ``model_meta.json``
-(``feature_columns``, ``classes``, ``input_shape``, ``num_features``). The network takes float32
-``[batch, num_features]`` (reshaped to ``[batch] + input_shape`` when that is non-empty) and
-returns logits ``[batch, num_classes]``.
+(``feature_columns``, ``classes``, ``input_shape``, ``num_features``; a regression model adds
+``task: "regression"`` and ``target_columns``). The network takes float32 ``[batch, num_features]``
+(reshaped to ``[batch] + input_shape`` when that is non-empty) and returns logits
+``[batch, num_classes]``, or for regression one float per target ``[batch, num_targets]``, which
+the model returns as one float64 column per target (named by ``target_columns``).
 
 This file is logged *as code* ("models from code", MLflow's recommended way): MLflow copies it
 into the model and executes it at load time, so it must stay self-contained (stdlib, numpy,
@@ -22,7 +24,7 @@ import json
 import os
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlflow.models
@@ -77,10 +79,14 @@ def find_export_files(model_dir: str) -> dict[str, str]:
 def read_meta(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         meta = json.load(f)
-    missing = [k for k in ("feature_columns", "classes") if k not in meta]
+    meta.setdefault("task", "classification")
+    needs = ("feature_columns", "target_columns") if meta["task"] == "regression" else ("feature_columns", "classes")
+    missing = [k for k in needs if k not in meta]
     if missing:
         raise ValueError(f"{path} lacks {missing}")
     meta.setdefault("input_shape", [])
+    meta.setdefault("classes", [])
+    meta.setdefault("target_columns", [])
     meta.setdefault("num_features", len(meta["feature_columns"]))
     if len(meta["feature_columns"]) != meta["num_features"]:
         raise ValueError(f"{path}: {len(meta['feature_columns'])} feature_columns but num_features={meta['num_features']}")
@@ -98,20 +104,31 @@ class LoadedNet:
     feature_columns: list[str]
     classes: list[Any]
     input_shape: list[int]
+    task: str = "classification"
+    target_columns: list[str] = field(default_factory=list)
 
     def predict_proba(self, features: np.ndarray, batch_size: int = PREDICT_BATCH) -> np.ndarray:
         """Softmax probabilities ``[n, num_classes]`` for float features ``[n, num_features]``."""
+        return self._forward(features, len(self.classes), batch_size, softmax=True)
+
+    def predict_values(self, features: np.ndarray, batch_size: int = PREDICT_BATCH) -> np.ndarray:
+        """Regression: the network's outputs ``[n, num_targets]`` for float features ``[n, num_features]``."""
+        return self._forward(features, len(self.target_columns), batch_size, softmax=False)
+
+    def _forward(self, features: np.ndarray, width: int, batch_size: int, softmax: bool) -> np.ndarray:
         mx = _import_mxnet()
         x = np.ascontiguousarray(features, dtype=np.float32)
         if x.ndim != 2 or x.shape[1] != len(self.feature_columns):
             raise ValueError(f"expected features of shape [n, {len(self.feature_columns)}], got {x.shape}")
-        out = np.empty((x.shape[0], len(self.classes)), dtype=np.float32)
+        out = np.empty((x.shape[0], width), dtype=np.float32)
         for start in range(0, x.shape[0], batch_size):
             chunk = x[start : start + batch_size]
             if self.input_shape:
                 chunk = chunk.reshape([chunk.shape[0], *self.input_shape])
-            logits = self.net(mx.nd.array(chunk, dtype="float32", ctx=mx.cpu()))
-            out[start : start + chunk.shape[0]] = mx.nd.softmax(logits, axis=-1).asnumpy()
+            outputs = self.net(mx.nd.array(chunk, dtype="float32", ctx=mx.cpu()))
+            if softmax:
+                outputs = mx.nd.softmax(outputs, axis=-1)
+            out[start : start + chunk.shape[0]] = outputs.asnumpy()
         return out
 
 
@@ -132,6 +149,8 @@ def load_exported(symbol_file: str, params_file: str, meta_file: str) -> LoadedN
         feature_columns=[str(c) for c in meta["feature_columns"]],
         classes=list(meta["classes"]),
         input_shape=[int(d) for d in meta["input_shape"]],
+        task=meta["task"],
+        target_columns=[str(c) for c in meta["target_columns"]],
     )
 
 
@@ -145,8 +164,18 @@ def predictions_frame(loaded: LoadedNet, proba: np.ndarray, index: pd.Index | No
     )
 
 
+def predict_frame(loaded: LoadedNet, features: np.ndarray, index: pd.Index | None = None) -> pd.DataFrame:
+    """The model's output for float features: ``label`` and ``probability`` (classification), or
+    one float64 column per target (regression)."""
+    if loaded.task == "regression":
+        values = loaded.predict_values(features).astype(np.float64)
+        return pd.DataFrame(values, columns=loaded.target_columns, index=index)
+    return predictions_frame(loaded, loaded.predict_proba(features), index=index)
+
+
 class MXNetClassifier(PythonModel):
-    """pyfunc model: DataFrame of named feature columns → DataFrame ``label``, ``probability``."""
+    """pyfunc model: DataFrame of named feature columns → DataFrame ``label``, ``probability``
+    (classification) or one float column per target (regression: ``predict_frame``)."""
 
     def __init__(self) -> None:
         self._loaded: LoadedNet | None = None
@@ -171,7 +200,7 @@ class MXNetClassifier(PythonModel):
                 f"{missing[:20]}{' …' if len(missing) > 20 else ''}"
             )
         features = frame[wanted].to_numpy(dtype=np.float32)
-        return predictions_frame(self._loaded, self._loaded.predict_proba(features), index=frame.index)
+        return predict_frame(self._loaded, features, index=frame.index)
 
 
 # Models from code: MLflow executes this file at log and load time and takes this instance.

@@ -54,6 +54,8 @@ MAX_EXAMPLE_ROWS = 5
 REGISTRATION_WAIT_S = 60
 # The run's test metric (README, demo output): the evaluator's accuracy_score under its old name.
 TEST_ACCURACY = "test_accuracy"
+# A regression run's headline test metric (with test_mae and test_r2, over every target).
+TEST_RMSE = "test_rmse"
 
 MLFLOW_ENV_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
@@ -303,7 +305,7 @@ def _log_pyfunc(*, files: Mapping[str, str], input_example: Any, step: int, tags
 
     loaded = pyfunc_model.load_exported(files["symbol"], files["params"], files["meta"])
     example = _example_frame(input_example, loaded.feature_columns)
-    prediction = pyfunc_model.predictions_frame(loaded, loaded.predict_proba(example.to_numpy()))
+    prediction = pyfunc_model.predict_frame(loaded, example.to_numpy())
     with warnings.catch_warnings():
         # An integer `label` output cannot be missing; MLflow's hint about NaN in ints is noise.
         warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
@@ -371,16 +373,44 @@ def _evaluate(client: Any, run_id: str, model_uri: str, model_id: str, test_data
     dataset = test_data.dataset()
     done = {m.key: m.value for m in client.get_logged_model(model_id).metrics
             if m.run_id == run_id and m.dataset_digest == dataset.digest}
-    if TEST_ACCURACY in done:
+    if (TEST_RMSE if test_data.task == "regression" else TEST_ACCURACY) in done:
         log.info("%s was already evaluated on this test split by run %s", what, run_id)
         return done
     started = time.monotonic()
-    result = evaluate_model(model_uri, dataset, test_data.classes, model_id=model_id, what=what)
-    metrics = {key: float(value) for key, value in result.metrics.items()}
-    metrics[TEST_ACCURACY] = metrics["accuracy_score"]
-    mlflow.log_metric(TEST_ACCURACY, metrics[TEST_ACCURACY], step=step, model_id=model_id, dataset=dataset)
+    if test_data.task == "regression":
+        metrics = _evaluate_regression(model_uri, model_id, test_data, dataset, step, what)
+    else:
+        result = evaluate_model(model_uri, dataset, test_data.classes, model_id=model_id, what=what)
+        metrics = {key: float(value) for key, value in result.metrics.items()}
+        metrics[TEST_ACCURACY] = metrics["accuracy_score"]
+        mlflow.log_metric(TEST_ACCURACY, metrics[TEST_ACCURACY], step=step, model_id=model_id, dataset=dataset)
     log.info("evaluated %s on %d test rows in %.1f s: %s", what, len(test_data.frame), time.monotonic() - started,
              metrics)
+    return metrics
+
+
+def _evaluate_regression(model_uri: str, model_id: str, test_data: EvaluationData, dataset: Any, step: int,
+                         what: str) -> dict[str, float]:
+    """MLflow's regressor evaluation plus ``test_rmse``/``test_mae``/``test_r2`` (at the model's step,
+    linked to its LoggedModel) and the predicted-vs-true plot, in the active run."""
+    import tempfile
+
+    import mlflow
+
+    from training.tracking.evaluation import evaluate_regressor
+    from training.tracking.run_extras import predicted_vs_true_png
+
+    scores = evaluate_regressor(model_uri, test_data, dataset, model_id=model_id, what=what)
+    metrics = {key: float(value) for key, value in scores.result.metrics.items()}
+    metrics.update(scores.metrics)
+    for key, value in scores.metrics.items():
+        mlflow.log_metric(key, value, step=step, model_id=model_id, dataset=dataset)
+    with tempfile.TemporaryDirectory(prefix="mxpipe-plot-") as tmp:
+        true = test_data.frame[test_data.truth_columns].to_numpy()
+        plot = predicted_vs_true_png(true, scores.predictions, test_data.target_columns,
+                                     os.path.join(tmp, "predicted_vs_true.png"))
+        if plot is not None:
+            mlflow.log_artifact(plot, "plots")
     return metrics
 
 

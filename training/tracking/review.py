@@ -22,7 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from training.tracking.evaluation import EvaluationError, class_key, evaluate_model, load_test_split
+from training.tracking.evaluation import (EvaluationData, EvaluationError, class_key, evaluate_model,
+                                          evaluate_regressor, load_test_split)
 from training.tracking.registry import (
     CHALLENGER_ALIAS,
     _get_or_create_experiment,
@@ -180,7 +181,7 @@ def resolve_target(tracking_uri: str, name: str, version: str | None = None,
                       shards_prefix=prefix)
 
 
-def evaluate_version(name: str, version: str, dataset: Any, classes: list[str], *, role: str,
+def evaluate_version(name: str, version: str, dataset: Any, test: EvaluationData, *, role: str,
                      experiment_id: str) -> tuple[Any, str | None]:
     """Score a registered version (``evaluation.evaluate_model``) in a run nested in the active
     review run: its ``EvaluationResult`` and the id of the LoggedModel it is linked to.
@@ -193,8 +194,14 @@ def evaluate_version(name: str, version: str, dataset: Any, classes: list[str], 
     model_id = logged_model_id(MlflowClient().get_model_version(name, version))
     with mlflow.start_run(experiment_id=experiment_id, run_name=f"{role} (version {version})", nested=True,
                           tags={"model.name": name, "model.version": version, "review.role": role}) as run:
-        result = evaluate_model(f"models:/{name}/{version}", dataset, classes, model_id=model_id,
-                                what=f"{name} version {version}")
+        uri, what = f"models:/{name}/{version}", f"{name} version {version}"
+        if test.task == "regression":  # MLflow's regressor evaluator, plus RMSE/MAE/R² over every target
+            scores = evaluate_regressor(uri, test, dataset, model_id=model_id, what=what)
+            mlflow.log_metrics(scores.metrics)
+            result = scores.result
+            result.metrics.update(scores.metrics)
+        else:
+            result = evaluate_model(uri, dataset, test.classes, model_id=model_id, what=what)
     log.info("%s version %s (%s): %s (run %s)", name, version, role, result.metrics, run.info.run_id)
     return result, model_id
 
@@ -229,7 +236,7 @@ def review(tracking_uri: str, target: Target, *, run_name: str, tags: Mapping[st
                                    "champion": target.champion or "none", "shards_prefix": target.shards_prefix})
                 evaluations = {}
                 for role, version in roles.items():
-                    result, model_id = evaluate_version(target.name, version, dataset, test.classes, role=role,
+                    result, model_id = evaluate_version(target.name, version, dataset, test, role=role,
                                                         experiment_id=experiment_id)
                     evaluations[role] = summary(result, version=version, model_id=model_id)
                     _log_confusion_png(result, role, tmp)
@@ -241,7 +248,7 @@ def review(tracking_uri: str, target: Target, *, run_name: str, tags: Mapping[st
                 mlflow.log_text(text + "\n", "review/comparison.md")
     log.info("review of %s version %s (run %s):\n%s", target.name, target.challenger, run.info.run_id, text)
     return {"target": target.to_dict(), "comparison": comp, "markdown": text, "review_run_id": run.info.run_id,
-            "evaluations": evaluations}
+            "evaluations": evaluations, "task": test.task}
 
 
 def gate(tracking_uri: str, target: Target, reviewed: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -249,10 +256,11 @@ def gate(tracking_uri: str, target: Target, reviewed: Mapping[str, Any], spec: M
     version and the review run alike: a failure tags them ``review=gate_failed`` with the
     reason in ``review.gate``; a pass sets ``review.gate=passed``. The version also gets
     ``review.run_id``."""
-    from training.tracking.gate import evaluate_gate
+    from training.tracking.gate import evaluate_gate, gate_for_task
 
     evaluations = reviewed["evaluations"]
     champion = evaluations.get("champion")
+    spec = gate_for_task(spec, reviewed.get("task", "classification"))
     outcome = evaluate_gate(spec, evaluation_result(evaluations["challenger"]),
                             evaluation_result(champion) if champion else None)
     run_id = reviewed["review_run_id"]

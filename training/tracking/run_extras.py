@@ -1,9 +1,9 @@
 """What a training run's MLflow page shows beyond params, metrics and the model.
 
 The dataset manifest as an ``mlflow.data`` input (so the run's "Datasets used" names the exact
-shards it trained on, by digest) and a loss/accuracy curve built from the epoch history (the
+shards it trained on, by digest), a loss/accuracy curve built from the epoch history (the
 test split's confusion matrix and per-class figures come from MLflow's evaluator:
-``training.tracking.evaluation``). Airflow-free; mlflow and matplotlib are imported inside the
+``training.tracking.evaluation``) and, for regression, a predicted-vs-true plot of the test split. Airflow-free; mlflow and matplotlib are imported inside the
 functions (matplotlib missing: no image, a log line, nothing fails).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 DATASET_CONTEXT = "train"
 # Metrics the curve plots when the history has them: losses on the left axis, accuracies right.
 LOSS_KEYS = ("train_loss", "val_loss")
-ACCURACY_KEYS = ("train_accuracy", "val_accuracy")
+ACCURACY_KEYS = ("train_accuracy", "val_accuracy", "val_r2")
 
 
 def dataset_source(uri: str) -> Any:
@@ -80,10 +80,30 @@ def curves_png(history: Sequence[Mapping[str, float]], path: str) -> str | None:
                 ax.plot(epochs, [row.get(key, float("nan")) for row in history], style, marker="o",
                         markersize=3, label=key)
     loss_ax.set(xlabel="epoch", ylabel="loss", title="training curves")
-    acc_ax.set(ylabel="accuracy")
+    acc_ax.set(ylabel="R²" if any("val_r2" in row for row in history) else "accuracy")
     lines = loss_ax.get_legend_handles_labels()[0] + acc_ax.get_legend_handles_labels()[0]
     if lines:
         fig.legend(loc="lower left", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def predicted_vs_true_png(true: Any, predicted: Any, names: Sequence[str], path: str) -> str | None:
+    """Regression's test plot (in place of the confusion matrix): predicted against true value,
+    one panel per target, with the diagonal of a perfect model; ``None`` without matplotlib."""
+    plt = _pyplot()
+    if plt is None or not len(true):
+        return None
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 4.2), dpi=100, squeeze=False)
+    for j, (ax, name) in enumerate(zip(axes[0], names)):
+        t, p = true[:, j], predicted[:, j]
+        low, high = float(min(t.min(), p.min())), float(max(t.max(), p.max()))
+        ax.scatter(t, p, s=8, alpha=0.6)
+        ax.plot([low, high], [low, high], "k--", linewidth=1, label="predicted = true")
+        ax.set(xlabel=f"true {name}", ylabel=f"predicted {name}", title=f"{name} (test split, {len(t)} rows)")
+        ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
