@@ -8,7 +8,10 @@ same command for both and only the carrier differs:
   ``ServerAliveCountMax`` bounds how long a dead host or link goes unnoticed (the client exits
   255, which the supervisor reports as that role's failure); ``ConnectTimeout`` bounds the
   start. Killing the local client does not stop the remote command, so the backend stops roles
-  on the host itself (``python -m common.procs kill-records``).
+  on the host itself (``python -m common.procs kill-records``). With ``known_hosts`` the host
+  keys are pinned: only that file is consulted and an unknown or changed key is refused
+  (``StrictHostKeyChecking=yes``); without it, ``ssh_options`` decide (default: trust on first
+  use, ``accept-new``).
 - ``netns``: ``ip netns exec NS sh -c 'COMMAND'``: a host that is a network namespace of this
   machine (tests: several hosts with their own addresses, linked by veth pairs and a bridge).
   It shares this machine's filesystem and process table; the network is what is separate.
@@ -43,6 +46,7 @@ class HostSpec:
     ssh_port: int = 22
     ssh_key: str = ""
     ssh_options: tuple[str, ...] = ("StrictHostKeyChecking=accept-new",)
+    known_hosts: str = ""
     interface: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -68,10 +72,15 @@ def host_argv(host: HostSpec, command: str) -> list[str]:
         return ["sh", "-c", command]
     argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5",
             "-o", "ServerAliveCountMax=3", "-p", str(host.ssh_port)]
+    if host.known_hosts:
+        # Before ssh_options: for each option ssh keeps the first value it is given, so a pinned
+        # known_hosts cannot be loosened by the default accept-new.
+        argv += ["-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={host.known_hosts}",
+                 "-o", "GlobalKnownHostsFile=/dev/null"]
     for opt in host.ssh_options:
         argv += ["-o", opt]
     if host.ssh_key:
-        argv += ["-i", host.ssh_key]
+        argv += ["-o", "IdentitiesOnly=yes", "-i", host.ssh_key]
     target = f"{host.ssh_user}@{host.address}" if host.ssh_user else host.address
     return argv + [target, command]
 

@@ -140,3 +140,13 @@ def test_transport_command_lines():
     assert host_argv(ns, "echo hi") == ["ip", "netns", "exec", "mxh1", "sh", "-c", "echo hi"]
     with pytest.raises(ValueError):
         HostSpec(name="c", address="x", transport="netns")
+
+
+def test_pinned_known_hosts_wins_over_the_default_trust_on_first_use():
+    # ssh keeps the first value of each option: the pinned file's must come before ssh_options.
+    host = HostSpec(name="a", address="10.1.2.3", ssh_key="/k", known_hosts="/kh")
+    argv = host_argv(host, "true")
+    strict = [argv[i + 1] for i, a in enumerate(argv) if a == "-o" and argv[i + 1].startswith("StrictHostKey")]
+    assert strict[0] == "StrictHostKeyChecking=yes"
+    assert "UserKnownHostsFile=/kh" in argv and "GlobalKnownHostsFile=/dev/null" in argv
+    assert "IdentitiesOnly=yes" in argv
