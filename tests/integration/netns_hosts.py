@@ -78,8 +78,10 @@ def netns_pids(name: str) -> list[int]:
 
 
 def hosts_pids(hosts: list[dict]) -> list[int]:
-    """Every process running in one of ``hosts`` (a role, or a transport's shell around it)."""
-    return [pid for host in hosts for pid in netns_pids(host["name"])]
+    """Every process running in one of ``hosts`` (a role, or a transport's shell around it), but
+    the host's own sshd listener (``ssh_hosts``)."""
+    return [pid for host in hosts for pid in netns_pids(host["name"])
+            if pid != host.get("extra", {}).get("sshd_pid")]
 
 
 def controller_address(hosts: list[dict]) -> str:
@@ -251,7 +253,7 @@ def ssh_hosts(hosts: list[dict], root: Path) -> Iterator[list[dict]]:
                                               stdin=subprocess.DEVNULL, start_new_session=True))
         known.write_text("".join(lines))
         reached = [{**h, "transport": "ssh", "ssh_user": getpass.getuser(), "ssh_key": str(key),
-                    "known_hosts": str(known)} for h in hosts]
+                    "known_hosts": str(known), "extra": {"sshd_pid": proc.pid}} for h, proc in zip(hosts, procs)]
         for host in reached:
             _wait_for_sshd(HostSpec.from_dict(host), run_on, procs, root)
         yield reached
