@@ -90,6 +90,30 @@ def in_workdir(host: HostSpec, *argv: str) -> str:
     return f"cd {shlex.quote(host.workdir)} && exec {shlex.join(argv)}"
 
 
+def role_command(host: HostSpec, *argv: str) -> str:
+    """``in_workdir`` for a long-lived role, whose death by a signal must reach the supervisor.
+
+    Over ssh the shell waits for the role instead of becoming it: ssh reports a remote command
+    killed by a signal as its own failure (exit 255, like a lost connection), while a shell
+    reports a child killed by signal N as 128 + N and ssh passes that through (``exit_status``
+    maps it back). ``; exit $?`` keeps the shell from exec-ing the last command itself.
+    """
+    if host.transport != "ssh":
+        return in_workdir(host, *argv)
+    return f"cd {shlex.quote(host.workdir)} && {shlex.join(argv)}; exit $?"
+
+
+def exit_status(host: HostSpec, code: int | None) -> int | None:
+    """A role's exit status on ``host`` as a local child's would read: over ssh, a shell's
+    128 + N for a role killed by signal N becomes -N (``role_command``); 255 stays ssh's own."""
+    if host.transport == "ssh" and code is not None and _SHELL_SIGNAL < code < _SHELL_SIGNAL + 65:
+        return _SHELL_SIGNAL - code
+    return code
+
+
+_SHELL_SIGNAL = 128
+
+
 def run_on(host: HostSpec, command: str, *, timeout_s: float, input_text: str | None = None,
            check: bool = True) -> subprocess.CompletedProcess:
     """Run ``command`` on ``host`` to completion (bounded by ``timeout_s``)."""

@@ -150,3 +150,15 @@ def test_pinned_known_hosts_wins_over_the_default_trust_on_first_use():
     assert strict[0] == "StrictHostKeyChecking=yes"
     assert "UserKnownHostsFile=/kh" in argv and "GlobalKnownHostsFile=/dev/null" in argv
     assert "IdentitiesOnly=yes" in argv
+
+
+def test_a_role_killed_by_a_signal_over_ssh_reads_as_a_local_child_killed_by_it():
+    from infra.transport import exit_status, role_command
+
+    ssh = HostSpec(name="a", address="10.1.2.3", workdir="/w")
+    ns = HostSpec(name="b", address="10.213.0.2", transport="netns", netns="mxh1", workdir="/w")
+    # Over ssh the shell outlives the role (no exec), so its 128 + N reaches ssh's exit status.
+    assert role_command(ssh, "python", "-m", "x") == "cd /w && python -m x; exit $?"
+    assert role_command(ns, "python", "-m", "x") == "cd /w && exec python -m x"
+    assert exit_status(ssh, 137) == -9 and exit_status(ssh, 255) == 255 and exit_status(ssh, 3) == 3
+    assert exit_status(ssh, None) is None and exit_status(ns, 137) == 137
