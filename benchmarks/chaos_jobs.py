@@ -38,12 +38,13 @@ ORPHAN_WAIT_S = 10.0
 
 
 class ChaosStack:
-    """A SeaweedFS S3 server on free 127.0.0.1 ports under ``root`` (credentials enforced)."""
+    """A SeaweedFS S3 server on free ports under ``root`` (credentials enforced), on 127.0.0.1 or
+    on ``address`` (a bridge address namespace hosts reach)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, address: str | None = None) -> None:
         from infra.stack_config import StackConfig, load_credentials
 
-        self.cfg = StackConfig.with_free_ports(root / "stack")
+        self.cfg = StackConfig.with_free_ports(root / "stack", **({"s3_host": address} if address else {}))
         self.cfg.save()
         self.creds = load_credentials(self.cfg.home)
         self.handle: Any = None
@@ -144,10 +145,12 @@ class _PidFileSpawner(GroupSpawner):
 
 
 def run_attempt(job: JobSpec, workdir: Path, *, victim: str | None = None, kill_step: int = 0,
-                killer_rank: int = 0, env: Mapping[str, str] | None = None) -> Attempt:
+                killer_rank: int = 0, env: Mapping[str, str] | None = None, cluster: Any = None) -> Attempt:
     """Run the job once. With ``victim`` (a role name: ``worker-1``, ``server-0``, ``scheduler``)
     worker ``killer_rank`` SIGKILLs that role right after global step ``kill_step``, once per
-    ``workdir`` (a retry in the same workdir runs clean, as an Airflow retry would)."""
+    ``workdir`` (a retry in the same workdir runs clean, as an Airflow retry would). With
+    ``cluster`` (an ``infra.cluster`` backend, no ``victim``) the roles run there instead of as
+    local process groups; the tag reaches them through the forwarded environment."""
     workdir.mkdir(parents=True, exist_ok=True)
     n = len([p for p in workdir.iterdir() if p.name.startswith("attempt-")])
     adir = workdir / f"attempt-{n}"
@@ -162,8 +165,11 @@ def run_attempt(job: JobSpec, workdir: Path, *, victim: str | None = None, kill_
     prefix = job.checkpoint_prefix.rsplit("/", 1)[0]
     job_uri = storage.join(prefix, "job.json")
     job.save(job_uri)
-    spawner = _PidFileSpawner(str(adir / "procs"), victim, pid_file)
-    sup = Supervisor(job.config, spawner, host="127.0.0.1", port=free_port(), base_env=run_env)
+    if cluster is not None:
+        sup = Supervisor(job.config, cluster=cluster, base_env=run_env)
+    else:
+        spawner = _PidFileSpawner(str(adir / "procs"), victim, pid_file)
+        sup = Supervisor(job.config, spawner, host="127.0.0.1", port=free_port(), base_env=run_env)
     started, failed = time.monotonic(), None
     try:
         sup.run(job_uri)

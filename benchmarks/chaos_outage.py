@@ -56,7 +56,9 @@ def r3_config(cfg: TrainConfig) -> TrainConfig:
 
 
 def r3(stack: cj.ChaosStack, root: Path, cfg: TrainConfig, outage_s: float, copies: int = 20,
-       reference: bool = False) -> chaos.Trial:
+       reference: bool = False, cluster: Any = None) -> chaos.Trial:
+    """The outage on a job of local roles, or of ``cluster``'s (the hosts backend: roles on
+    namespace hosts that reach S3 over their links)."""
     cfg = r3_config(cfg)
     shards = chaos.shard_copies(stack, cfg, f"r3-digits-x{copies}", copies)
     job = cj.job_for(cfg, shards, f"s3://{stack.bucket}/chaos/r3")
@@ -89,7 +91,7 @@ def r3(stack: cj.ChaosStack, root: Path, cfg: TrainConfig, outage_s: float, copi
            "MXPIPE_FAULT_KILL_PID_FILE": str(pgid_file), "MXPIPE_FAULT_STEP_DELAY_S": str(STEP_DELAY_S)}
     cutter = threading.Thread(target=outage_then_restart, name="s3-outage", daemon=True)
     cutter.start()
-    run = cj.run_attempt(job, work, env=env)
+    run = cj.run_attempt(job, work, env=env, cluster=cluster)
     cutter.join(timeout=OUTAGE_WAIT_S + outage_s + 300)
     if stack.handle is None and not errors:  # the job ended before the restart: bring S3 back
         stack.start()

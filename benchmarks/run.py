@@ -1,4 +1,4 @@
-"""One benchmark report: runs P1–P8 (with D1, C1 and chaos R4) side by side on this machine and
+"""One benchmark report: runs P1–P8 (with D1, C1, N1, C2 and chaos R4) side by side on this machine and
 writes the table into benchmarks/README.md (between the report markers) and benchmarks/results.json.
 
     benchmarks/run                 # quick mode (about 15 minutes on 2 cores)
@@ -114,6 +114,25 @@ def _q2(r: dict[str, Any]) -> Row:
             f"{row['epochs']} epochs)", row["ratio"], r["met"])
 
 
+def _n1(r: dict[str, Any]) -> Row:
+    if "skipped" in r:
+        return (f"skipped: {r['skipped']}", None, None)
+    points = "; ".join(f"{p['rate_mbit']:g} Mbit/s {p['step_time_s'] * 1000:.0f} ms (comm {p['measured_comm_s'] * 1000:.0f} "
+                       f"vs planned {p['predicted_comm_s'] * 1000:.0f})" for p in r["sweep"])
+    ratios = [p["measured_over_predicted"] for p in r["sweep"]]
+    return (f"unconstrained {r['unconstrained']['step_time_s'] * 1000:.0f} ms/step; {points}",
+            sum(ratios) / len(ratios), None)
+
+
+def _c2(r: dict[str, Any]) -> Row:
+    if "skipped" in r:
+        return (f"skipped: {r['skipped']}", None, None)
+    c = r["compression"]
+    return (f"at {c['rate_mbit']:g} Mbit/s: wall ×{c['wall_ratio']:.2f}, step ×{c['step_time_ratio']:.2f}; val accuracy "
+            f"{c['compressed']['val_accuracy']:.4f} vs {c['plain']['val_accuracy']:.4f} "
+            f"({c['accuracy_cost_points']:+.2f} points lost)", c["wall_ratio"], None)
+
+
 def _r4(r: dict[str, Any]) -> Row:
     trials = [t for t in r["trials"] if t["scenario"] == "R4"]
     if not trials:
@@ -147,6 +166,12 @@ BENCHES = (
           "compression.py", ("--quick",), (), 1200, _compression),
     Bench("Q2", "diabetes regression: pipeline test R² ÷ scikit-learn Ridge's, same train/test split",
           "≥ 1.0", "regression_reference.py", (), ("--seeds", "42,7,1"), 1800, _q2),
+    Bench("N1", "step time against link bandwidth (tbf on every netns host link) ÷ the planner's time for "
+          "the same bytes (measured comm ÷ planned, mean over the rates)", "reported",
+          "constrained_links.py", ("--quick",), (), 1800, _n1),
+    Bench("C2", "2-bit compression where the link is the bottleneck: wall time ÷ plain, and the accuracy it costs "
+          "(anchor: BytePS ResNet-50 ×0.92 for −0.59 points)", "reported",
+          "constrained_links.py", ("--quick",), (), 1800, _c2),
     Bench("R4", "network fault on the netns hosts backend: a worker host's link down 5 s and 30 s "
           "(stall timeout 20 s)", "short: rides it out; long: torn down by the stall detector, retry resumes",
           "chaos.py", ("--scenarios", "R4"), ("--scenarios", "R4", "--cut-s", "2,5,10,30,60"), 1500, _r4),

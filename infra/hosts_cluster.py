@@ -34,7 +34,7 @@ from typing import Any
 from common.procs import GroupSpawner, ProcessRole, kill_groups, kill_recorded
 from common.roles import JobLaunch, Role, role_argv, role_env
 from infra.cluster import Cluster, ClusterSpec, ProvisionError, cluster_id_for
-from infra.transport import HostSpec, host_argv, in_workdir, run_on
+from infra.transport import HostSpec, exit_status, host_argv, in_workdir, role_command, run_on
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,22 @@ REMOTE_CMD_TIMEOUT_S = 60.0
 REMOTE_BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 _CHECK = ("import sys, importlib.util, common.procs; "
           "assert importlib.util.find_spec('mxnet'), 'mxnet is not installed'; print(sys.version.split()[0])")
+
+
+class RemoteRole(ProcessRole):
+    """A role on a host, through its transport's local client: its exit status reads as the
+    remote role's, a signal included (``infra.transport.exit_status``)."""
+
+    def __init__(self, name: str, kind: str, host: HostSpec, proc: Any) -> None:
+        super().__init__(name, kind, host.address, proc)
+        self.spec = host
+
+    @property
+    def returncode(self) -> int | None:
+        return exit_status(self.spec, self.proc.returncode)
+
+    def poll(self) -> int | None:
+        return exit_status(self.spec, self.proc.poll())
 
 
 class HostsCluster(Cluster):
@@ -134,7 +150,7 @@ class HostsCluster(Cluster):
             for role, host in placed:
                 proc = spawner.spawn(role.name, host_argv(host, self._role_command(host, attempt, role, launch)),
                                      {**os.environ, "MXPIPE_CLUSTER": self.cluster_id})
-                handles.append(ProcessRole(role.name, role.kind, host.address, proc))
+                handles.append(RemoteRole(role.name, role.kind, host, proc))
         except BaseException:
             self.stop_roles(handles, grace_s=1.0)
             raise
@@ -150,7 +166,7 @@ class HostsCluster(Cluster):
 
     def _role_command(self, host: HostSpec, attempt: str, role: Role, launch: JobLaunch) -> str:
         folder = self._remote_dir(host, attempt)
-        return in_workdir(host, host.python, "-m", "common.procs", "exec-role",
+        return role_command(host, host.python, "-m", "common.procs", "exec-role",
                           "--record", posixpath.join(folder, "procs", f"{role.name}.json"),
                           "--env-file", posixpath.join(folder, "role-env"), "--",
                           *role_argv(role.kind, launch.job_uri, host.python))

@@ -5,7 +5,8 @@ ports, each with a gRPC port at +10000. All are passed explicitly: ``weed mini``
 flags in ``<dir>/mini.options`` and reloads them on the next start, and its embedded maintenance
 worker dials the admin at ``admin.port + 10000`` whatever ``-admin.port.grpc`` says. Telemetry
 (on by default, to a public URL), WebDAV, Iceberg and Lance are switched off. The filer HTTP
-port serves objects without S3 auth; it is bound to 127.0.0.1 only. Data lives in
+port serves objects without S3 auth; it is bound to 127.0.0.1 (``StackConfig.s3_host``: only a
+test's isolated bridge address otherwise). Data lives in
 ``<home>/s3/``.
 """
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 from infra.processes import ServiceHandle, launch, wait_until
 from infra.stack_config import (
     BIN_DIR,
-    HOST,
     REGION,
     WEED_GRPC_OFFSET,
     ServiceError,
@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 def weed_command(cfg: StackConfig) -> list[str]:
     ports = {"master": cfg.weed_master_port, "volume": cfg.weed_volume_port,
              "filer": cfg.weed_filer_port, "s3": cfg.s3_port, "admin": cfg.weed_admin_port}
-    cmd = [str(BIN_DIR / "weed"), "mini", f"-dir={cfg.home / 's3'}", f"-ip={HOST}",
-           f"-ip.bind={HOST}", "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
+    cmd = [str(BIN_DIR / "weed"), "mini", f"-dir={cfg.home / 's3'}", f"-ip={cfg.s3_host}",
+           f"-ip.bind={cfg.s3_host}", "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
            "-s3.port.iceberg=0", "-s3.port.lance=0"]
     for part, port in ports.items():
         cmd += [f"-{part}.port={port}", f"-{part}.port.grpc={port + WEED_GRPC_OFFSET}"]

@@ -60,6 +60,9 @@ class StackConfig:
     weed_volume_port: int = 9340
     weed_filer_port: int = 8888
     weed_admin_port: int = 23646
+    # Where SeaweedFS listens (every part of it: S3, and the filer that serves objects without
+    # S3 auth). Loopback unless a test topology needs it on a bridge its hosts reach.
+    s3_host: str = HOST
     mlflow_port: int = 5000
     airflow_port: int = 8080
     dags_folder: Path = REPO_ROOT / "dags"
@@ -67,7 +70,7 @@ class StackConfig:
 
     @property
     def s3_endpoint(self) -> str:
-        return f"http://{HOST}:{self.s3_port}"
+        return f"http://{self.s3_host}:{self.s3_port}"
 
     @property
     def mlflow_uri(self) -> str:

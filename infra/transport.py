@@ -8,7 +8,10 @@ same command for both and only the carrier differs:
   ``ServerAliveCountMax`` bounds how long a dead host or link goes unnoticed (the client exits
   255, which the supervisor reports as that role's failure); ``ConnectTimeout`` bounds the
   start. Killing the local client does not stop the remote command, so the backend stops roles
-  on the host itself (``python -m common.procs kill-records``).
+  on the host itself (``python -m common.procs kill-records``). With ``known_hosts`` the host
+  keys are pinned: only that file is consulted and an unknown or changed key is refused
+  (``StrictHostKeyChecking=yes``); without it, ``ssh_options`` decide (default: trust on first
+  use, ``accept-new``).
 - ``netns``: ``ip netns exec NS sh -c 'COMMAND'``: a host that is a network namespace of this
   machine (tests: several hosts with their own addresses, linked by veth pairs and a bridge).
   It shares this machine's filesystem and process table; the network is what is separate.
@@ -43,6 +46,7 @@ class HostSpec:
     ssh_port: int = 22
     ssh_key: str = ""
     ssh_options: tuple[str, ...] = ("StrictHostKeyChecking=accept-new",)
+    known_hosts: str = ""
     interface: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -68,10 +72,15 @@ def host_argv(host: HostSpec, command: str) -> list[str]:
         return ["sh", "-c", command]
     argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5",
             "-o", "ServerAliveCountMax=3", "-p", str(host.ssh_port)]
+    if host.known_hosts:
+        # Before ssh_options: for each option ssh keeps the first value it is given, so a pinned
+        # known_hosts cannot be loosened by the default accept-new.
+        argv += ["-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={host.known_hosts}",
+                 "-o", "GlobalKnownHostsFile=/dev/null"]
     for opt in host.ssh_options:
         argv += ["-o", opt]
     if host.ssh_key:
-        argv += ["-i", host.ssh_key]
+        argv += ["-o", "IdentitiesOnly=yes", "-i", host.ssh_key]
     target = f"{host.ssh_user}@{host.address}" if host.ssh_user else host.address
     return argv + [target, command]
 
@@ -79,6 +88,30 @@ def host_argv(host: HostSpec, command: str) -> list[str]:
 def in_workdir(host: HostSpec, *argv: str) -> str:
     """A shell command line running ``argv`` from the project folder on ``host``."""
     return f"cd {shlex.quote(host.workdir)} && exec {shlex.join(argv)}"
+
+
+def role_command(host: HostSpec, *argv: str) -> str:
+    """``in_workdir`` for a long-lived role, whose death by a signal must reach the supervisor.
+
+    Over ssh the shell waits for the role instead of becoming it: ssh reports a remote command
+    killed by a signal as its own failure (exit 255, like a lost connection), while a shell
+    reports a child killed by signal N as 128 + N and ssh passes that through (``exit_status``
+    maps it back). ``; exit $?`` keeps the shell from exec-ing the last command itself.
+    """
+    if host.transport != "ssh":
+        return in_workdir(host, *argv)
+    return f"cd {shlex.quote(host.workdir)} && {shlex.join(argv)}; exit $?"
+
+
+def exit_status(host: HostSpec, code: int | None) -> int | None:
+    """A role's exit status on ``host`` as a local child's would read: over ssh, a shell's
+    128 + N for a role killed by signal N becomes -N (``role_command``); 255 stays ssh's own."""
+    if host.transport == "ssh" and code is not None and _SHELL_SIGNAL < code < _SHELL_SIGNAL + 65:
+        return _SHELL_SIGNAL - code
+    return code
+
+
+_SHELL_SIGNAL = 128
 
 
 def run_on(host: HostSpec, command: str, *, timeout_s: float, input_text: str | None = None,

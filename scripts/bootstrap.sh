@@ -8,12 +8,16 @@ if ! command -v uv >/dev/null 2>&1 || [ "$(uv --version | awk '{print $2}')" != 
   python3 -m pip install --quiet --disable-pip-version-check "uv==$UV_VERSION"
 fi
 # System tools some tests use, installed only where missing and only as root (CI runs as root
-# on a fresh machine): iproute2 for the network-namespace hosts of the hosts-backend tests, and a
-# Compose client to validate docker/compose.yaml without a Docker engine. Without them those
-# tests skip and say why.
+# on a fresh machine): iproute2 for the network-namespace hosts of the hosts-backend tests (and
+# tc for their constrained links), openssh-server and its client for the SSH transport between
+# those hosts, nftables for packet loss on their links, and a Compose client to validate
+# docker/compose.yaml without a Docker engine. Without them those tests skip and say why.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   missing=()
   command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+  [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+  command -v ssh >/dev/null 2>&1 || missing+=(openssh-client)
+  [ -x /usr/sbin/nft ] || missing+=(nftables)
   if ! command -v docker-compose >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1; then
     missing+=(docker-compose)
   fi

@@ -1,27 +1,50 @@
 """Several test hosts on this machine: network namespaces linked by veth pairs and a bridge.
 
-Each host ``<prefix>h<i>`` has one interface ``eth0`` with address ``10.213.0.<i+1>/24``; the
-bridge lives in a namespace of its own (``<prefix>sw``), so no address is added to this
-machine's own network namespace and no traffic leaves the namespaces. Hosts share this
-machine's filesystem and process table: that is how the tests read the job and shards (a local
-folder, as an NFS/EFS mount would be on real hosts) and prove that no role is left behind.
+Each host ``<prefix>h<i>`` has one interface ``eth0`` with address ``<subnet>.<i+1>/24``; the
+bridge lives in a namespace of its own (``<prefix>sw``), where host *i*'s link ends in port
+``p<i>``. By default no address is added to this machine's own network namespace and no traffic
+leaves the namespaces (subnet ``10.213.0``, the same for every caller: each set is isolated).
 
-Needs root (``ip netns add``); ``netns_available()`` says whether this machine allows it.
+``controller=True`` also links this machine's own namespace to the bridge, as the machine that
+runs the supervisor sits on the hosts' network: an address ``<subnet>.254`` on a veth here
+(``controller_address``), on a subnet of its own (``10.214.N``, N unused here), so concurrent
+sets never share a route. Over it the ssh client reaches each host's sshd (``ssh_hosts``), and
+a server bound to that address (the tests' S3) is reached by the hosts over their veths.
+
+``shape_link`` constrains a host's link: a ``tc`` ``tbf`` qdisc on both ends (its ``eth0`` for
+what it sends, the bridge port for what it receives) for a bandwidth, and random packet loss.
+
+Hosts share this machine's filesystem and process table: that is how the tests prove that no
+role is left behind. Needs root (``ip netns add``); ``netns_available()`` and
+``sshd_available()`` say whether this machine allows it.
 """
 from __future__ import annotations
 
+import getpass
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 SUBNET = "10.213.0"
+CONTROLLER_NET = "10.214"
+CONTROLLER_HOST = 254
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SSHD_READY_S = 30.0
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
+
+
+def _tc(*args: str) -> None:
+    subprocess.run(["tc", *args], capture_output=True, text=True, timeout=30, check=True)
 
 
 def netns_available() -> str:
@@ -37,23 +60,54 @@ def netns_available() -> str:
     return ""
 
 
+def sshd_available() -> str:
+    """Empty if namespace hosts with an OpenSSH server each can be made here, else why not."""
+    why = netns_available()
+    if why:
+        return why
+    missing = [tool for tool in ("sshd", "ssh", "ssh-keygen") if not shutil.which(tool, path=_SBIN_PATH)]
+    return f"OpenSSH not installed (missing {', '.join(missing)}; Debian: openssh-server)" if missing else ""
+
+
+_SBIN_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+
+
 def netns_pids(name: str) -> list[int]:
     out = _ip("netns", "pids", name, check=False)
     return [int(p) for p in out.stdout.split()]
 
 
 def hosts_pids(hosts: list[dict]) -> list[int]:
-    """Every process running in one of ``hosts`` (a role, or a transport's shell around it)."""
-    return [pid for host in hosts for pid in netns_pids(host["name"])]
+    """Every process running in one of ``hosts`` (a role, or a transport's shell around it), but
+    the host's own sshd listener (``ssh_hosts``)."""
+    return [pid for host in hosts for pid in netns_pids(host["name"])
+            if pid != host.get("extra", {}).get("sshd_pid")]
+
+
+def controller_address(hosts: list[dict]) -> str:
+    """This machine's address on the hosts' bridge (``namespace_hosts(controller=True)``)."""
+    return f"{hosts[0]['address'].rsplit('.', 1)[0]}.{CONTROLLER_HOST}"
+
+
+def _free_controller_subnet() -> str:
+    used = _ip("-4", "-o", "addr", "show").stdout
+    start = os.getpid() % 200
+    for n in range(200):
+        subnet = f"{CONTROLLER_NET}.{(start + n) % 200 + 20}"
+        if f" {subnet}." not in used:
+            return subnet
+    raise RuntimeError(f"no free {CONTROLLER_NET}.N subnet on this machine")
 
 
 @contextmanager
-def namespace_hosts(count: int, prefix: str | None = None) -> Iterator[list[dict]]:
+def namespace_hosts(count: int, prefix: str | None = None, *, controller: bool = False) -> Iterator[list[dict]]:
     """Yield ``count`` host dicts (``infra.transport.HostSpec`` fields) and delete every
-    namespace afterwards, also when the body failed."""
+    namespace (and the controller's link) afterwards, also when the body failed."""
     prefix = prefix or f"mx{os.getpid() % 100000}"
     switch = f"{prefix}sw"
+    subnet = _free_controller_subnet() if controller else SUBNET
     made: list[str] = []
+    uplink = f"{prefix}c"
     try:
         _ip("netns", "add", switch)
         made.append(switch)
@@ -66,13 +120,20 @@ def namespace_hosts(count: int, prefix: str | None = None) -> Iterator[list[dict
             made.append(ns)
             _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"p{i}", "netns", switch)
             _ip("-n", switch, "link", "set", f"p{i}", "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", "eth0")
+            _ip("-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            hosts.append({"name": ns, "address": f"{SUBNET}.{i + 1}", "transport": "netns", "netns": ns,
+            hosts.append({"name": ns, "address": f"{subnet}.{i + 1}", "transport": "netns", "netns": ns,
                           "python": sys.executable, "workdir": REPO, "interface": "eth0"})
+        if controller:
+            _ip("link", "add", uplink, "type", "veth", "peer", "name", "pc", "netns", switch)
+            _ip("-n", switch, "link", "set", "pc", "master", "br0", "up")
+            _ip("addr", "add", f"{subnet}.{CONTROLLER_HOST}/24", "dev", uplink)
+            _ip("link", "set", uplink, "up")
         yield hosts
     finally:
+        if controller:
+            _ip("link", "del", uplink, check=False)  # gone with the switch too; never leave it here
         leftovers = {ns: netns_pids(ns) for ns in made}
         for pids in leftovers.values():  # never leave a test's process running in a deleted namespace
             for pid in pids:
@@ -85,3 +146,160 @@ def namespace_hosts(count: int, prefix: str | None = None) -> Iterator[list[dict
         stuck = {ns: pids for ns, pids in leftovers.items() if pids}
         if stuck:
             raise AssertionError(f"processes were still running in test namespaces: {stuck}")
+
+
+def _link_ends(host: dict) -> list[tuple[str, str]]:
+    """(namespace, device) of both ends of ``host``'s link: its eth0 and its bridge port."""
+    prefix, index = host["netns"].rsplit("h", 1)
+    return [(host["netns"], "eth0"), (f"{prefix}sw", f"p{index}")]
+
+
+def shape_link(host: dict, *, rate_mbit: float | None = None, loss_pct: float = 0.0) -> None:
+    """Constrain ``host``'s link in both directions: ``tbf`` at ``rate_mbit`` on both ends, and
+    ``loss_pct`` of the packets it sends or receives dropped at random.
+
+    Loss is an nftables rule in the host's namespace (``numgen random``), not ``netem``: the
+    kernels these tests run on may lack netem (``CONFIG_NET_SCH_NETEM`` unset here), while
+    nf_tables is common; the effect on TCP is the same, a random fraction of segments lost.
+    """
+    for ns, dev in _link_ends(host):
+        if _has_qdisc(ns, dev):
+            _tc("-n", ns, "qdisc", "del", "dev", dev, "root")
+        if rate_mbit:
+            # burst: at least one jiffy's worth at the rate (and a few full frames), else tbf
+            # cannot reach the rate; the queue holds 200 ms, then tbf drops as a router would.
+            burst = max(int(rate_mbit * 1e6 / 8 / 250), 16 * 1514)
+            _tc("-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst),
+                "latency", "200ms")
+    _nft(host, "delete table inet mxloss", check=False)
+    if loss_pct:
+        per_mille = int(round(loss_pct * 10))
+        _nft(host, "add table inet mxloss")
+        for chain in ("input", "output"):
+            _nft(host, f"add chain inet mxloss {chain} {{ type filter hook {chain} priority 0 ; }}")
+            _nft(host, f"add rule inet mxloss {chain} oifname != lo iifname != lo numgen random mod 1000 < "
+                       f"{per_mille} counter drop" if chain == "output" else
+                 f"add rule inet mxloss {chain} iifname != lo numgen random mod 1000 < {per_mille} counter drop")
+
+
+def _nft(host: dict, rule: str, *, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", "netns", "exec", host["netns"], "nft", *rule.split()], capture_output=True,
+                          text=True, timeout=30, check=check)
+
+
+def shaping_available() -> str:
+    """Empty if ``shape_link`` can run here (``tc`` and ``nft``), else why not."""
+    missing = [tool for tool in ("tc", "nft") if not shutil.which(tool, path=_SBIN_PATH)]
+    return f"missing {', '.join(missing)} (Debian: iproute2, nftables)" if missing else ""
+
+
+def _has_qdisc(ns: str, dev: str) -> bool:
+    out = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True, timeout=30)
+    return "tbf" in out.stdout
+
+
+def clear_link(host: dict) -> None:
+    """Remove what ``shape_link`` put on ``host``'s link."""
+    shape_link(host)
+
+
+def link_stats(host: dict) -> dict[str, int]:
+    """Bytes ``host`` received and sent on its eth0, and packets its link dropped (tbf, loss)."""
+    base = "/sys/class/net/eth0/statistics"
+    out = subprocess.run(["ip", "netns", "exec", host["netns"], "cat", f"{base}/rx_bytes", f"{base}/tx_bytes"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout.split()
+    dropped = 0
+    for ns, dev in _link_ends(host):
+        shown = subprocess.run(["tc", "-s", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True,
+                               timeout=30).stdout
+        dropped += sum(int(n) for n in re.findall(r"dropped (\d+)", shown))
+    rules = _nft(host, "list table inet mxloss", check=False).stdout
+    lost = sum(int(n) for n in re.findall(r"counter packets (\d+)", rules))
+    return {"rx_bytes": int(out[0]), "tx_bytes": int(out[1]), "dropped": dropped, "lost": lost}
+
+
+@contextmanager
+def ssh_hosts(hosts: list[dict], root: Path) -> Iterator[list[dict]]:
+    """An OpenSSH server on each of ``hosts`` (``namespace_hosts(controller=True)``), reached from
+    this machine with a key made here and host keys pinned in a ``known_hosts`` made here.
+
+    Yields the same hosts with the ``ssh`` transport. Every sshd is stopped (its process group)
+    afterwards, also when the body failed.
+    """
+    from infra.transport import HostSpec, run_on
+
+    root.mkdir(parents=True, exist_ok=True)
+    key = root / "id_ed25519"
+    _keygen(key, "mxpipe-test-client")
+    authorized = root / "authorized_keys"
+    shutil.copy(f"{key}.pub", authorized)
+    known = root / "known_hosts"
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation folder
+    sshd = shutil.which("sshd", path=_SBIN_PATH)
+    procs: list[subprocess.Popen] = []
+    try:
+        lines = []
+        for host in hosts:
+            folder = root / host["name"]
+            folder.mkdir()
+            host_key = folder / "host_ed25519"
+            _keygen(host_key, host["name"])
+            lines.append(f"{host['address']} {' '.join(Path(f'{host_key}.pub').read_text().split()[:2])}\n")
+            config = folder / "sshd_config"
+            config.write_text(_sshd_config(host["address"], host_key, authorized, folder))
+            with open(folder / "sshd.log", "wb") as log:
+                procs.append(subprocess.Popen(["ip", "netns", "exec", host["netns"], sshd, "-D", "-e", "-f",
+                                               str(config)], stdout=log, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True))
+        known.write_text("".join(lines))
+        reached = [{**h, "transport": "ssh", "ssh_user": getpass.getuser(), "ssh_key": str(key),
+                    "known_hosts": str(known), "extra": {"sshd_pid": proc.pid}} for h, proc in zip(hosts, procs)]
+        for host in reached:
+            _wait_for_sshd(HostSpec.from_dict(host), run_on, procs, root)
+        yield reached
+    finally:
+        for proc in procs:
+            _stop_group(proc)
+
+
+def _keygen(path: Path, comment: str) -> None:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+                   check=True, capture_output=True, timeout=30)
+
+
+def _sshd_config(address: str, host_key: Path, authorized: Path, folder: Path) -> str:
+    return "\n".join([
+        f"ListenAddress {address}:22", f"HostKey {host_key}", f"PidFile {folder / 'sshd.pid'}",
+        f"AuthorizedKeysFile {authorized}", "PubkeyAuthentication yes", "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no", "PermitRootLogin prohibit-password", "UsePAM no",
+        # The key files live in the test's temporary folder, not in a home sshd would vet.
+        "StrictModes no",
+        # A job opens several sessions per host at once (roles, the env file, kill-records).
+        "MaxStartups 64", "MaxSessions 64", "LogLevel ERROR", ""])
+
+
+def _wait_for_sshd(host: object, run_on: object, procs: list[subprocess.Popen], root: Path) -> None:
+    deadline = time.monotonic() + SSHD_READY_S
+    while True:
+        try:
+            run_on(host, "true", timeout_s=10)  # type: ignore[operator]
+            return
+        except (RuntimeError, TimeoutError) as exc:
+            dead = [p.args for p in procs if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                logs = {p.name: p.read_text()[-500:] for p in root.glob("*/sshd.log")}
+                raise RuntimeError(f"sshd on {host.name} not ready ({exc}); exited: {dead}; logs: {logs}") from exc  # type: ignore[attr-defined]
+            time.sleep(0.3)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue

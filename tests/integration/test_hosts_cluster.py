@@ -1,13 +1,20 @@
 """The ``hosts`` backend across three hosts made of network namespaces on this machine.
 
-Transport: ``ip netns exec`` (``infra.transport``, the ``netns`` carrier), not sshd: the hosts
-backend builds one shell command per role and the carrier only differs in how it reaches the
-host, so this exercises placement, per-host ``DMLC_NODE_HOST``, the remote env file, remote
-process-group records and remote kill exactly as over ssh. Each namespace has its own network
-stack and address (10.213.0.x on a bridge in a namespace of its own), so ps-lite traffic really
-crosses hosts. Storage: the namespaces share this machine's filesystem, so the job document,
-shards and checkpoints live in a local folder every host sees at the same path (what an
-NFS/EFS mount is on real hosts); the S3 fixture binds 127.0.0.1, which a namespace cannot reach.
+Each namespace has its own network stack and address (on a bridge in a namespace of its own),
+so ps-lite traffic really crosses hosts; this machine is linked to the bridge too, as the
+machine running the supervisor sits on the hosts' network (``netns_hosts``). Every job test
+runs over both transports of ``infra.transport``:
+
+- ``ssh``: a real OpenSSH server in each namespace (Debian's ``openssh-server``), key
+  authentication with a client key made for this module, host keys made for it and pinned in a
+  generated ``known_hosts`` (``StrictHostKeyChecking=yes``); every sshd is stopped by its process
+  group at the end;
+- ``netns``: ``ip netns exec``, the same shell command per role without sshd.
+
+Storage: the first tests read the job and shards from a folder every host sees at the same
+path (what an NFS/EFS mount is on real hosts). The S3 tests instead run SeaweedFS bound to this
+machine's bridge address, credentials enforced: the hosts download their shards and commit
+their checkpoints through it over their veths, and an outage of that server is ridden out.
 """
 import json
 import os
@@ -23,22 +30,38 @@ from training.launch.job import JobSpec
 from training.launch.launcher import JobFailed, Supervisor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from netns_hosts import hosts_pids, namespace_hosts, netns_available  # noqa: E402
+from netns_hosts import (controller_address, hosts_pids, link_stats, namespace_hosts,  # noqa: E402
+                         netns_available, ssh_hosts, sshd_available)
 
 pytestmark = pytest.mark.integration
 
 _WHY_NOT = netns_available()
+_WHY_NOT_SSH = sshd_available()
 # Cluster ids are unique per session: suites may run side by side, and the scan sees them all.
 SUFFIX = uuid.uuid4().hex[:8]
 needs_netns = pytest.mark.skipif(bool(_WHY_NOT), reason=f"network namespaces unavailable: {_WHY_NOT}")
+needs_sshd = pytest.mark.skipif(bool(_WHY_NOT_SSH), reason=f"sshd in namespaces unavailable: {_WHY_NOT_SSH}")
+TRANSPORTS = [pytest.param("netns", marks=needs_netns), pytest.param("ssh", marks=needs_sshd)]
+OUTAGE_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def hosts():
+def topology(tmp_path_factory):
+    """The namespace hosts by transport: ``netns`` always, ``ssh`` where sshd can run."""
     if _WHY_NOT:
         pytest.skip(_WHY_NOT)
-    with namespace_hosts(3) as made:
-        yield made
+    with namespace_hosts(3, controller=True) as made:
+        if _WHY_NOT_SSH:
+            yield {"netns": made}
+            return
+        with ssh_hosts(made, tmp_path_factory.mktemp("ssh")) as over_ssh:
+            # The same hosts: their sshd is part of them, not a role left behind, either way.
+            yield {"netns": [{**h, "extra": s["extra"]} for h, s in zip(made, over_ssh)], "ssh": over_ssh}
+
+
+@pytest.fixture
+def hosts(topology, request):
+    return topology[request.param]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +71,21 @@ def local_shards(tmp_path_factory, digits_csv):
     cfg = recipe("debug", str(root / "digits.csv")).replace(cluster={"stall_timeout_s": 60.0})
     shard_dataset(cfg, str(root / "shards"))
     return cfg, str(root / "shards")
+
+
+@pytest.fixture(scope="module")
+def bridge_s3(topology, tmp_path_factory):
+    """SeaweedFS on this machine's bridge address (credentials enforced), this process's and
+    every role's S3 while the module's S3 tests run."""
+    from benchmarks.chaos_jobs import ChaosStack
+
+    stack = ChaosStack(tmp_path_factory.mktemp("bridge-s3"), address=controller_address(topology["netns"]))
+    stack.start()
+    try:
+        with stack.environment():
+            yield stack
+    finally:
+        stack.stop()  # whole process group; raises if SeaweedFS left a process behind
 
 
 def _job(cfg, shards, out, **overrides):
@@ -63,38 +101,42 @@ def _watch(watch, cluster, hosts):
     watch.tag("MXPIPE_CLUSTER", cluster.cluster_id).probe(lambda: hosts_pids(hosts))
 
 
-@needs_netns
-def test_job_runs_across_namespace_hosts(hosts, local_shards, tmp_path, nothing_left):
-    cfg, shards = local_shards
-    job, job_uri = _job(cfg, shards, str(tmp_path / "run"), optim={"epochs": 2})
-    spec = ClusterSpec(run_tag=f"hosts-test--ok-{SUFFIX}", workers=2, servers=1, backend="hosts",
+def _run_job(hosts, job, job_uri, home, tag, nothing_left):
+    spec = ClusterSpec(run_tag=f"hosts-test--{tag}-{SUFFIX}", workers=2, servers=1, backend="hosts",
                        options={"hosts": hosts})
-    cluster = provision(spec, home=str(tmp_path / "home"))
+    cluster = provision(spec, home=home)
     _watch(nothing_left, cluster, hosts)
-    assert provision(spec, home=str(tmp_path / "home")).cluster_id == cluster.cluster_id  # idempotent
+    assert provision(spec, home=home).cluster_id == cluster.cluster_id  # idempotent
     sup = Supervisor(job.config, cluster=cluster, base_env=dict(os.environ))
     try:
         sup.run(job_uri)
         placed = {r.name: r.host for r in sup.roles}
-        # Scheduler and server on host 0, the workers on hosts 1 and 2: traffic crosses hosts.
-        assert placed == {"scheduler": "10.213.0.1", "server-0": "10.213.0.1",
-                          "worker-0": "10.213.0.2", "worker-1": "10.213.0.3"}
-        metrics = json.loads(storage.get_bytes(job.metrics_uri))
-        assert metrics["num_workers"] == 2 and len(metrics["history"]) == 2
-        assert metrics["history"][-1]["val_accuracy"] > 0.7
     finally:
         cluster.teardown()
     nothing_left.check("the hosts cluster")
     assert not os.path.exists(cluster.state_dir)
+    # Scheduler and server on host 0, the workers on hosts 1 and 2: traffic crosses hosts.
+    assert placed == {"scheduler": hosts[0]["address"], "server-0": hosts[0]["address"],
+                      "worker-0": hosts[1]["address"], "worker-1": hosts[2]["address"]}
+    metrics = json.loads(storage.get_bytes(job.metrics_uri))
+    assert metrics["num_workers"] == 2 and len(metrics["history"]) == 2
+    assert metrics["history"][-1]["val_accuracy"] > 0.7
 
 
-@needs_netns
+@pytest.mark.parametrize("hosts", TRANSPORTS, indirect=True)
+def test_job_runs_across_namespace_hosts(hosts, local_shards, tmp_path, nothing_left):
+    cfg, shards = local_shards
+    job, job_uri = _job(cfg, shards, str(tmp_path / "run"), optim={"epochs": 2})
+    _run_job(hosts, job, job_uri, str(tmp_path / "home"), f"ok-{hosts[0]['transport']}", nothing_left)
+
+
+@pytest.mark.parametrize("hosts", TRANSPORTS, indirect=True)
 def test_killed_remote_worker_is_reported_with_its_host_and_everything_stops(hosts, local_shards, tmp_path,
                                                                             nothing_left):
     cfg, shards = local_shards
     job, job_uri = _job(cfg, shards, str(tmp_path / "run"), optim={"epochs": 2})
-    spec = ClusterSpec(run_tag=f"hosts-test--kill-{SUFFIX}", workers=2, servers=1, backend="hosts",
-                       options={"hosts": hosts})
+    spec = ClusterSpec(run_tag=f"hosts-test--kill-{hosts[0]['transport']}-{SUFFIX}", workers=2, servers=1,
+                       backend="hosts", options={"hosts": hosts})
     cluster = provision(spec, home=str(tmp_path / "home"))
     _watch(nothing_left, cluster, hosts)
     env = {**os.environ, "MXPIPE_FAULT_KILL_STEP": "8", "MXPIPE_FAULT_KILL_RANK": "1"}
@@ -107,16 +149,65 @@ def test_killed_remote_worker_is_reported_with_its_host_and_everything_stops(hos
         cluster.teardown()
     err = failed.value
     assert err.role.startswith("worker-") and "killed by SIGKILL" in str(err)
-    assert err.host in ("10.213.0.2", "10.213.0.3") and err.host in str(err)
+    assert err.host in (hosts[1]["address"], hosts[2]["address"]) and err.host in str(err)
     assert "last lines of worker-" in str(err)
     nothing_left.check("the hosts cluster")
 
 
-@needs_netns
-def test_unreachable_host_fails_provision_with_its_name(tmp_path):
-    bad = {"name": "ghost", "address": "10.213.9.9", "transport": "netns", "netns": "mxpipe-no-such-ns",
-           "python": "python3", "workdir": "/"}
+@pytest.mark.parametrize("hosts", TRANSPORTS, indirect=True)
+def test_unreachable_host_fails_provision_with_its_name(hosts, tmp_path):
+    # A host the transport cannot reach: a namespace that does not exist, or (ssh) an address on
+    # the hosts' subnet where nothing answers.
+    bad = {**hosts[0], "name": "ghost", "netns": "mxpipe-no-such-ns",
+           "address": f"{hosts[0]['address'].rsplit('.', 1)[0]}.99", "extra": {}}
     with pytest.raises(ProvisionError, match="ghost"):
-        provision(ClusterSpec(run_tag=f"hosts-test--bad-{SUFFIX}", workers=1, servers=1, backend="hosts",
-                              options={"hosts": [bad]}), home=str(tmp_path))
-    assert not os.path.exists(tmp_path / "clusters" / f"hosts-test--bad-{SUFFIX}")
+        provision(ClusterSpec(run_tag=f"hosts-test--bad-{bad['transport']}-{SUFFIX}", workers=1, servers=1,
+                              backend="hosts", options={"hosts": [bad]}), home=str(tmp_path))
+    assert not os.path.exists(tmp_path / "clusters" / f"hosts-test--bad-{bad['transport']}-{SUFFIX}")
+
+
+@needs_sshd
+def test_ssh_job_reads_its_shards_and_commits_checkpoints_through_s3_over_the_links(
+        topology, bridge_s3, digits_csv, tmp_path, nothing_left):
+    from benchmarks.chaos_jobs import store_facts
+    from training.checkpoint.store import CheckpointStore
+
+    hosts = topology["ssh"]
+    base = f"s3://{bridge_s3.bucket}/hosts-{SUFFIX}"
+    storage.put_bytes(f"{base}/digits.csv", digits_csv)
+    cfg = recipe("debug", f"{base}/digits.csv").replace(cluster={"stall_timeout_s": 60.0})
+    shard_dataset(cfg, f"{base}/shards")
+    job, job_uri = _job(cfg, f"{base}/shards", f"{base}/run", optim={"epochs": 2})
+    assert bridge_s3.cfg.s3_endpoint.startswith(f"http://{controller_address(hosts)}:")
+    before = [link_stats(h) for h in hosts]
+    _run_job(hosts, job, job_uri, str(tmp_path / "home"), "s3", nothing_left)
+    moved = [{k: a[k] - b[k] for k in ("rx_bytes", "tx_bytes")} for a, b in zip(map(link_stats, hosts), before)]
+    facts = store_facts(job)
+    assert facts["committed"] and not facts["torn"] and facts["latest_valid"] == max(facts["committed"])
+    # Each worker's host received at least its half of the train shards over its link, and
+    # rank 0's host sent at least the newest checkpoint's bytes (to S3 on this machine).
+    train = sum(len(storage.get_bytes(u)) for u in storage.list_uris(f"{base}/shards") if "/train" in u
+                and u.endswith(".rec"))
+    newest = sum(len(storage.get_bytes(u)) for u in
+                 storage.list_uris(CheckpointStore(job.checkpoint_prefix).step_uri(facts["latest_valid"])))
+    assert all(m["rx_bytes"] >= train / 2 for m in moved[1:]), (moved, train)
+    assert moved[1]["tx_bytes"] >= newest, (moved, newest)
+
+
+@needs_sshd
+@pytest.mark.timeout(1200)
+def test_ssh_job_rides_out_an_s3_outage_on_the_bridge(topology, bridge_s3, tmp_path):
+    from benchmarks import chaos
+    from benchmarks.chaos_outage import r3
+
+    spec = ClusterSpec(run_tag=f"hosts-test--s3-outage-{SUFFIX}", workers=2, servers=1, backend="hosts",
+                       options={"hosts": topology["ssh"]})
+    cluster = provision(spec, home=str(tmp_path / "home"))
+    try:
+        trial = r3(bridge_s3, tmp_path, chaos.base_config(), OUTAGE_S, cluster=cluster)
+    finally:
+        cluster.teardown()
+    details = trial.details
+    failed = {k: v for k, v in trial.checks.items() if not v}
+    assert not failed, (failed, details)
+    assert details["retry_lines"] and "retrying in" in details["retry_lines"][0]

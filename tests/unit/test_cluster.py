@@ -140,3 +140,25 @@ def test_transport_command_lines():
     assert host_argv(ns, "echo hi") == ["ip", "netns", "exec", "mxh1", "sh", "-c", "echo hi"]
     with pytest.raises(ValueError):
         HostSpec(name="c", address="x", transport="netns")
+
+
+def test_pinned_known_hosts_wins_over_the_default_trust_on_first_use():
+    # ssh keeps the first value of each option: the pinned file's must come before ssh_options.
+    host = HostSpec(name="a", address="10.1.2.3", ssh_key="/k", known_hosts="/kh")
+    argv = host_argv(host, "true")
+    strict = [argv[i + 1] for i, a in enumerate(argv) if a == "-o" and argv[i + 1].startswith("StrictHostKey")]
+    assert strict[0] == "StrictHostKeyChecking=yes"
+    assert "UserKnownHostsFile=/kh" in argv and "GlobalKnownHostsFile=/dev/null" in argv
+    assert "IdentitiesOnly=yes" in argv
+
+
+def test_a_role_killed_by_a_signal_over_ssh_reads_as_a_local_child_killed_by_it():
+    from infra.transport import exit_status, role_command
+
+    ssh = HostSpec(name="a", address="10.1.2.3", workdir="/w")
+    ns = HostSpec(name="b", address="10.213.0.2", transport="netns", netns="mxh1", workdir="/w")
+    # Over ssh the shell outlives the role (no exec), so its 128 + N reaches ssh's exit status.
+    assert role_command(ssh, "python", "-m", "x") == "cd /w && python -m x; exit $?"
+    assert role_command(ns, "python", "-m", "x") == "cd /w && exec python -m x"
+    assert exit_status(ssh, 137) == -9 and exit_status(ssh, 255) == 255 and exit_status(ssh, 3) == 3
+    assert exit_status(ssh, None) is None and exit_status(ns, 137) == 137
