@@ -49,6 +49,11 @@ OPTIMIZER_PLACEMENTS = ("servers", "workers")
 # that its names are exactly these): local processes, a static host list over SSH, EC2 instances.
 BACKENDS = ("local", "hosts", "ec2")
 DRIFT_ACTIONS = ("off", "warn", "fail")
+# What a missing table value does: fail validation (as non-finite), or take the train split's
+# median (numeric) / most frequent value (categorical) at shard time and in the served model.
+MISSING_VALUES = ("fail", "impute")
+# What a label value that looks accidental (no data.classes declared) does in validation.
+RARE_LABEL_ACTIONS = ("warn", "fail", "off")
 # S3 server-side encryption of checkpoint objects: none, S3-managed keys, KMS.
 SSE_MODES = ("", "AES256", "aws:kms")
 
@@ -135,6 +140,17 @@ class DataConfig(_Strict):
     # memory of prepared batches. 0 = none: each batch is built inline when the step needs it.
     # (The bounds are checked below, in the message that says what 0 means.)
     prefetch_batches: int = Field(2, json_schema_extra={"minimum": 0, "maximum": 64})
+    # Table preprocessing, fitted on the train split at shard time, recorded in the manifest and
+    # baked into the registered model (data_checks.preprocess): numeric features standardised
+    # with the train mean and std; string columns are categorical (train vocabulary + an unknown
+    # bucket, one-hot); missing values per ``missing_values``.
+    standardize: bool = True
+    missing_values: Literal[MISSING_VALUES] = "fail"
+    # Without data.classes, a class with at most rare_label_rows rows, or fewer than
+    # rare_label_ratio x the median class's rows, looks accidental (a typo, a stray value).
+    rare_label_action: Literal[RARE_LABEL_ACTIONS] = "warn"
+    rare_label_rows: int = Field(5, ge=0)
+    rare_label_ratio: Number = Field(0.01, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _combinations(self) -> DataConfig:
@@ -382,8 +398,15 @@ class TrainConfig(_Strict):
         return o.learning_rate
 
     def to_dict(self) -> dict[str, Any]:
-        """Sections as dicts in field order, arrays as tuples (what ``digest`` hashes)."""
-        return self.model_dump()
+        """Sections as dicts in field order, arrays as tuples (what ``digest`` hashes); the
+        fields of ``_LATER_FIELDS`` only where they differ from their defaults."""
+        raw = self.model_dump()
+        for section, names in _LATER_FIELDS.items():
+            fields = type(getattr(self, section)).model_fields
+            for name in names:
+                if raw[section][name] == fields[name].default:
+                    del raw[section][name]
+        return raw
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)
@@ -428,6 +451,13 @@ class TrainConfig(_Strict):
     def replace(self, **sections: Any) -> TrainConfig:
         """Copy with some fields of some sections changed: ``cfg.replace(optim={"epochs": 3})``."""
         return TrainConfig.from_dict(overlay(self.to_dict(), sections))
+
+
+# Fields added after checkpoints began to embed config digests: left out of ``to_dict`` at
+# their defaults, so a config that does not set them keeps the digest (and resume digest) its
+# checkpoints were written with.
+_LATER_FIELDS = {"data": ("standardize", "missing_values", "rare_label_action", "rare_label_rows",
+                          "rare_label_ratio")}
 
 
 def overlay(raw: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:

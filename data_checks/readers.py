@@ -4,7 +4,8 @@ Memory follows ``data.chunk_rows`` (and pyarrow's CSV block, sized from it), nev
 dataset: CSV is parsed by pyarrow's streaming reader straight from the byte stream (an fsspec
 file read in blocks); Parquet is read row group by row group from a local copy. Every problem that
 stops rows from being decoded at all is a ``DataError`` naming the file and, where known, the
-column and the value: a missing label column, a non-numeric feature column, a truncated gzip
+column and the value: a missing label column, a feature column that is neither numeric nor
+text (text columns are categorical: their values are read as codes), a truncated gzip
 or Parquet file, bytes that are not UTF-8, a file whose columns differ from the first file's.
 Problems *in* decodable values (NaN, inf, out-of-range, labels outside the declared set,
 duplicate ids) are left for validation to report.
@@ -40,7 +41,8 @@ _PANDAS_INDEX = re.compile(r"__index_level_\d+__")
 
 @dataclass
 class Chunk:
-    features: np.ndarray  # [n, num_features] float32 (NaN/inf kept for validation to report)
+    features: np.ndarray  # [n, num_features] float32 (NaN/inf kept for validation to report);
+    # a categorical column holds the code of its value in TableReader.categories, NaN if missing
     label_codes: np.ndarray  # [n] int64 indices into label_values
     label_values: list[Any]  # canonical class values (see canonical_label)
     row_ids: np.ndarray  # [n] int64 row numbers over the whole source
@@ -55,11 +57,12 @@ class Layout:
     id_column: str
     feature_columns: list[str]
     source_columns: list[dict[str, str]] = field(default_factory=list)  # name + type, as read
+    categorical: list[str] = field(default_factory=list)  # text feature columns, read as codes
 
     def schema(self) -> dict[str, Any]:
         return {"label_column": self.label_column, "id_column": self.id_column or None,
                 "feature_columns": self.feature_columns, "feature_dtype": "float32",
-                "source_columns": self.source_columns}
+                "source_columns": self.source_columns, "categorical_columns": self.categorical}
 
 
 def canonical_label(value: Any) -> Any:
@@ -107,6 +110,9 @@ class TableReader:
         self.layout: Layout | None = None
         self.files_read: list[dict[str, Any]] = []  # uri, bytes, sha256 (+ etag) per file read
         self.rows = 0
+        # Per categorical column: its values in order of first appearance (a value's code is its
+        # position), over every split; preprocessing keeps the train split's.
+        self.categories: dict[str, dict[str, int]] = {}
 
     def chunks(self) -> Iterator[Chunk]:
         for source in self.plan.files:
@@ -123,7 +129,7 @@ class TableReader:
     # -- layout ---------------------------------------------------------------------------------
 
     def _layout(self, uri: str, names: list[str], types: dict[str, str], numeric: dict[str, bool],
-                example: Callable[[str], Any]) -> Layout:
+                example: Callable[[str], Any], text: dict[str, bool]) -> Layout:
         d = self.data
         if d.label_column not in names:
             raise DataError(f"label column {d.label_column!r} not found in {uri}; available columns: {names}")
@@ -148,17 +154,24 @@ class TableReader:
             features = [c for c in names if c not in (d.label_column, d.id_column)]
         if not features:
             raise DataError(f"{uri} has no feature columns besides the label column {d.label_column!r}")
-        bad = [c for c in features if not numeric[c]]
+        bad = [c for c in features if not (numeric[c] or text[c])]
         if bad:
             shown = "; ".join(f"{c!r} ({types[c]}, e.g. {example(c)!r})" for c in bad[:10])
-            raise DataError(f"non-numeric feature columns in {uri}: {shown}{' …' if len(bad) > 10 else ''}; "
-                            f"every column except the label {d.label_column!r}"
-                            f"{f' and the id {d.id_column!r}' if d.id_column else ''} must be numeric")
+            raise DataError(f"feature columns in {uri} are neither numbers nor text: {shown}"
+                            f"{' …' if len(bad) > 10 else ''}; every column except the label {d.label_column!r}"
+                            f"{f' and the id {d.id_column!r}' if d.id_column else ''} must be numeric or "
+                            "categorical text")
+        categorical = [c for c in features if text[c]]
+        if categorical and d.input_shape:
+            raise DataError(f"data.input_shape is set but {uri} has text (categorical) feature columns "
+                            f"{categorical[:10]}: an image-shaped input must be numeric")
+        self.categories = {c: {} for c in categorical}
         shape = d.input_shape
         if shape and math.prod(shape) != len(features):
             raise DataError(f"data.input_shape {tuple(shape)} holds {math.prod(shape)} values but {uri} has "
                             f"{len(features)} feature columns")
-        return Layout(d.label_column, d.id_column, features, [{"name": n, "type": types[n]} for n in names])
+        return Layout(d.label_column, d.id_column, features, [{"name": n, "type": types[n]} for n in names],
+                      categorical)
 
     # -- CSV ------------------------------------------------------------------------------------
 
@@ -175,10 +188,12 @@ class TableReader:
         names = sample.column_names
         numeric = {n: _numeric_type(sample.schema.field(n).type) for n in names}
         self.layout = self._layout(source.uri, names, {n: str(sample.schema.field(n).type) for n in names},
-                                   numeric, lambda c: _first_non_numeric(sample.column(c)))
+                                   numeric, lambda c: _first_non_numeric(sample.column(c)),
+                                   {n: _text_type(sample.schema.field(n).type) for n in names})
         lay = self.layout
         # Parsed straight to float32 (what the records hold; half the memory of float64).
-        types = {c: pa.bool_() if pa.types.is_boolean(sample.schema.field(c).type) else pa.float32()
+        types = {c: pa.string() if c in lay.categorical else
+                 pa.bool_() if pa.types.is_boolean(sample.schema.field(c).type) else pa.float32()
                  for c in lay.feature_columns}
         types[lay.label_column] = pa.string()
         if lay.id_column:
@@ -227,7 +242,8 @@ class TableReader:
                 return values[0].as_py() if len(values) else None
 
             self.layout = self._layout(source.uri, names, {n: str(schema.field(n).type) for n in names},
-                                       {n: _numeric_type(schema.field(n).type) for n in names}, example)
+                                       {n: _numeric_type(schema.field(n).type) for n in names}, example,
+                                       {n: _text_type(schema.field(n).type) for n in names})
             lay = self.layout
             columns = [lay.label_column, *([lay.id_column] if lay.id_column else []), *lay.feature_columns]
             try:
@@ -268,9 +284,12 @@ class TableReader:
         n = batch.num_rows
         X = np.empty((n, len(lay.feature_columns)), dtype=np.float32)
         for j, name in enumerate(lay.feature_columns):
+            column = batch.column(name).combine_chunks()
+            if name in self.categories:
+                X[:, j] = _codes(column, self.categories[name])
+                continue
             # safe=False: an int64 or float64 beyond float32's precision is rounded, as the records need.
-            X[:, j] = pc.cast(batch.column(name).combine_chunks(), pa.float32(), safe=False).to_numpy(
-                zero_copy_only=False)
+            X[:, j] = pc.cast(column, pa.float32(), safe=False).to_numpy(zero_copy_only=False)
         labels = batch.column(lay.label_column).combine_chunks()
         if labels.null_count:
             first = np.flatnonzero(labels.is_null().to_numpy(zero_copy_only=False))[:5] + self.rows
@@ -302,6 +321,26 @@ def _numeric_type(t: "pa.DataType") -> bool:
 
     return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
                 or pa.types.is_decimal(t) or pa.types.is_null(t))
+
+
+def _text_type(t: "pa.DataType") -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t))
+
+
+def _codes(column: Any, codes: dict[str, int]) -> np.ndarray:
+    """A text column's values as their codes in ``codes`` (new values are added), NaN if missing."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    encoded = pc.dictionary_encode(pc.cast(column, pa.string()))
+    table = np.array([codes.setdefault(v, len(codes)) for v in encoded.dictionary.to_pylist()] + [np.nan],
+                     dtype=np.float32)
+    indices = encoded.indices.fill_null(len(table) - 1).to_numpy(zero_copy_only=False)
+    return table[indices]
 
 
 def _first_non_numeric(column: Any) -> Any:
