@@ -27,6 +27,7 @@ import numpy as np
 
 from common import storage
 from common.manifest import download_shard, load_manifest, shards_prefix
+from common.preprocessing import numeric_bounds
 from data_checks import report as reporting
 from data_checks.cross import cross_shard_checks
 from data_checks.errors import DataError, DataValidationError
@@ -79,10 +80,12 @@ def validate_shard(manifest_prefix: str, shard_name: str, cfg: "TrainConfig", *,
     failures = ge_failures(ge_result, counts, manifest["classes"])
     hist_check = _histogram_check(entry, shard.labels)
     failures += hist_check["failures"]
-    labels, label_counts = np.unique(shard.labels, return_counts=True)
+    labels, first, label_counts = np.unique(shard.labels, return_index=True, return_counts=True)
     result.update(success=not failures, rows=len(shard.labels), failures=failures,
                   evaluated=len(ge_result["results"]) + 2, checks=[_integrity(True, []), hist_check],
                   label_histogram={str(int(k)): int(c) for k, c in zip(labels, label_counts)},
+                  # a source row of each class, for examples of labels that look accidental
+                  label_rows={str(int(k)): int(shard.row_ids[i]) for k, i in zip(labels, first)},
                   great_expectations=ge_result)
     if html is not None:
         result["_html"] = html
@@ -137,8 +140,12 @@ def _frame(manifest: dict[str, Any], entry: dict[str, Any], shard: Any,
              pd.DataFrame({NONFINITE_COLUMN: describe_rows(nonfinite, X, ids, names, "non-finite")})]
     counts = {NONFINITE_COLUMN: _per_column(nonfinite, names)}
     if value_range is not None:
+        low, high = value_range
+        prep = manifest.get("preprocessing")
+        if prep:  # the range is of raw values: compared as the transform maps them (float32, as X)
+            low, high = (b.astype(np.float32) for b in numeric_bounds(prep, *value_range))
         with np.errstate(invalid="ignore"):
-            outside = np.isfinite(X) & ((X < value_range[0]) | (X > value_range[1]))
+            outside = np.isfinite(X) & ((X < low) | (X > high))
         parts.append(pd.DataFrame({RANGE_COLUMN: describe_rows(outside, X, ids, names, "out of range")}))
         counts[RANGE_COLUMN] = _per_column(outside, names)
     frame = pd.concat(parts, axis=1)
@@ -211,7 +218,7 @@ def finish_validation(manifest_prefix: str, cfg: "TrainConfig", outcomes: dict[s
                "warnings": [w.get("message") or w["expectation"] for w in report["warnings"]],
                "report_uri": uris.get("json"), "html_uri": uris.get("html"),
                "manifest_digest": report["manifest_digest"], "seconds": report["seconds"],
-               "rows_per_s": report["rows_per_s"], "drift": report.get("drift")}
+               "rows_per_s": report["rows_per_s"], "drift": report.get("drift"), "imputed": report["imputed"]}
     if report["failures"]:
         raise DataValidationError(reporting.message(report, uris.get("json")), report["failures"], uris.get("json"))
     for warning in summary["warnings"]:
@@ -226,7 +233,7 @@ def validate_shards(manifest_prefix: str, cfg: "TrainConfig", *, report_prefix: 
     """Every shard, then the cross-shard checks, in this process (CLI, tests).
 
     Returns ``{success, evaluated, failed, warnings, report_uri, html_uri, manifest_digest,
-    seconds, rows_per_s, drift}``; raises ``DataValidationError`` listing every failure (after
+    seconds, rows_per_s, drift, imputed}``; raises ``DataValidationError`` listing every failure (after
     writing the report).
     """
     started = time.monotonic()
