@@ -36,16 +36,29 @@ def input_columns(record: dict[str, Any]) -> list[str]:
     return [c["name"] for c in record["inputs"]]
 
 
+def raw_numbers(record: dict[str, Any], X: np.ndarray) -> np.ndarray:
+    """Shard features with each numeric column's standardisation undone (float64; one-hot
+    columns as they are): the values a report shows."""
+    out = X.astype(np.float64)
+    if record["standardize"]:
+        j = 0
+        for col in record["inputs"]:
+            if col["kind"] == "numeric":
+                out[:, j] = out[:, j] * col["std"] + col["mean"]
+            j += 1 if col["kind"] == "numeric" else len(col["categories"]) + 1
+    return out
+
+
 def raw_frame(record: dict[str, Any], X: np.ndarray) -> "pd.DataFrame":
     """Shard features ``[n, len(output_columns)]`` → raw-equivalent input columns."""
     import pandas as pd
 
+    numbers = raw_numbers(record, X)
     columns: dict[str, Any] = {}
     j = 0
     for col in record["inputs"]:
         if col["kind"] == "numeric":
-            values = X[:, j].astype(np.float64)
-            columns[col["name"]] = values * col["std"] + col["mean"] if record["standardize"] else values
+            columns[col["name"]] = numbers[:, j]
             j += 1
             continue
         width = len(col["categories"]) + 1

@@ -152,14 +152,18 @@ def _rare_labels(manifest: dict[str, Any], results: dict[str, dict[str, Any] | N
         for k, row in ((result or {}).get("label_rows") or {}).items():
             rows.setdefault(int(k), row)
     classes = manifest["classes"]
-    examples = [f"{classes[k]!r}: {counts[k]} rows (median class {median:g})"
+
+    def value(k: int) -> Any:  # a class index outside the manifest's classes fails its own check
+        return classes[k] if k < len(classes) else f"#{k}"
+
+    examples = [f"{value(k)!r}: {counts[k]} rows (median class {median:g})"
                 + (f", e.g. source row {rows[k]}" if k in rows else "") for k in rare[:_EXAMPLES]]
     failures = [{"column": "label", "unexpected_count": len(rare), "examples": examples,
                  "message": f"{len(rare)} label value(s) look accidental (at most {d.rare_label_rows} rows, or fewer "
                             f"than {d.rare_label_ratio:g} × the median class's {median:g}): {'; '.join(examples)}; "
                             "fix the labels, or declare data.classes if they are intended"}] if rare else []
     return _check(name, description, failures, severity="fail" if d.rare_label_action == "fail" else "warn",
-                  counts={str(classes[k]): counts[k] for k in rare})
+                  counts={str(value(k)): counts[k] for k in rare})
 
 
 def _unique_ids(ids: dict[str, np.ndarray], manifest: dict[str, Any]) -> dict[str, Any]:

@@ -11,13 +11,14 @@ most frequent value; 'fail' leaves NaN, which validation reports), one-hot with 
 bucket for values the train split never had. The record (``common.preprocessing``) goes into the
 manifest, with the count of imputed values per split and column.
 
-Memory: one shard at a time, plus (imputing only) the train split's numeric columns, 4 bytes a
-value, for exact medians.
+Memory: one block of ``data.chunk_rows`` records at a time, plus (imputing only) the train
+split's numeric columns, 4 bytes a value, for exact medians.
 """
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -54,44 +55,53 @@ def _merge(acc: tuple[int, float, float], values: np.ndarray) -> tuple[int, floa
     return n, mean_a + delta * n_b / n, m2_a + m2_b + delta * delta * n_a * n_b / n
 
 
-def fit(train: list[np.ndarray], layout: "Layout", codes: dict[str, dict[str, int]],
+def fit(train: Callable[[], Iterator[np.ndarray]], layout: "Layout", codes: dict[str, dict[str, int]],
         data: "DataConfig") -> dict[str, Any]:
-    """The preprocessing record from the train shards' features (as read), one array per shard."""
+    """The preprocessing record from the train shards' features (as read): ``train()`` yields
+    them a block at a time, once per pass."""
     impute = data.missing_values == "impute"
+    numeric = [j for j, name in enumerate(layout.feature_columns) if name not in codes]
+    counts = {name: np.zeros(len(values), np.int64) for name, values in codes.items()}
+    moments = {j: (0, 0.0, 0.0) for j in numeric}
+    columns: dict[int, list[np.ndarray]] = {j: [] for j in numeric} if impute else {}
+    rows = 0
+    for X in train():
+        rows += len(X)
+        for j, name in enumerate(layout.feature_columns):
+            x = X[:, j]
+            if name in codes:
+                counts[name] += np.bincount(x[~np.isnan(x)].astype(np.int64), minlength=len(counts[name]))
+                continue
+            finite = x[np.isfinite(x)]
+            moments[j] = _merge(moments[j], finite.astype(np.float64))
+            if impute:
+                columns[j].append(finite)
     inputs: list[dict[str, Any]] = []
     for j, name in enumerate(layout.feature_columns):
         if name in codes:
-            counts = np.zeros(len(codes[name]), np.int64)
-            for X in train:
-                x = X[:, j]
-                counts += np.bincount(x[~np.isnan(x)].astype(np.int64), minlength=len(counts))
+            counts_ = counts[name]
             values = list(codes[name])
-            seen = sorted((values[c] for c in np.flatnonzero(counts)))
+            seen = sorted((values[c] for c in np.flatnonzero(counts_)))
             if len(seen) > MAX_CATEGORIES:
                 raise DataError(f"text column {name!r} has {len(seen)} distinct values in the train split (at most "
                                 f"{MAX_CATEGORIES} categories, e.g. {seen[:5]}): an id or free text is no category; "
                                 "name it in data.id_column or leave it out of data.feature_columns")
-            most = max(seen, key=lambda v: counts[codes[name][v]]) if seen else None  # ties: first sorted
+            most = max(seen, key=lambda v: counts_[codes[name][v]]) if seen else None  # ties: first sorted
             inputs.append({"name": name, "kind": "categorical", "categories": seen,
                            "fill": most if impute else None})
             continue
-        acc = (0, 0.0, 0.0)
-        for X in train:
-            x = X[:, j].astype(np.float64)
-            acc = _merge(acc, x[np.isfinite(x)])
-        n, mean, m2 = acc
+        n, mean, m2 = moments[j]
         std = float(np.sqrt(m2 / n)) if n else 0.0
         fill = None
         if impute:
-            column = np.concatenate([X[:, j] for X in train])
-            finite = column[np.isfinite(column)]
-            fill = float(np.median(finite.astype(np.float64))) if len(finite) else 0.0
+            finite = np.concatenate(columns.pop(j)).astype(np.float64)
+            fill = float(np.median(finite)) if len(finite) else 0.0
         inputs.append({"name": name, "kind": "numeric", "mean": mean, "std": std if std > 0 else 1.0, "fill": fill})
     output: list[str] = []
     for col in inputs:
         output += [col["name"]] if col["kind"] == "numeric" else \
             [f"{col['name']}={v}" for v in col["categories"]] + [f"{col['name']}={UNKNOWN}"]
-    return {"fit_on": "train", "rows": int(sum(len(X) for X in train)), "standardize": data.standardize,
+    return {"fit_on": "train", "rows": rows, "standardize": data.standardize,
             "missing_values": data.missing_values, "categorical_encoding": "onehot", "unknown": UNKNOWN,
             "inputs": inputs, "output_columns": output, "imputed": {}}
 
@@ -143,20 +153,24 @@ def rewrite(paths: list[tuple[str, str]], splits: list[str], n_train: int, layou
             codes: dict[str, dict[str, int]], data: "DataConfig") -> dict[str, Any]:
     """Fit on the train shards (the first ``n_train`` of ``paths``), then rewrite every shard
     through the transform, in place; returns the record with the imputed counts per split."""
-    width = len(layout.feature_columns)
-    train = [records.read_shard(idx, rec, width).features for idx, rec in paths[:n_train]]
+    width, rows = len(layout.feature_columns), data.chunk_rows
+
+    def train() -> Iterator[np.ndarray]:
+        for idx, rec in paths[:n_train]:
+            for block in records.iter_blocks(idx, rec, width, rows):
+                yield block.features
+
     record = fit(train, layout, codes, data)
-    del train
     slots = _slots(record, codes)
     imputed: dict[str, dict[str, int]] = {}
     for (idx, rec), split in zip(paths, splits):
-        shard = records.read_shard(idx, rec, width)
-        X, counts = transform(record, shard.features, slots)
-        for name, count in counts.items():
-            imputed.setdefault(split, {})[name] = imputed.get(split, {}).get(name, 0) + count
         tmp_idx, tmp_rec = idx + ".new", rec + ".new"
         with records.RecordWriter(tmp_idx, tmp_rec) as writer:
-            writer.write_batch(X, shard.labels, shard.row_ids, shard.id_hashes)
+            for block in records.iter_blocks(idx, rec, width, rows):
+                X, counts = transform(record, block.features, slots)
+                for name, count in counts.items():
+                    imputed.setdefault(split, {})[name] = imputed.get(split, {}).get(name, 0) + count
+                writer.write_batch(X, block.labels, block.row_ids, block.id_hashes)
         os.replace(tmp_idx, idx)
         os.replace(tmp_rec, rec)
     record["imputed"] = imputed

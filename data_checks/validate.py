@@ -27,7 +27,7 @@ import numpy as np
 
 from common import storage
 from common.manifest import download_shard, load_manifest, shards_prefix
-from common.preprocessing import numeric_bounds
+from common.preprocessing import numeric_bounds, raw_numbers
 from data_checks import report as reporting
 from data_checks.cross import cross_shard_checks
 from data_checks.errors import DataError, DataValidationError
@@ -134,6 +134,7 @@ def _frame(manifest: dict[str, Any], entry: dict[str, Any], shard: Any,
     has_ids = bool(manifest.get("id_column"))
     kind = manifest.get("source_kind", "table")
     value_range = tuple(cfg.data.feature_range) or ((0.0, 1.0) if kind == "images" else None)
+    prep = manifest.get("preprocessing")
     nonfinite = ~np.isfinite(X)
     parts = [pd.DataFrame({"label": shard.labels, "row_id": ids, **({"id_hash": shard.id_hashes} if has_ids else {})}),
              pd.DataFrame(X, columns=features, copy=False),
@@ -141,12 +142,12 @@ def _frame(manifest: dict[str, Any], entry: dict[str, Any], shard: Any,
     counts = {NONFINITE_COLUMN: _per_column(nonfinite, names)}
     if value_range is not None:
         low, high = value_range
-        prep = manifest.get("preprocessing")
         if prep:  # the range is of raw values: compared as the transform maps them (float32, as X)
             low, high = (b.astype(np.float32) for b in numeric_bounds(prep, *value_range))
         with np.errstate(invalid="ignore"):
             outside = np.isfinite(X) & ((X < low) | (X > high))
-        parts.append(pd.DataFrame({RANGE_COLUMN: describe_rows(outside, X, ids, names, "out of range")}))
+        shown = raw_numbers(prep, X).astype(np.float32) if prep else X  # the raw values the range is of
+        parts.append(pd.DataFrame({RANGE_COLUMN: describe_rows(outside, shown, ids, names, "out of range")}))
         counts[RANGE_COLUMN] = _per_column(outside, names)
     frame = pd.concat(parts, axis=1)
     declared = manifest.get("declared_classes")
