@@ -285,11 +285,11 @@ def test_resume_is_exact_on_a_preprocessed_table(s3_server, s3_prefix, tmp_path,
     assert manifest["preprocessing"]["imputed"]["train"] and manifest["num_features"] == 5
     ref_prefix = storage.join(bucket, "reference")
     ref = _job(cfg, storage.join(bucket, "shards"), ref_prefix)
-    _run(ref, ref_prefix, tmp_path / "ref")
+    _run(ref, ref_prefix, tmp_path)
     ref_ckpt, reference = _final_params(ref)
     job = _job(cfg, storage.join(bucket, "shards"), s3_prefix)
     with pytest.raises(JobFailed):
-        _run(job, s3_prefix, tmp_path / "killed", env={"MXPIPE_FAULT_KILL_STEP": "10", "MXPIPE_FAULT_KILL_RANK": "1"})
-    _run(job, s3_prefix, tmp_path / "resumed")
+        _run(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_KILL_STEP": "10", "MXPIPE_FAULT_KILL_RANK": "1"})
+    _run(job, s3_prefix, tmp_path)
     ckpt, params = _final_params(job)
     assert ckpt.step == ref_ckpt.step and _max_diff(params, reference) <= EXACT_ATOL
