@@ -57,8 +57,14 @@ LOSSES = ("auto", *(loss for losses in TASK_LOSSES.values() for loss in losses))
 # Fields added after checkpoints embedded the config's digest: left out of ``digest_dict`` while
 # they hold their default, so a config that does not use them keeps its digest (and its
 # checkpoints still resume).
-_DIGEST_OMITTED_AT_DEFAULT = {"data": ("target_columns", "target_range"),
+_DIGEST_OMITTED_AT_DEFAULT = {"data": ("target_columns", "target_range", "standardize", "missing_values",
+                                       "rare_label_action", "rare_label_rows", "rare_label_ratio"),
                               "model": ("task", "loss", "huber_rho")}
+# What a missing table value does: fail validation (as non-finite), or take the train split's
+# median (numeric) / most frequent value (categorical) at shard time and in the served model.
+MISSING_VALUES = ("fail", "impute")
+# What a label value that looks accidental (no data.classes declared) does in validation.
+RARE_LABEL_ACTIONS = ("warn", "fail", "off")
 # S3 server-side encryption of checkpoint objects: none, S3-managed keys, KMS.
 SSE_MODES = ("", "AES256", "aws:kms")
 
@@ -150,6 +156,17 @@ class DataConfig(_Strict):
     # (checked by validation, like feature_range).
     target_columns: Strings = ()
     target_range: Numbers = ()
+    # Table preprocessing, fitted on the train split at shard time, recorded in the manifest and
+    # baked into the registered model (data_checks.preprocess): numeric features standardised
+    # with the train mean and std; string columns are categorical (train vocabulary + an unknown
+    # bucket, one-hot); missing values per ``missing_values``.
+    standardize: bool = True
+    missing_values: Literal[MISSING_VALUES] = "fail"
+    # Without data.classes, a class with at most rare_label_rows rows, or fewer than
+    # rare_label_ratio x the median class's rows, looks accidental (a typo, a stray value).
+    rare_label_action: Literal[RARE_LABEL_ACTIONS] = "warn"
+    rare_label_rows: int = Field(5, ge=0)
+    rare_label_ratio: Number = Field(0.01, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _combinations(self) -> DataConfig:
@@ -434,7 +451,7 @@ class TrainConfig(_Strict):
         return o.learning_rate
 
     def to_dict(self) -> dict[str, Any]:
-        """Sections as dicts in field order, arrays as tuples (what ``digest`` hashes)."""
+        """Sections as dicts in field order, arrays as tuples (``digest_dict`` is what digests hash)."""
         return self.model_dump()
 
     def to_json(self) -> str:

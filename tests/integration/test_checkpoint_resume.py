@@ -264,3 +264,32 @@ def test_wrong_key_fails_the_job_as_bad_input(shards, s3_prefix, tmp_path, monke
     assert failed.value.deterministic and "step-00000020: encrypted with another key" in str(failed.value)
     assert "cd" * 32 not in str(failed.value) and "ab" * 32 not in str(failed.value)
     assert time.monotonic() - started < 120
+
+
+def test_resume_is_exact_on_a_preprocessed_table(s3_server, s3_prefix, tmp_path, caplog):
+    """Shards of a table with a text column and imputed missing values (one-hot, standardised):
+    a job killed mid-run resumes to the uninterrupted job's parameters."""
+    import pandas as pd
+
+    rng = np.random.default_rng(5)
+    frame = pd.DataFrame({"x": rng.normal(1e3, 50, 400), "kind": rng.choice(["a", "b", "c"], 400),
+                          "label": rng.integers(0, 2, 400)})
+    frame.loc[::11, "x"] = np.nan
+    frame.loc[::17, "kind"] = None
+    bucket = f"s3://{s3_server.bucket}/test-ckpt-prep"
+    source = storage.join(bucket, "table.csv")
+    storage.put_bytes(source, frame.to_csv(index=False).encode())
+    cfg = recipe("debug", source).replace(data={"missing_values": "impute"}, optim={"epochs": 3},
+                                          model={"hidden": (16,), "dropout": 0.2}, checkpoint={"every_n_steps": 3})
+    manifest = shard_dataset(cfg, storage.join(bucket, "shards"))
+    assert manifest["preprocessing"]["imputed"]["train"] and manifest["num_features"] == 5
+    ref_prefix = storage.join(bucket, "reference")
+    ref = _job(cfg, storage.join(bucket, "shards"), ref_prefix)
+    _run(ref, ref_prefix, tmp_path)
+    ref_ckpt, reference = _final_params(ref)
+    job = _job(cfg, storage.join(bucket, "shards"), s3_prefix)
+    with pytest.raises(JobFailed):
+        _run(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_KILL_STEP": "10", "MXPIPE_FAULT_KILL_RANK": "1"})
+    _run(job, s3_prefix, tmp_path)
+    ckpt, params = _final_params(job)
+    assert ckpt.step == ref_ckpt.step and _max_diff(params, reference) <= EXACT_ATOL

@@ -98,6 +98,8 @@ def resume_digest(cfg: TrainConfig) -> str:
     raw = cfg.digest_dict()
     raw.pop("checkpoint")
     raw["data"].pop("prefetch_batches")  # how far ahead batches are built does not change them
+    for key in ("rare_label_action", "rare_label_rows", "rare_label_ratio"):  # validation only
+        raw["data"].pop(key, None)
     if raw["model"]["placement"] == "replicated":  # left out when default: older checkpoints still match
         raw["model"].pop("placement")
     cluster = raw.pop("cluster")

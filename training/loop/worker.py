@@ -423,5 +423,8 @@ def export(net: Any, manifest: dict[str, Any], model_prefix: str) -> None:
             meta.update(task="regression", target_columns=manifest["target_columns"])
         with open(os.path.join(tmp, "model_meta.json"), "w") as fh:
             json.dump(meta, fh, indent=2)
+        if manifest.get("preprocessing"):  # the served model applies it to raw rows
+            with open(os.path.join(tmp, "preprocessing.json"), "w") as fh:
+                json.dump(manifest["preprocessing"], fh, indent=2)
         for fname in sorted(os.listdir(tmp)):
             storage.upload_file(os.path.join(tmp, fname), storage.join(model_prefix, fname))

@@ -44,7 +44,7 @@ def class_key(value: Any) -> str:
 class EvaluationData:
     """Held-out rows to score a model on."""
 
-    frame: Any  # pandas: the model's feature columns as float64, the class values in TARGET_COLUMN
+    frame: Any  # pandas: the model's input columns (float64, or text categories), the class values in TARGET_COLUMN
     classes: list[str]  # every class the model may predict, as ``class_key`` strings
     source_uri: str  # where the rows come from (a shard manifest's URI, or a local file)
     task: str = "classification"
@@ -69,17 +69,20 @@ class EvaluationData:
 
 
 def load_test_split(shards_prefix: str, work_dir: str) -> EvaluationData:
-    """The test split of a sharded dataset (its source: the manifest), downloaded into ``work_dir``."""
+    """The test split of a sharded dataset (its source: the manifest), downloaded into ``work_dir``.
+
+    With table preprocessing the rows are raw-equivalent (``common.preprocessing.raw_frame``):
+    the input a model that preprocesses takes."""
     import numpy as np
     import pandas as pd
 
-    from common.manifest import manifest_uri
+    from common.manifest import is_regression, manifest_uri
+    from common.preprocessing import input_columns, raw_frame
     from training.feed import data
 
-    from common.manifest import is_regression
-
     manifest = data.load_manifest(shards_prefix)
-    columns = [str(c) for c in manifest["feature_columns"]]
+    prep = manifest.get("preprocessing")
+    columns = [str(c) for c in (input_columns(prep) if prep else manifest["feature_columns"])]
     regression = is_regression(manifest)
     shell = EvaluationData(frame=None, classes=[class_key(c) for c in manifest["classes"]],
                            source_uri=manifest_uri(shards_prefix), task=manifest.get("task", "classification"),
@@ -92,7 +95,7 @@ def load_test_split(shards_prefix: str, work_dir: str) -> EvaluationData:
     X, y = data.fetch_split(manifest, shards_prefix, test, work_dir)
     if len(y) == 0:
         raise EvaluationError(f"{shards_prefix} has no test rows to evaluate on")
-    frame = pd.DataFrame(X.astype("float64"), columns=columns)
+    frame = raw_frame(prep, X) if prep else pd.DataFrame(X.astype("float64"), columns=columns)
     if regression:
         for j, name in enumerate(shell.truth_columns):
             frame[name] = y[:, j].astype("float64")

@@ -288,13 +288,16 @@ def _register(client: Any, name: str, model_uri: str, model_id: str, run_id: str
     )
 
 
-def _example_frame(input_example: Any, feature_columns: Sequence[str]) -> Any:
-    missing = [c for c in feature_columns if c not in input_example.columns]
+def _example_frame(input_example: Any, loaded: Any) -> Any:
+    columns = loaded.input_columns
+    missing = [c for c in columns if c not in input_example.columns]
     if missing:
         raise ValueError(f"input_example lacks feature columns {missing[:20]}")
+    example = input_example[list(columns)].head(MAX_EXAMPLE_ROWS).reset_index(drop=True)
     # float64 ('double' in the signature): CSV and JSON inputs decode to float64/int64, which
-    # MLflow's schema enforcement will not narrow to float32.
-    return input_example[list(feature_columns)].head(MAX_EXAMPLE_ROWS).astype("float64").reset_index(drop=True)
+    # MLflow's schema enforcement will not narrow to float32. Categorical inputs stay text.
+    text = [c["name"] for c in (loaded.preprocessing or {}).get("inputs", []) if c["kind"] == "categorical"]
+    return example.astype({c: "float64" for c in columns if c not in text})
 
 
 def _log_pyfunc(*, files: Mapping[str, str], input_example: Any, step: int, tags: Mapping[str, str]) -> Any:
@@ -303,9 +306,9 @@ def _log_pyfunc(*, files: Mapping[str, str], input_example: Any, step: int, tags
 
     from training.tracking import pyfunc_model
 
-    loaded = pyfunc_model.load_exported(files["symbol"], files["params"], files["meta"])
-    example = _example_frame(input_example, loaded.feature_columns)
-    prediction = pyfunc_model.predict_frame(loaded, example.to_numpy())
+    loaded = pyfunc_model.load_exported(files["symbol"], files["params"], files["meta"], files.get("preprocessing"))
+    example = _example_frame(input_example, loaded)
+    prediction = pyfunc_model.predict_frame(loaded, loaded.features(example))
     with warnings.catch_warnings():
         # An integer `label` output cannot be missing; MLflow's hint about NaN in ints is noise.
         warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
@@ -419,7 +422,7 @@ def _export_files(model_dir: str) -> tuple[dict[str, str], str]:
     from training.tracking.pyfunc_model import find_export_files
 
     files = find_export_files(model_dir)
-    return files, files_digest([files[k] for k in ("symbol", "params", "meta")])
+    return files, files_digest([files[k] for k in ("symbol", "params", "meta", "preprocessing") if k in files])
 
 
 def _existing_artifacts(artifacts: Mapping[str, str]) -> dict[str, str]:
