@@ -51,6 +51,9 @@ BACKENDS = ("local", "hosts", "ec2")
 DRIFT_ACTIONS = ("off", "warn", "fail")
 # S3 server-side encryption of checkpoint objects: none, S3-managed keys, KMS.
 SSE_MODES = ("", "AES256", "aws:kms")
+# Which epoch's parameters a job exports (and registers): "best" = the best validation epoch's,
+# "last" = the last trained epoch's, "auto" = "best" exactly when early stopping is on.
+EXPORT_EPOCHS = ("auto", "best", "last")
 
 
 class ConfigError(ValueError):
@@ -193,9 +196,20 @@ class OptimConfig(_Strict):
     # "fp16" runs forward/backward through mxnet.contrib.amp (dynamic loss scaling) and needs
     # GPU contexts; untested here, where there is no GPU.
     precision: Literal[PRECISIONS] = "fp32"
+    # Early stopping (training.loop.early_stop): after every epoch, ``early_stopping_metric``
+    # (a validation metric of the epoch record, e.g. val_accuracy or val_loss; its direction is
+    # training.loop.metrics.higher_is_better) is compared with the best so far; a change of
+    # more than ``early_stopping_min_delta`` in the good direction is a new best, and after
+    # ``early_stopping_patience`` epochs without one the job stops (0 = off: every epoch runs).
+    early_stopping_patience: int = Field(0, ge=0)
+    early_stopping_metric: str = "val_accuracy"
+    early_stopping_min_delta: Number = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _combinations(self) -> OptimConfig:
+        _check(self.early_stopping_metric.startswith("val_") and self.early_stopping_metric[4:].isidentifier(),
+               f"optim.early_stopping_metric must name a validation metric such as 'val_accuracy' or "
+               f"'val_loss', got {self.early_stopping_metric!r}")
         decay = self.lr_decay_epochs
         _check((self.lr_schedule == "step") == bool(decay),
                "optim.lr_decay_epochs must be given exactly when optim.lr_schedule='step'")
@@ -321,6 +335,10 @@ class CheckpointConfig(_Strict):
     # records up to a checkpoint live in its train state.
     step_metrics_every_n: int = Field(1, ge=1)
     max_step_metrics: int = Field(2000, ge=2, le=100_000)
+    # Which parameters the job exports and register registers (EXPORT_EPOCHS): with "best" (or
+    # "auto" and early stopping on) the best validation epoch's, from its epoch-end checkpoint,
+    # which retention then never deletes while it is the best.
+    export_epoch: Literal[EXPORT_EPOCHS] = "auto"
 
     @model_validator(mode="after")
     def _combinations(self) -> CheckpointConfig:
@@ -385,12 +403,29 @@ class TrainConfig(_Strict):
         """Sections as dicts in field order, arrays as tuples (what ``digest`` hashes)."""
         return self.model_dump()
 
+    @property
+    def exports_best(self) -> bool:
+        """Whether the job exports the best validation epoch's parameters (``checkpoint.export_epoch``)."""
+        choice = self.checkpoint.export_epoch
+        return choice == "best" or (choice == "auto" and self.optim.early_stopping_patience > 0)
+
+    def digest_dict(self) -> dict[str, Any]:
+        """``to_dict`` without the fields added since digests were first embedded in checkpoints
+        while they hold their defaults: a config that does not use them keeps its digest (and
+        its checkpoints still resume)."""
+        raw = self.to_dict()
+        for section, defaults in _LATER_FIELDS.items():
+            for name, default in defaults.items():
+                if raw[section][name] == default:
+                    del raw[section][name]
+        return raw
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)
 
     def digest(self) -> str:
         """A stable hash of the resolved config (embedded in checkpoints)."""
-        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        canon = json.dumps(self.digest_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     @classmethod
@@ -428,6 +463,13 @@ class TrainConfig(_Strict):
     def replace(self, **sections: Any) -> TrainConfig:
         """Copy with some fields of some sections changed: ``cfg.replace(optim={"epochs": 3})``."""
         return TrainConfig.from_dict(overlay(self.to_dict(), sections))
+
+
+# Fields added after the pinned digests (tests/unit/test_config_types.py), with their defaults.
+_LATER_FIELDS: dict[str, dict[str, Any]] = {
+    "optim": {"early_stopping_patience": 0, "early_stopping_metric": "val_accuracy", "early_stopping_min_delta": 0.0},
+    "checkpoint": {"export_epoch": "auto"},
+}
 
 
 def overlay(raw: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:

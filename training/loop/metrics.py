@@ -96,3 +96,20 @@ class StepRecorder:
         if len(self.records) > self.cap:
             self.stride *= 2
             self.records = [r for r in self.records if r["step"] % self.stride == 0]
+
+
+# Whether a larger value of a validation metric is better, by the metric's name without "val_".
+# Classification reports loss and accuracy (training.loop.worker.evaluate); a regression task
+# reports rmse, mae and r2.
+_HIGHER_IS_BETTER = {"accuracy": True, "r2": True, "loss": False, "rmse": False, "mae": False}
+
+
+def higher_is_better(metric_name: str) -> bool:
+    """The direction of ``metric_name`` (``val_accuracy``, ``loss``, ...): True when larger is better.
+    An unknown name is a ValueError naming the known ones."""
+    base = metric_name.removeprefix("val_")
+    if base not in _HIGHER_IS_BETTER:
+        known = ", ".join(f"val_{name}" for name in _HIGHER_IS_BETTER)
+        raise ValueError(f"unknown validation metric {metric_name!r}: its direction is not known "
+                         f"(known: {known})")
+    return _HIGHER_IS_BETTER[base]
