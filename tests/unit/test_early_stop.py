@@ -151,6 +151,15 @@ def test_bad_early_stopping_fields_are_refused_by_name(optim, message):
         OptimConfig(**optim)
 
 
+def test_the_form_schema_refuses_a_metric_that_is_not_a_validation_metric():
+    import jsonschema
+
+    schema = TrainConfig.model_json_schema()
+    jsonschema.validate({"optim": {"early_stopping_metric": "val_loss"}}, schema)
+    with pytest.raises(jsonschema.ValidationError, match="does not match"):
+        jsonschema.validate({"optim": {"early_stopping_metric": "accuracy"}}, schema)
+
+
 def test_bad_export_epoch_is_refused():
     with pytest.raises(ConfigError, match="checkpoint.export_epoch must be one of"):
         TrainConfig.from_dict({"checkpoint": {"export_epoch": "first"}})
