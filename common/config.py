@@ -203,7 +203,8 @@ class OptimConfig(_Strict):
     # ``early_stopping_patience`` epochs without one the job stops (0 = off: every epoch runs).
     early_stopping_patience: int = Field(0, ge=0)
     # (The pattern is for the form's schema; the check below says what is wrong in words.)
-    early_stopping_metric: str = Field("val_accuracy", json_schema_extra={"pattern": r"^val_[A-Za-z_][A-Za-z0-9_]*$"})
+    early_stopping_metric: str = Field("val_accuracy",
+                                       json_schema_extra={"pattern": r"^val_[A-Za-z_][A-Za-z0-9_]*$"})
     early_stopping_min_delta: Number = Field(0.0, ge=0)
 
     @model_validator(mode="after")

@@ -170,7 +170,8 @@ def test_the_registered_model_and_its_run_record_the_selection(reference, mlflow
     result = log_model_run(
         tracking_uri=mlflow_server.tracking_uri, experiment="early-stopping", run_name="early-stopping",
         tags={"airflow.dag_id": "test"}, params={"config": job.config.to_dict()},
-        epoch_metrics=reference["metrics"]["history"], final_metrics={"global_step": reference["metrics"]["global_step"]},
+        epoch_metrics=reference["metrics"]["history"],
+        final_metrics={"global_step": reference["metrics"]["global_step"]},
         model_dir=str(model_dir), registered_model_name="early-stopping-test",
         input_example=pd.DataFrame(np.zeros((2, len(columns))), columns=columns),
         selection=best)

@@ -25,8 +25,8 @@ from training.launch.job import JobSpec
 from training.loop.early_stop import BestEpoch
 from training.loop.optim import reposition
 
-__all__ = ["BEST_EPOCH", "RNG_SCHEME", "TrainState", "check_compatible", "elastic_position", "restore", "restore_optimizer",
-           "resume_digest", "train_record", "warm_start"]
+__all__ = ["BEST_EPOCH", "RNG_SCHEME", "TrainState", "check_compatible", "elastic_position", "restore",
+           "restore_optimizer", "resume_digest", "train_record", "warm_start"]
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,10 @@ def train_record(state: TrainState, step_records: list[dict[str, float]], cfg: T
     With the best epoch exported, it names that epoch's checkpoint as one retention must keep
     (``KEEP_STEP``)."""
     record = {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch, "global_step": state.global_step,
-            "history": state.history, "step_history": step_records, "config_digest": cfg.digest(),
-            "resume_digest": resume_digest(cfg), "num_workers": num_workers,
-            "global_batch": cfg.global_batch(num_workers), "manifest_digest": data.manifest_digest(manifest),
-            "rng": RNG_SCHEME}
+              "history": state.history, "step_history": step_records, "config_digest": cfg.digest(),
+              "resume_digest": resume_digest(cfg), "num_workers": num_workers,
+              "global_batch": cfg.global_batch(num_workers), "manifest_digest": data.manifest_digest(manifest),
+              "rng": RNG_SCHEME}
     if state.best is not None:
         record[BEST_EPOCH] = state.best.to_state()
         if cfg.exports_best and state.best.step is not None:
