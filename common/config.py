@@ -16,6 +16,7 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, get_args
 
+from common.task_metrics import TASK_METRICS
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator,
                       model_validator)
 from pydantic.fields import FieldInfo
@@ -59,7 +60,9 @@ LOSSES = ("auto", *(loss for losses in TASK_LOSSES.values() for loss in losses))
 # checkpoints still resume).
 _DIGEST_OMITTED_AT_DEFAULT = {"data": ("target_columns", "target_range", "standardize", "missing_values",
                                        "rare_label_action", "rare_label_rows", "rare_label_ratio"),
-                              "model": ("task", "loss", "huber_rho")}
+                              "model": ("task", "loss", "huber_rho"),
+                              "optim": ("early_stopping_patience", "early_stopping_metric", "early_stopping_min_delta"),
+                              "checkpoint": ("export_epoch",)}
 # What a missing table value does: fail validation (as non-finite), or take the train split's
 # median (numeric) / most frequent value (categorical) at shard time and in the served model.
 MISSING_VALUES = ("fail", "impute")
@@ -67,6 +70,9 @@ MISSING_VALUES = ("fail", "impute")
 RARE_LABEL_ACTIONS = ("warn", "fail", "off")
 # S3 server-side encryption of checkpoint objects: none, S3-managed keys, KMS.
 SSE_MODES = ("", "AES256", "aws:kms")
+# Which epoch's parameters a job exports (and registers): "best" = the best validation epoch's,
+# "last" = the last trained epoch's, "auto" = "best" exactly when early stopping is on.
+EXPORT_EPOCHS = ("auto", "best", "last")
 
 
 class ConfigError(ValueError):
@@ -250,9 +256,24 @@ class OptimConfig(_Strict):
     # "fp16" runs forward/backward through mxnet.contrib.amp (dynamic loss scaling) and needs
     # GPU contexts; untested here, where there is no GPU.
     precision: Literal[PRECISIONS] = "fp32"
+    # Early stopping (training.loop.early_stop): after every epoch, ``early_stopping_metric``
+    # (a validation metric of the epoch record, e.g. val_accuracy or val_loss; its direction is
+    # training.loop.metrics.higher_is_better) is compared with the best so far; a change of
+    # more than ``early_stopping_min_delta`` in the good direction is a new best, and after
+    # ``early_stopping_patience`` epochs without one the job stops (0 = off: every epoch runs).
+    early_stopping_patience: int = Field(0, ge=0)
+    # (The pattern is for the form's schema; the check below says what is wrong in words.)
+    # "auto": the task's first-ranked metric (val_accuracy; val_rmse for regression).
+    early_stopping_metric: str = Field("auto",
+                                       json_schema_extra={"pattern": r"^(auto|val_[A-Za-z_][A-Za-z0-9_]*)$"})
+    early_stopping_min_delta: Number = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _combinations(self) -> OptimConfig:
+        _check(self.early_stopping_metric == "auto" or (self.early_stopping_metric.startswith("val_")
+                                                         and self.early_stopping_metric[4:].isidentifier()),
+               f"optim.early_stopping_metric must be 'auto' or name a validation metric such as "
+               f"'val_accuracy' or 'val_loss', got {self.early_stopping_metric!r}")
         decay = self.lr_decay_epochs
         _check((self.lr_schedule == "step") == bool(decay),
                "optim.lr_decay_epochs must be given exactly when optim.lr_schedule='step'")
@@ -378,6 +399,10 @@ class CheckpointConfig(_Strict):
     # records up to a checkpoint live in its train state.
     step_metrics_every_n: int = Field(1, ge=1)
     max_step_metrics: int = Field(2000, ge=2, le=100_000)
+    # Which parameters the job exports and register registers (EXPORT_EPOCHS): with "best" (or
+    # "auto" and early stopping on) the best validation epoch's, from its epoch-end checkpoint,
+    # which retention then never deletes while it is the best.
+    export_epoch: Literal[EXPORT_EPOCHS] = "auto"
 
     @model_validator(mode="after")
     def _combinations(self) -> CheckpointConfig:
@@ -421,6 +446,10 @@ class TrainConfig(_Strict):
             for name in ("target_columns", "target_range"):
                 _check(not getattr(self.data, name), f"data.{name} is for model.task='regression', "
                                                      f"but model.task={self.model.task!r}")
+        watched, reported = self.early_stopping_metric, TASK_METRICS[self.model.task]
+        _check(watched[len("val_"):] in reported,
+               f"optim.early_stopping_metric={watched!r} is not reported for model.task={self.model.task!r}; "
+               f"choose one of {['auto', *(f'val_{m}' for m in reported)]}")
         workers = self.cluster.num_workers
         _check(self.num_train_shards >= workers,
                f"data.num_shards={self.num_train_shards} cannot be spread over cluster.num_workers={workers}: "
@@ -453,6 +482,21 @@ class TrainConfig(_Strict):
     def to_dict(self) -> dict[str, Any]:
         """Sections as dicts in field order, arrays as tuples (``digest_dict`` is what digests hash)."""
         return self.model_dump()
+
+    @property
+    def early_stopping_metric(self) -> str:
+        """The validation metric early stopping watches (``optim.early_stopping_metric``, "auto"
+        resolved by the task)."""
+        name = self.optim.early_stopping_metric
+        if name != "auto":
+            return name
+        return "val_rmse" if self.model.task == "regression" else "val_accuracy"
+
+    @property
+    def exports_best(self) -> bool:
+        """Whether the job exports the best validation epoch's parameters (``checkpoint.export_epoch``)."""
+        choice = self.checkpoint.export_epoch
+        return choice == "best" or (choice == "auto" and self.optim.early_stopping_patience > 0)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)
@@ -509,6 +553,7 @@ class TrainConfig(_Strict):
         return TrainConfig.from_dict(overlay(self.to_dict(), sections))
 
 
+# Fields added after the pinned digests (tests/unit/test_config_types.py), with their defaults.
 def overlay(raw: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
     """``raw`` (a config as a dict) with ``layer``'s values on top, field by field within a
     section (``seed`` replaced). Nothing is validated but the shape: build the result with

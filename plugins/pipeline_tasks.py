@@ -298,7 +298,9 @@ def train(config: Mapping[str, Any], params: Mapping[str, Any], cluster: dict[st
     metrics = json.loads(storage.get_bytes(job.metrics_uri))
     return {"model_prefix": paths.model, "metrics_uri": job.metrics_uri, "checkpoint_prefix": paths.checkpoints,
             "resumed_from_step": resume_step, "attempt": try_number, "global_step": metrics["global_step"],
-            "final_val_accuracy": metrics["history"][-1].get("val_accuracy")}
+            "final_val_accuracy": metrics["history"][-1].get("val_accuracy"),
+            # The epoch the exported model is from, when tracked (checkpoint.export_epoch, early stopping).
+            "best": metrics.get("best")}
 
 
 def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[str, Any], trained: dict[str, Any],
@@ -349,6 +351,7 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
                 dataset={"manifest": manifest, "manifest_uri": shards["manifest_uri"],
                          "digest": shards["manifest_digest"]},
                 log_system_metrics=True, step_metrics=metrics.get("step_history", []),
+                selection=metrics.get("best"),
             )
         except (ParamConflictError, EvaluationError) as exc:  # conflicting params, unscorable test split: no retry
             raise _fail(str(exc)) from exc

@@ -5,7 +5,9 @@ first and ``MANIFEST.json`` (names, sizes, sha256) written last with a condition
 duplicate writer cannot overwrite a committed checkpoint. A folder without a manifest, or whose
 bytes do not match it, does not exist as far as restore is concerned. Retention keeps the newest
 ``keep`` committed checkpoints (plus, with ``keep_every_n_steps`` = M, the oldest committed one
-of every window of M steps, forever) and deletes older ones only after a newer one is committed.
+of every window of M steps, forever, and the step the newest commit's state names as
+``keep_step``: the best epoch's checkpoint, which the job exports) and deletes older ones only
+after a newer one is committed.
 
 Options (``CheckpointConfig``): server-side encryption headers on every object (``sse``), and
 client-side envelope encryption (``training.checkpoint.crypto``); large files go up in parts.
@@ -25,11 +27,15 @@ from typing import Any
 from common import storage
 from training.checkpoint.crypto import CheckpointKeyError, Envelope
 
-__all__ = ["Checkpoint", "CheckpointKeyError", "CheckpointStore", "CorruptCheckpoint", "MANIFEST", "store_for"]
+__all__ = ["Checkpoint", "CheckpointKeyError", "CheckpointStore", "CorruptCheckpoint", "KEEP_STEP", "MANIFEST",
+           "store_for"]
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
+# A train state's step that retention must keep (besides the newest ones): the best epoch's.
+# Only the newest commit's counts: when a later epoch becomes the best, the former best ages out.
+KEEP_STEP = "keep_step"
 MULTIPART_THRESHOLD = 32 << 20
 _STEP_DIR = re.compile(r"/step-(\d{8})/")
 
@@ -97,7 +103,7 @@ class CheckpointStore:
                 storage.delete_prefix(base)
                 return self.save(step, files, state)
         log.info("checkpoint committed: step %d at %s", step, base)
-        self.prune()
+        self.prune(pinned=state.get(KEEP_STEP))
         return base
 
     def steps(self) -> list[int]:
@@ -147,24 +153,27 @@ class CheckpointStore:
         log.info("no valid checkpoint under %s: starting fresh", self.prefix)
         return None
 
-    def permanent_steps(self, committed: list[int]) -> set[int]:
-        """With ``keep_every_n_steps`` = M: the oldest committed step of every window of M steps."""
+    def permanent_steps(self, committed: list[int], pinned: int | None = None) -> set[int]:
+        """With ``keep_every_n_steps`` = M: the oldest committed step of every window of M steps;
+        and ``pinned`` (the best epoch's step) if it is committed."""
+        kept = {pinned} & set(committed) if pinned is not None else set()
         m = self.keep_every_n_steps
         if not m:
-            return set()
+            return kept
         oldest: dict[int, int] = {}
         for step in committed:
             oldest[step // m] = min(step, oldest.get(step // m, step))
-        return set(oldest.values())
+        return kept | set(oldest.values())
 
-    def prune(self) -> list[int]:
-        """Delete committed checkpoints beyond the newest ``keep`` (sparing the permanent ones),
-        and torn ones older than them. Runs only after a commit, so a newer one always exists."""
+    def prune(self, pinned: int | None = None) -> list[int]:
+        """Delete committed checkpoints beyond the newest ``keep`` (sparing the permanent ones and
+        ``pinned``), and torn ones older than them. Runs only after a commit, so a newer one always
+        exists."""
         committed = self.committed_steps()
         if len(committed) <= self.keep:
             return []
         oldest_kept = committed[self.keep - 1]
-        permanent = self.permanent_steps(committed)
+        permanent = self.permanent_steps(committed, pinned)
         doomed = [s for s in self.steps() if s < oldest_kept and s not in permanent]
         for step in doomed:
             storage.delete_prefix(self.step_uri(step))

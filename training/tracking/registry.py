@@ -464,6 +464,30 @@ def _logged_model(client: Any, registered_model_name: str, rid: str, digest: str
     return None, info.model_uri, info.model_id
 
 
+def selection_tags(best: Mapping[str, Any] | None) -> dict[str, str]:
+    """Tags recording which epoch's parameters the model holds (the worker's ``best`` summary,
+    ``training.loop.early_stop``): ``best.*`` (metric, mode, epoch, value, global step),
+    ``model.epoch_exported`` ("best" or "last") and ``early_stopped_at`` (the epoch training
+    stopped after, or "no"). None (nothing tracked): no tags."""
+    if not best:
+        return {}
+    stopped = best["stopped_at_epoch"]
+    return {"best.metric": best["metric"], "best.mode": best["mode"], "best.epoch": str(best["best_epoch"]),
+            "best.value": repr(best["best_value"]), "best.step": str(best["best_step"]),
+            "model.epoch_exported": best["exported"], "early_stopped_at": "no" if stopped is None else str(stopped)}
+
+
+def selection_metrics(best: Mapping[str, Any] | None) -> dict[str, float]:
+    """The same as metrics: ``best_epoch``, ``best_<metric>`` and, when it stopped early,
+    ``early_stopped_epoch``."""
+    if not best or best["best_epoch"] is None:
+        return {}
+    metrics = {"best_epoch": float(best["best_epoch"]), f"best_{best['metric']}": float(best["best_value"])}
+    if best["stopped_at_epoch"] is not None:
+        metrics["early_stopped_epoch"] = float(best["stopped_at_epoch"])
+    return metrics
+
+
 def log_model_run(
     *,
     tracking_uri: str,
@@ -482,6 +506,7 @@ def log_model_run(
     log_system_metrics: bool = False,
     step_metrics: Sequence[Mapping[str, float]] = (),
     test_data: EvaluationData | None = None,
+    selection: Mapping[str, Any] | None = None,
 ) -> dict:
     """Log params, metrics, extra artifacts and the pyfunc model; score the logged model on
     ``test_data``; register it as ``challenger``.
@@ -496,18 +521,20 @@ def log_model_run(
     ``test_data`` is scored by MLflow's classifier evaluator (``evaluation.evaluate_model``) before
     the version is registered: its metrics (``accuracy_score``, ``f1_score``, ... and
     ``test_accuracy``, the same accuracy) and plots go to the run, the metrics to the LoggedModel
-    too. Returns ``run_id, experiment_id, model_uri, registered_model_name, version, run_url``
-    and ``test_metrics`` (empty without ``test_data``).
+    too. ``selection`` (the worker's ``best`` summary) is recorded as the tags of ``selection_tags``
+    on the run and the version, and as the metrics of ``selection_metrics``. Returns ``run_id,
+    experiment_id, model_uri, registered_model_name, version, run_url`` and ``test_metrics``
+    (empty without ``test_data``).
     """
     from mlflow import MlflowClient
 
     # Deterministic checks first: they must fail before anything is created.
     files, digest = _export_files(model_dir)
     flat = flatten_params(params)
-    points, final_step = metric_points(epoch_metrics, final_metrics)
+    points, final_step = metric_points(epoch_metrics, {**final_metrics, **selection_metrics(selection)})
     points += step_metric_points(step_metrics)
     extra = _existing_artifacts(artifacts or {})
-    str_tags = {str(k): str(v) for k, v in tags.items()}
+    str_tags = {**{str(k): str(v) for k, v in tags.items()}, **selection_tags(selection)}
     started = time.monotonic()
 
     with bounded_mlflow_env(), _tracking_uri(tracking_uri):
