@@ -46,8 +46,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from common import fpmode, storage
+from common import fpmode, model_code, storage
 from common.config import TrainConfig
+from common.model_code import StagedCode
 from common.mx import import_mxnet
 from training.checkpoint import state as ckpt_state
 from training.checkpoint.manager import CheckpointManager
@@ -73,6 +74,8 @@ log = logging.getLogger(__name__)
 def run(job: JobSpec) -> dict[str, Any]:
     faults = FaultPlan.from_settings()  # read once: the loop only compares step numbers with it
     cfg = job.config
+    if job.model_code_uri:  # before anything builds the network: a bad archive fails the role at once
+        model_code.activate(StagedCode(job.model_code_uri, job.model_code_sha256))
     cluster = build_cluster(cfg)
     preemption = Preemption.install()
     data = build_data(job, cluster)
@@ -166,7 +169,7 @@ def build_net(cfg: TrainConfig, manifest: dict[str, Any], ctxs: list[Any]) -> Mo
     np.random.seed(cfg.seed)
     use_amp = init_amp(cfg)
     split = cfg.model.placement == "split"
-    net = build_model(cfg, manifest["num_classes"])
+    net = build_model(cfg, manifest["num_classes"], manifest["num_features"])
     reseed_mxnet = draws_random(net)
     if split:  # model parallel: stage i's parameters on ctxs[i] only; the batch enters on ctxs[0]
         net = SplitNet(net, ctxs)
