@@ -261,7 +261,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     if not 0 <= args.momentum < 1:
         raise ValueError(f"--momentum must be in [0, 1), got {args.momentum}")
     if args.model is not None and args.model not in MODELS and not re.fullmatch(IMPORT_PATH_PATTERN, args.model):
-        raise ValueError(f"--model must be one of {', '.join(MODELS)} or package.module:factory, got {args.model!r}")
+        raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {args.model!r} (or a network of your "
+                         "own: package.module:factory)")
 
 
 def _dims(text: str) -> list[int]:

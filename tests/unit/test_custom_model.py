@@ -5,6 +5,7 @@ a worker with corrupt code exits with the deterministic code, planning counts it
 loads where neither the project nor the user's folder is importable."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -103,9 +104,8 @@ def test_staged_code_is_fetched_verified_and_put_on_the_path(code_dir, tmp_path)
     assert staged.uri.endswith("/code/model_code.tar.gz")
     assert staged.sha256 == storage.sha256_bytes(storage.get_bytes(staged.uri))
     with model_code.on_path(staged) as folder:
-        import mynet.arch  # noqa: PLC0415 - only importable from the staged copy
-
-        assert mynet.arch.__file__ == os.path.join(folder, "mynet", "arch.py")
+        arch = importlib.import_module("mynet.arch")  # only importable from the staged copy
+        assert arch.__file__ == os.path.join(folder, "mynet", "arch.py")
     assert "mynet.arch" not in sys.modules and folder not in sys.path and not os.path.exists(folder)
 
 

@@ -4,7 +4,9 @@ The trainer exports with ``net.export(prefix, epoch=0)`` into one folder:
 ``<prefix>-symbol.json``, ``<prefix>-NNNN.params`` and ``model_meta.json``
 (``feature_columns``, ``classes``, ``input_shape``, ``num_features``). The network takes float32
 ``[batch, num_features]`` (reshaped to ``[batch] + input_shape`` when that is non-empty) and
-returns logits ``[batch, num_classes]``.
+returns logits ``[batch, num_classes]``. A custom network (``model.name`` an import path) is
+exported the same way: its symbol holds only MXNet operators, so loading it needs neither the
+project nor the user's code (``tests/unit/test_custom_model.py``), and no ``code_paths`` are logged.
 
 This file is logged *as code* ("models from code", MLflow's recommended way): MLflow copies it
 into the model and executes it at load time, so it must stay self-contained (stdlib, numpy,
