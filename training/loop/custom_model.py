@@ -40,6 +40,7 @@ class ModelBuildError(ConfigError):
 def load_factory(import_path: str) -> Callable[..., Any]:
     """The callable ``package.module:factory`` names, imported from ``sys.path``."""
     module_name, _, attr = import_path.partition(":")
+    import_mxnet()  # first, through the project's import (no scikit-learn), before the user's module imports it
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
