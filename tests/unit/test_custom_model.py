@@ -271,3 +271,19 @@ def test_a_worker_with_corrupt_code_exits_with_the_deterministic_code(code_dir, 
     assert _worker(str(tmp_path / "job.json")) == EXIT_BAD_INPUT in DETERMINISTIC_EXIT_CODES
     assert "staged for this run: it was changed or corrupted" in caplog.text
     assert StagedCode(staged.uri, staged.sha256) == staged
+
+
+def test_the_trigger_form_refuses_a_malformed_import_path_and_keeps_the_zoo_shortcut():
+    pytest.importorskip("airflow.sdk")
+    from airflow.sdk.definitions.param import ParamValidationError
+    from plugins.params import training_params
+
+    form = training_params()
+    good = {"model": {"name": "mynet.arch:build", "code_uri": "s3://bucket/nets/", "options": {"w": [1, {"x": None}]}}}
+    assert form["config"].resolve(good) == good
+    for bad in ({"model": {"name": "my-net.arch:build"}}, {"model": {"name": "mynet.arch"}},
+                {"model": {"name": "mynet.arch:build", "code_uri": "nets/"}}, {"model": {"options": 3}}):
+        with pytest.raises(ParamValidationError):
+            form["config"].resolve(bad)
+    with pytest.raises(ParamValidationError):  # the shortcut offers the zoo; a custom network goes in config
+        form["model"].resolve("mynet.arch:build")
