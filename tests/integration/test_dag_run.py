@@ -199,3 +199,16 @@ def test_a_custom_network_from_a_folder_outside_the_repo_trains_and_serves(airfl
     assert out.returncode == 0, out.stderr[-4000:]
     accuracy = json.loads(out.stdout.split("ACCURACY ")[-1])
     assert accuracy > 0.85  # every digits row: train, validation and test
+
+
+def test_a_factory_that_cannot_be_imported_fails_shard_without_retry(airflow_env, digits_uri, tmp_path):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from custom_nets import write_package
+
+    model = {"name": "mynet.broken:build", "code_uri": write_package(str(tmp_path / "user-nets"))}
+    result, logs = _run_dag(airflow_env, _conf(digits_uri, config={"model": model}))
+    assert result["state"] == "failed"
+    assert result["tasks"]["shard"] == {"state": "failed", "try_number": 1}, result["tasks"]
+    assert result["tasks"]["train"]["state"] in ("upstream_failed", "None")
+    assert "invalid model: model.name='mynet.broken:build': importing mynet.broken failed: ImportError: needs torch" \
+        in logs
