@@ -1,4 +1,5 @@
-"""The model zoo: networks chosen by name from the config (or a custom network's factory, ``custom_model``), and what one of them holds."""
+"""The model zoo: networks chosen by name from the config, or a custom network's factory
+(``custom_model``), and what one of them holds."""
 from __future__ import annotations
 
 import contextlib
