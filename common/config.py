@@ -13,15 +13,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, get_args
 
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, JsonValue, ValidationError,
+                      ValidatorFunctionWrapHandler, WrapValidator, model_validator)
+
 from common.task_metrics import TASK_METRICS
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator,
-                      model_validator)
 from pydantic.fields import FieldInfo
 
 MODELS = ("mlp", "lenet", "resnet18", "resnet50")
+# Or a network of the user's own: ``package.module:factory`` (training.loop.custom_model).
+IMPORT_PATH_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
+MODEL_NAME_PATTERN = rf"^({'|'.join(MODELS)}|{IMPORT_PATH_PATTERN})$"
+# Where a custom network's code is: an absolute local path or an s3:// URI, of a folder (put on
+# sys.path as it is) or of one .py file (a top-level module).
+CODE_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/[^\s]+|/[^\s]*)$"
 # Models that see the features as an image: they need data.input_shape = (C, H, W).
 IMAGE_MODELS = ("lenet", "resnet18", "resnet50")
 # MXNet 1.9 optimizer registry names (mx.optimizer.Optimizer.opt_registry).
@@ -60,7 +68,7 @@ LOSSES = ("auto", *(loss for losses in TASK_LOSSES.values() for loss in losses))
 # checkpoints still resume).
 _DIGEST_OMITTED_AT_DEFAULT = {"data": ("target_columns", "target_range", "standardize", "missing_values",
                                        "rare_label_action", "rare_label_rows", "rare_label_ratio"),
-                              "model": ("task", "loss", "huber_rho"),
+                              "model": ("task", "loss", "huber_rho", "options", "code_uri"),
                               "optim": ("early_stopping_patience", "early_stopping_metric", "early_stopping_min_delta"),
                               "checkpoint": ("export_epoch",)}
 # What a missing table value does: fail validation (as non-finite), or take the train split's
@@ -198,8 +206,36 @@ class DataConfig(_Strict):
         return self
 
 
+def is_custom_model(name: str) -> bool:
+    """Whether ``model.name`` names a factory (``package.module:factory``) rather than the zoo."""
+    return ":" in name
+
+
+def _model_name(name: str) -> str:
+    _check(re.fullmatch(MODEL_NAME_PATTERN, name) is not None,
+           f"model.name must be one of {MODELS} or an import path 'package.module:factory', got {name!r}")
+    return name
+
+
+def _code_uri(uri: str) -> str:
+    _check(uri == "" or re.fullmatch(CODE_URI_PATTERN, uri) is not None,
+           f"model.code_uri must be an absolute path or an s3://bucket/key URI (a folder or a .py file), "
+           f"got {uri!r}")
+    return uri
+
+
 class ModelConfig(_Strict):
-    name: Literal[MODELS] = "mlp"
+    # A network of the zoo (MODELS) or an import path "package.module:factory": the factory is
+    # called as factory(num_outputs=..., input_shape=..., options=...) and returns a HybridBlock
+    # (training.loop.custom_model). The schema's pattern admits both.
+    name: Annotated[str, AfterValidator(_model_name),
+                    Field(json_schema_extra={"pattern": MODEL_NAME_PATTERN})] = "mlp"
+    # The factory's own settings, any JSON object; a zoo network takes none.
+    options: Annotated[dict[str, JsonValue], Field(strict=False)] = Field(default_factory=dict)
+    # The custom network's code, packed and staged with the run (common.model_code); empty: the
+    # module is importable on every role already (installed in the image).
+    code_uri: Annotated[str, AfterValidator(_code_uri),
+                        Field(json_schema_extra={"pattern": CODE_URI_PATTERN.replace("^(", "^$|^(")})] = ""
     hidden: PositiveInts = (128, 64)
     dropout: Number = Field(0.0, ge=0, lt=1)
     # Model parallelism inside a worker: "split" puts contiguous stages of the model's blocks on
@@ -219,6 +255,10 @@ class ModelConfig(_Strict):
         allowed = TASK_LOSSES[self.task]
         _check(self.loss == "auto" or self.loss in allowed,
                f"model.loss={self.loss!r} does not fit model.task={self.task!r}: expected 'auto' or one of {allowed}")
+        if not is_custom_model(self.name):
+            _check(not self.options and not self.code_uri,
+                   f"model.options and model.code_uri are for a custom network (model.name "
+                   f"'package.module:factory'), not for model.name={self.name!r}")
         return self
 
     @property
@@ -433,6 +473,9 @@ class TrainConfig(_Strict):
                "optim.precision='fp16' needs cluster.device='gpu': mxnet.contrib.amp runs float16 on GPU "
                "contexts only; on CPU use precision='fp32'")
         if self.model.placement == "split":
+            _check(not is_custom_model(self.model.name),
+                   "model.placement='split' needs a network of the zoo: a custom block's children are not "
+                   "known to run one after another")
             _check(self.cluster.devices_per_worker >= 2,
                    "model.placement='split' needs cluster.devices_per_worker >= 2 (one stage per context)")
             _check(self.cluster.optimizer_placement == "workers",
@@ -589,7 +632,7 @@ def recipe(name: str, source_uri: str = "") -> TrainConfig:
 
 # What a strict type check expected.
 _EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
-             "string_type": "a string", "tuple_type": "a list"}
+             "string_type": "a string", "tuple_type": "a list", "dict_type": "a JSON object"}
 _BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 _OPERATORS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
 

@@ -15,7 +15,7 @@ from common.storage import join
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
 
-STAGES = ("shards", "validation", "checkpoints", "model", "metrics", "config")
+STAGES = ("shards", "validation", "checkpoints", "model", "metrics", "config", "code")
 
 
 def safe_component(value: str) -> str:
@@ -64,6 +64,11 @@ class RunPaths:
     @property
     def config(self) -> str:
         return self.stage("config")
+
+    @property
+    def code(self) -> str:
+        """A custom network's code, staged by the first task (``common.model_code``)."""
+        return self.stage("code")
 
 
 DATASETS_DIR = "datasets"

@@ -20,12 +20,9 @@ unknown category as ``unknown``: the model maps both back to the same features).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 UNKNOWN = "<unknown>"
 # The file of the preprocessing record in an exported model folder.
@@ -47,25 +44,6 @@ def raw_numbers(record: dict[str, Any], X: np.ndarray) -> np.ndarray:
                 out[:, j] = out[:, j] * col["std"] + col["mean"]
             j += 1 if col["kind"] == "numeric" else len(col["categories"]) + 1
     return out
-
-
-def raw_frame(record: dict[str, Any], X: np.ndarray) -> "pd.DataFrame":
-    """Shard features ``[n, len(output_columns)]`` → raw-equivalent input columns."""
-    import pandas as pd
-
-    numbers = raw_numbers(record, X)
-    columns: dict[str, Any] = {}
-    j = 0
-    for col in record["inputs"]:
-        if col["kind"] == "numeric":
-            columns[col["name"]] = numbers[:, j]
-            j += 1
-            continue
-        width = len(col["categories"]) + 1
-        names = np.array([*col["categories"], unknown_value(col["categories"])], dtype=object)
-        columns[col["name"]] = names[X[:, j:j + width].argmax(axis=1)] if len(X) else names[:0]
-        j += width
-    return pd.DataFrame(columns)
 
 
 def unknown_value(categories: list[str]) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 from airflow.sdk import Param
 
-from common.config import KVSTORES, TrainConfig, recipe
+from common.config import KVSTORES, MODELS, TrainConfig, recipe
 from common.settings import DEFAULT_MODEL_NAME, settings
 from plugins.connections import AWS_CONN_PARAM, MLFLOW_CONN_PARAM
 from training.tracking.warm_start import MODEL_URI_PATTERN
@@ -125,7 +125,11 @@ def training_params() -> dict[str, Param]:
                                           "data section."),
         "label_column": _shortcut(base, "label_column", maxLength=200,
                                   description="Name of the label column (data.label_column)."),
-        "model": _shortcut(base, "model", description="Network architecture (model.name)."),
+        # The zoo only: a custom network ("package.module:factory") comes with its code, through
+        # config / config_uri (model.name, model.code_uri, model.options).
+        "model": _shortcut(base, "model", enum=list(MODELS),
+                           description="Network architecture of the zoo (model.name); for a network of your "
+                                       "own set model.name, model.code_uri and model.options in config."),
         "dropout": _shortcut(base, "dropout", description="Dropout rate (model.dropout), in [0, 1)."),
         "epochs": _shortcut(base, "epochs", maximum=1000, description="Training epochs (optim.epochs)."),
         "batch_size": _shortcut(base, "batch_size", maximum=4096,

@@ -32,6 +32,7 @@ and the retry resumes from the latest committed checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -39,7 +40,9 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from common.config import ConfigError, TrainConfig
+from common import model_code
+from common.config import ConfigError, TrainConfig, is_custom_model
+from common.model_code import StagedCode
 from common.paths import DatasetPaths, RunPaths
 from common.settings import settings
 from plugins import run_config
@@ -94,9 +97,10 @@ def load_config(config: Mapping[str, Any]) -> TrainConfig:
 def shard(params: Mapping[str, Any], dag_id: str, run_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Resolve the config and shard the source: ``(config XCom, shard pointers)``."""
     from common import storage
-    from common.manifest import read_pointer
+    from common.manifest import num_outputs, read_pointer
     from data_checks.errors import DataError
     from data_checks.shard import manifest_digest, shard_content_addressed
+    from training.loop.model import check_custom_model
 
     cfg = resolve_config(params)
     paths = run_paths(dag_id, run_id)
@@ -104,11 +108,14 @@ def shard(params: Mapping[str, Any], dag_id: str, run_id: str) -> tuple[dict[str
     # once; train resolves it again for the job it starts.
     warm_start_checkpoint(params, dag_id, run_id, cfg)
     storage.put_bytes(storage.join(paths.config, "train_config.json"), cfg.to_json().encode())
+    code = stage_model_code(cfg, paths)
     dataset = DatasetPaths.for_source(paths.root, cfg.data.source_uri)
     try:
         prefix, manifest, reused = shard_content_addressed(cfg, dataset.shards)
     except DataError as exc:
         raise _fail(f"shard: {exc}") from exc
+    if is_custom_model(cfg.model.name):
+        _refuse_bad_config(check_custom_model, cfg, code, num_outputs(manifest), manifest["num_features"])
     pointer = read_pointer(dataset.latest_validated)
     splits = manifest["splits"]
     log.info("%s %s: %s train / %s val / %s test rows in %d train shards under %s",
@@ -120,7 +127,31 @@ def shard(params: Mapping[str, Any], dag_id: str, run_id: str) -> tuple[dict[str
         "rows": {k: v["count"] for k, v in splits.items()},
         "shard_names": [s["name"] for s in manifest["shards"]],
         "fingerprint": manifest["source_fingerprint"], "reused": reused, "dataset_root": dataset.base,
-        "previous_manifest_uri": pointer["manifest_uri"] if pointer else None}
+        "previous_manifest_uri": pointer["manifest_uri"] if pointer else None,
+        "model_code": dataclasses.asdict(code) if code else None}
+
+
+def stage_model_code(cfg: TrainConfig, paths: RunPaths) -> StagedCode | None:
+    """A custom network's ``model.code_uri``, packed and staged under the run's ``code/`` with its
+    sha256 (None without one), and its factory imported from the staged copy: a bad import
+    path, code location or module fails here, before the data is read, without a retry."""
+    from training.loop.model import check_factory
+
+    if not is_custom_model(cfg.model.name):
+        return None
+    code = _refuse_bad_config(model_code.stage, cfg.model.code_uri, paths.code) if cfg.model.code_uri else None
+    _refuse_bad_config(check_factory, cfg, code)
+    if code:
+        log.info("staged the code of %s from %s: %s (sha256 %s)", cfg.model.name, cfg.model.code_uri, code.uri,
+                 code.sha256)
+    return code
+
+
+def _refuse_bad_config(check: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return check(*args)
+    except ConfigError as exc:
+        raise _fail(f"invalid model: {exc}") from exc
 
 
 def warm_start_checkpoint(params: Mapping[str, Any], dag_id: str, run_id: str,
@@ -270,10 +301,12 @@ def train(config: Mapping[str, Any], params: Mapping[str, Any], cluster: dict[st
     paths = run_paths(dag_id, run_id)
     # The job loads it only while this run has no checkpoint of its own (training.loop.worker).
     warm = warm_start_checkpoint(params, dag_id, run_id, cfg)
+    code = shards.get("model_code") or {}
     job = JobSpec(config=cfg, shards_prefix=shards["shards_prefix"], checkpoint_prefix=paths.checkpoints,
                   model_prefix=paths.model, metrics_uri=storage.join(paths.metrics, "train.json"),
                   run_name=f"{dag_id}/{run_id}",
-                  warm_start_prefix=warm["prefix"] if warm else "")
+                  warm_start_prefix=warm["prefix"] if warm else "",
+                  model_code_uri=code.get("uri", ""), model_code_sha256=code.get("sha256", ""))
     job_uri = storage.join(paths.config, "job.json")
     job.save(job_uri)
     committed = CheckpointStore(paths.checkpoints, keep=cfg.checkpoint.keep).committed_steps()

@@ -66,17 +66,20 @@ def _worker(job_uri: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from common import storage
+    from common import model_code, storage
     from common.config import ConfigError, TrainConfig
     from common.procs import GroupSpawner, free_port
     from training.launch.job import JobSpec
     from training.launch.launcher import JobFailed, Supervisor
 
+    out = args.out.rstrip("/")
     with usage_errors(ConfigError):
         cfg = TrainConfig.from_file(args.config)
-    out = args.out.rstrip("/")
+        # A custom network's code travels with the job as in a DAG run (common.model_code).
+        code = model_code.stage(cfg.model.code_uri, storage.join(out, "code")) if cfg.model.code_uri else None
     job = JobSpec(config=cfg, shards_prefix=args.shards, checkpoint_prefix=storage.join(out, "checkpoints"),
-                  model_prefix=storage.join(out, "model"), metrics_uri=storage.join(out, "metrics", "train.json"))
+                  model_prefix=storage.join(out, "model"), metrics_uri=storage.join(out, "metrics", "train.json"),
+                  model_code_uri=code.uri if code else "", model_code_sha256=code.sha256 if code else "")
     job_uri = storage.join(out, "config", "job.json")
     job.save(job_uri)
     with tempfile.TemporaryDirectory(prefix="mxpipe-job-") as tmp:

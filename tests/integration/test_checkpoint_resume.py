@@ -5,6 +5,7 @@ The reference is one uninterrupted job (module fixture); a job killed (SIGKILL, 
 the middle of a checkpoint upload) and resumed must end with the same parameters. The model has
 dropout so that the per-step RNG re-seeding is exercised too.
 """
+import dataclasses
 import io
 import json
 import logging
@@ -154,6 +155,42 @@ def test_elastic_resume_two_workers_to_one(shards, s3_prefix, tmp_path, caplog):
     assert metrics["num_workers"] == 1 and [h["epoch"] for h in metrics["history"]] == [0, 1]
     assert metrics["global_step"] == 28 + (40 - 16)
     assert metrics["history"][-1]["val_accuracy"] > 0.6  # it kept learning (the reference: ~0.8)
+
+
+def test_a_custom_network_resumes_exactly(shards, s3_prefix, tmp_path, tmp_path_factory, caplog):
+    """A network of the user's own (with dropout: the per-step re-seeding applies to it too),
+    its code staged on S3 and fetched by every worker: killed at step 15 of one epoch and
+    resumed, it ends with the parameters of an uninterrupted run of the same network."""
+    from common import model_code
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from custom_nets import write_package
+
+    cfg, shards_prefix = shards
+    code_dir = write_package(str(tmp_path_factory.mktemp("user-nets")))
+    staged = model_code.stage(code_dir, storage.join(s3_prefix, "code"))
+    custom = cfg.replace(model={"name": "mynet.arch:build", "options": {"width": 24, "dropout": 0.2}},
+                         optim={"epochs": 1})
+
+    def job_under(prefix):
+        return dataclasses.replace(_job(custom, shards_prefix, prefix), model_code_uri=staged.uri,
+                                   model_code_sha256=staged.sha256)
+
+    uninterrupted = job_under(storage.join(s3_prefix, "uninterrupted"))
+    _run(uninterrupted, storage.join(s3_prefix, "uninterrupted"), tmp_path)
+    _, expected = _final_params(uninterrupted)
+    assert {"0.inner.weight", "0.proj.weight"} <= set(expected), sorted(expected)  # the Residual block
+
+    prefix = storage.join(s3_prefix, "resumed")
+    job = job_under(prefix)
+    with pytest.raises(JobFailed, match="SIGKILL"):
+        _run(job, prefix, tmp_path, env={"MXPIPE_FAULT_KILL_STEP": "15", "MXPIPE_FAULT_KILL_RANK": "1"})
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")
+    _run(job, prefix, tmp_path)
+    resumed = re.findall(r"resumed from step (\d+) .*optimizer state (\w+)", caplog.text)
+    assert resumed and int(resumed[0][0]) in (7, 14) and resumed[0][1] == "restored", caplog.text[-3000:]
+    ckpt, params = _final_params(job)
+    assert ckpt.step == 20 and _max_diff(params, expected) == 0.0
 
 
 # -- the store against real S3 (no training job) ---------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 
 from common import records
 from common.config import ClusterConfig, DataConfig, TrainConfig
-from common.preprocessing import raw_frame
+from training.tracking.evaluation import raw_frame
 from data_checks import DataValidationError
 from data_checks.shard import download_shard, shard_content_addressed, shard_dataset
 from data_checks.validate import validate_shards

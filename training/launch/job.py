@@ -31,6 +31,10 @@ class JobSpec:
     # Warm start: another run's checkpoint folder; its newest valid checkpoint's parameters
     # initialise the model only when this job's own prefix has no checkpoint yet.
     warm_start_prefix: str = ""
+    # A custom network's staged code (common.model_code) and its sha256; empty for the zoo or
+    # code already installed on the roles.
+    model_code_uri: str = ""
+    model_code_sha256: str = ""
 
     def to_json(self) -> str:
         raw = asdict(self)

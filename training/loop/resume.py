@@ -83,8 +83,12 @@ def restore_optimizer(trainer: Any, net: Any, ckpt: Checkpoint | None, state: Tr
         log.warning("optimizer on the servers: checkpoints hold no optimizer state, a resume restarts it from zero")
 
 
+# The train-state key of a custom network's code digest (the staged archive's sha256).
+CODE_SHA256 = "model_code_sha256"
+
+
 def train_record(state: TrainState, step_records: list[dict[str, float]], cfg: TrainConfig, num_workers: int,
-                 manifest: dict[str, Any]) -> dict[str, Any]:
+                 manifest: dict[str, Any], code_sha256: str = "") -> dict[str, Any]:
     """The train state a checkpoint of ``state`` holds (``restore`` and ``check_compatible`` read it).
     With the best epoch exported, it names that epoch's checkpoint as one retention must keep
     (``KEEP_STEP``)."""
@@ -93,6 +97,8 @@ def train_record(state: TrainState, step_records: list[dict[str, float]], cfg: T
               "resume_digest": resume_digest(cfg), "num_workers": num_workers,
               "global_batch": cfg.global_batch(num_workers), "manifest_digest": data.manifest_digest(manifest),
               "rng": RNG_SCHEME}
+    if code_sha256:  # a custom network: its code is part of what was trained (check_compatible)
+        record[CODE_SHA256] = code_sha256
     if state.best is not None:
         record[BEST_EPOCH] = state.best.to_state()
         if cfg.exports_best and state.best.step is not None:
@@ -151,6 +157,10 @@ def check_compatible(state: dict[str, Any], job: JobSpec, num_workers: int, mani
     if not ok:
         raise ValueError(f"checkpoint was written with config {state['config_digest']}, "
                          f"this job's config is {cfg.digest()}: refusing to mix them")
+    if state.get(CODE_SHA256, "") != job.model_code_sha256:
+        raise ValueError(f"checkpoint was written by the network code {state.get(CODE_SHA256) or '(none)'}, this "
+                         f"job's model.code_uri holds {job.model_code_sha256 or '(none)'}: the network's code "
+                         "changed, refusing to resume its parameters with other code")
     if state["num_workers"] != num_workers:
         if not cfg.checkpoint.elastic:
             raise ValueError(f"checkpoint was written by {state['num_workers']} workers, this job has "

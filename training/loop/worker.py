@@ -51,9 +51,10 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from common import fpmode, storage
+from common import fpmode, model_code, storage
 from common.config import ModelConfig, TrainConfig
 from common.manifest import is_regression, num_outputs
+from common.model_code import StagedCode
 from common.mx import import_mxnet
 from training.checkpoint import state as ckpt_state
 from training.checkpoint.manager import CheckpointManager
@@ -80,6 +81,8 @@ log = logging.getLogger(__name__)
 def run(job: JobSpec) -> dict[str, Any]:
     faults = FaultPlan.from_settings()  # read once: the loop only compares step numbers with it
     cfg = job.config
+    if job.model_code_uri:  # before anything builds the network: a bad archive fails the role at once
+        model_code.activate(StagedCode(job.model_code_uri, job.model_code_sha256))
     cluster = build_cluster(cfg)
     preemption = Preemption.install()
     data = build_data(job, cluster)
@@ -89,6 +92,7 @@ def run(job: JobSpec) -> dict[str, Any]:
                                  data.manifest)
     resumed_from = state.global_step if ckpt is not None else None
     loop = build_loop(cfg, cluster, data, model, state, ckpt)
+    loop.code_sha256 = job.model_code_sha256
     store.before_commit = faults.before_commit_hook()  # a test's torn checkpoint (only rank 0 saves)
     ckpts = CheckpointManager(store, cfg.checkpoint, data.steps, loop.snapshot, rank=cluster.rank,
                               resumed_step=resumed_from)
@@ -175,7 +179,7 @@ def build_net(cfg: TrainConfig, manifest: dict[str, Any], ctxs: list[Any]) -> Mo
     np.random.seed(cfg.seed)
     use_amp = init_amp(cfg)
     split = cfg.model.placement == "split"
-    net = build_model(cfg, num_outputs(manifest))
+    net = build_model(cfg, num_outputs(manifest), manifest["num_features"])
     reseed_mxnet = draws_random(net)
     if split:  # model parallel: stage i's parameters on ctxs[i] only; the batch enters on ctxs[0]
         net = SplitNet(net, ctxs)
@@ -200,11 +204,12 @@ class Loop:
     train_step: StepRunner
     order: feed_data.EpochOrder
     step_log: StepRecorder
+    code_sha256: str = ""  # a custom network's staged code (JobSpec.model_code_sha256)
 
     def snapshot(self, global_step: int) -> Snapshot:
         """What a checkpoint of the current state holds (the manager calls it when it saves)."""
         record = resume.train_record(self.state, self.step_log.records, self.cfg, self.cluster.num_workers,
-                                     self.data.manifest)
+                                     self.data.manifest, self.code_sha256)
         return ckpt_state.snapshot(self.model.net, self.trainer, global_step, record)
 
     def result(self, meter: ThroughputMeter) -> dict[str, Any]:

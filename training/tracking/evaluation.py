@@ -71,13 +71,13 @@ class EvaluationData:
 def load_test_split(shards_prefix: str, work_dir: str) -> EvaluationData:
     """The test split of a sharded dataset (its source: the manifest), downloaded into ``work_dir``.
 
-    With table preprocessing the rows are raw-equivalent (``common.preprocessing.raw_frame``):
+    With table preprocessing the rows are raw-equivalent (``raw_frame``):
     the input a model that preprocesses takes."""
     import numpy as np
     import pandas as pd
 
     from common.manifest import is_regression, manifest_uri
-    from common.preprocessing import input_columns, raw_frame
+    from common.preprocessing import input_columns
     from training.feed import data
 
     manifest = data.load_manifest(shards_prefix)
@@ -169,3 +169,26 @@ def evaluate_regressor(model_uri: str, data: EvaluationData, dataset: Any, *, mo
     true = data.frame[data.truth_columns].to_numpy(np.float64)
     metrics = {f"test_{k}": v for k, v in regression_metrics(predicted, true).items()}
     return RegressionScores(result=result, metrics=metrics, predictions=predicted)
+
+
+def raw_frame(record: dict[str, Any], X: "np.ndarray") -> "pd.DataFrame":
+    """Shard features ``[n, len(output_columns)]`` → raw-equivalent input columns (what the
+    registered model takes: it is scored through its raw-table path)."""
+    import numpy as np
+    import pandas as pd
+
+    from common import preprocessing
+
+    numbers = preprocessing.raw_numbers(record, X)
+    columns: dict[str, Any] = {}
+    j = 0
+    for col in record["inputs"]:
+        if col["kind"] == "numeric":
+            columns[col["name"]] = numbers[:, j]
+            j += 1
+            continue
+        width = len(col["categories"]) + 1
+        names = np.array([*col["categories"], preprocessing.unknown_value(col["categories"])], dtype=object)
+        columns[col["name"]] = names[X[:, j:j + width].argmax(axis=1)] if len(X) else names[:0]
+        j += width
+    return pd.DataFrame(columns)

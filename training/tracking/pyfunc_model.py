@@ -6,7 +6,10 @@ The trainer exports with ``net.export(prefix, epoch=0)`` into one folder:
 ``task: "regression"`` and ``target_columns``). The network takes float32 ``[batch, num_features]``
 (reshaped to ``[batch] + input_shape`` when that is non-empty) and returns logits
 ``[batch, num_classes]``, or for regression one float per target ``[batch, num_targets]``, which
-the model returns as one float64 column per target (named by ``target_columns``).
+the model returns as one float64 column per target (named by ``target_columns``). A custom
+network (``model.name`` an import path) is exported the same way: its symbol holds only MXNet
+operators, so loading it needs neither the project nor the user's code
+(``tests/unit/test_custom_model.py``), and no ``code_paths`` are logged.
 
 A table model trained on preprocessed shards also has ``preprocessing.json`` (the manifest's
 record, see ``common/preprocessing.py``): the model then takes the *raw* table (its original
