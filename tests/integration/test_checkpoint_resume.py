@@ -167,7 +167,7 @@ def test_flipped_bytes_or_deleted_manifest_fall_back_to_the_previous(s3_prefix):
     store = CheckpointStore(s3_prefix, keep=4)
     for step in (10, 20, 30):
         _save(store, step)
-    uri = storage.join(store.step_uri(30), "params.npz")
+    uri = store.file_uri(30, "params.npz")
     data = bytearray(storage.get_bytes(uri))
     data[5] ^= 0xFF
     storage.put_bytes(uri, bytes(data))
@@ -223,7 +223,7 @@ def test_sse_kms_header_is_sent_and_a_refusal_is_a_clear_storage_error(s3_prefix
     try:
         _save(store, 10)
     except storage.StorageError as exc:
-        assert "step-00000010/params.npz" in str(exc)
+        assert re.search(r"step-00000010/[0-9a-f]{16}/params\.npz", str(exc))  # the attempt's object
         print(f"SeaweedFS refused SSE-KMS: {exc}")
     else:
         assert store.latest().step == 10
