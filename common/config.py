@@ -16,8 +16,8 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError,
+                      ValidatorFunctionWrapHandler, WrapValidator, model_serializer, model_validator)
 from pydantic.fields import FieldInfo
 
 MODELS = ("mlp", "lenet", "resnet18", "resnet50")
@@ -291,8 +291,12 @@ class CheckpointConfig(_Strict):
     """
 
     # Cadence: every N global steps and/or every T seconds (0 = off), and always at epoch end.
-    every_n_steps: int = Field(50, ge=1)
+    # "auto": N from the measured cost of a checkpoint and ``mtbf_s`` (Young/Daly,
+    # training.checkpoint.cadence).
+    every_n_steps: Annotated[int, Field(ge=1)] | Literal["auto"] = 50
     every_n_seconds: Number = Field(0.0, ge=0)
+    # Mean time between failures of the whole job, in seconds (used by every_n_steps="auto").
+    mtbf_s: Number = Field(86400.0, gt=0)
     # Retention: the newest ``keep`` committed (at least 2: a torn newest one needs a fallback),
     # plus (if > 0) the oldest committed checkpoint of every window of ``keep_every_n_steps``
     # steps, forever.
@@ -321,6 +325,15 @@ class CheckpointConfig(_Strict):
     # records up to a checkpoint live in its train state.
     step_metrics_every_n: int = Field(1, ge=1)
     max_step_metrics: int = Field(2000, ge=2, le=100_000)
+
+    @model_serializer(mode="wrap")
+    def _omit_new_fields_at_default(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """``mtbf_s`` came after the digests were pinned: left out at its default, so a config's
+        digest (embedded in checkpoints) stays what it was."""
+        out = handler(self)
+        if out.get("mtbf_s") == type(self).model_fields["mtbf_s"].default:
+            del out["mtbf_s"]
+        return out
 
     @model_validator(mode="after")
     def _combinations(self) -> CheckpointConfig:
@@ -516,6 +529,9 @@ def _line(model: type[BaseModel], prefix: str, errors: list[dict[str, Any]]) -> 
     path = _path(prefix, loc)
     field = model.model_fields.get(str(loc[0])) if len(loc) == 1 else None
     expected = [_EXPECTED[e["type"]] for e in errors if e["type"] in _EXPECTED]
+    if len(errors) > 1:  # a union's members: one out of its bounds or a literal expects those too
+        expected = ([_bounds(None, e["ctx"]) for e in errors if e["type"] in _BOUND_ERRORS] + expected
+                    + [e["ctx"]["expected"] for e in errors if e["type"] == "literal_error"])
     if kind == "value_error":  # a combination check or a section's own errors: they name their fields
         return str(err["ctx"]["error"])
     if expected:
