@@ -133,6 +133,27 @@ def test_kill_during_upload_leaves_a_torn_checkpoint_that_is_never_loaded(shards
     _resumes_exactly(job, s3_prefix, tmp_path, caplog, reference, expect_step=21)
 
 
+def test_auto_cadence_plans_from_the_measured_cost_and_resumes_exactly(shards, reference, reference_steps, s3_prefix,
+                                                                       tmp_path, caplog):
+    """checkpoint.every_n_steps = "auto" (a failure every 2 s, so the interval is a few steps):
+    rank 0 logs its plan and its inputs, and a job killed and resumed ends bit-identical."""
+    cfg, shards_prefix = shards
+    job = _job(cfg, shards_prefix, s3_prefix, checkpoint={"every_n_steps": "auto", "mtbf_s": 2.0})
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")
+    with pytest.raises(JobFailed) as failed:
+        _run(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_KILL_STEP": "30", "MXPIPE_FAULT_KILL_RANK": "1"})
+    assert "SIGKILL" in str(failed.value) and not failed.value.deterministic
+    plans = re.findall(r"checkpoint cadence \(auto\).*: every (\d+) steps .*MTBF 2s", caplog.text)
+    assert plans, caplog.text[-3000:]
+    print(f"auto cadence plans: every {plans} steps")
+    newest = CheckpointStore(job.checkpoint_prefix).committed_steps()[0]
+    diff = _resumes_exactly(job, s3_prefix, tmp_path, caplog, reference, expect_step=newest,
+                            reference_steps=reference_steps)
+    assert diff == 0.0
+    stats = json.loads(storage.get_bytes(job.metrics_uri))["checkpoint"]
+    assert stats["auto_every_n_steps"] >= 1 and stats["failed"] == 0
+
+
 def test_elastic_resume_two_workers_to_one(shards, s3_prefix, tmp_path, caplog):
     cfg, shards_prefix = shards
     job2 = _job(cfg, shards_prefix, s3_prefix, checkpoint={"elastic": True, "async_upload": False})
