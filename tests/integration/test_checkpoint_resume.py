@@ -135,17 +135,21 @@ def test_kill_during_upload_leaves_a_torn_checkpoint_that_is_never_loaded(shards
 
 def test_auto_cadence_plans_from_the_measured_cost_and_resumes_exactly(shards, reference, reference_steps, s3_prefix,
                                                                        tmp_path, caplog):
-    """checkpoint.every_n_steps = "auto" (a failure every 2 s, so the interval is a few steps):
-    rank 0 logs its plan and its inputs, and a job killed and resumed ends bit-identical."""
+    """checkpoint.every_n_steps = "auto" (a failure every 2 s and 0.1 s steps, so the interval
+    is a few steps): rank 0 logs its plan and its inputs, and a job killed and resumed ends
+    bit-identical."""
     cfg, shards_prefix = shards
     job = _job(cfg, shards_prefix, s3_prefix, checkpoint={"every_n_steps": "auto", "mtbf_s": 2.0})
     caplog.set_level(logging.INFO, logger="training.launch.launcher")
     with pytest.raises(JobFailed) as failed:
-        _run(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_KILL_STEP": "30", "MXPIPE_FAULT_KILL_RANK": "1"})
+        # Bootstrap saves at 10, 20 (epoch end), 30: planned at 30 (a step time between periodic saves).
+        _run(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_KILL_STEP": "35", "MXPIPE_FAULT_KILL_RANK": "1",
+                                            "MXPIPE_FAULT_STEP_DELAY_S": "0.1"})
     assert "SIGKILL" in str(failed.value) and not failed.value.deterministic
-    plans = re.findall(r"checkpoint cadence \(auto\).*: every (\d+) steps .*MTBF 2s", caplog.text)
+    plans = re.findall(r"checkpoint cadence \(auto\).*: (every \d+ steps .*MTBF 2s.*)", caplog.text)
     assert plans, caplog.text[-3000:]
-    print(f"auto cadence plans: every {plans} steps")
+    print("auto cadence plans:", *plans, sep="\n  ")
+    assert int(plans[0].split()[1]) < 40 and "step time 1" in plans[0]  # ~0.1 s steps: measured, not queued
     newest = CheckpointStore(job.checkpoint_prefix).committed_steps()[0]
     diff = _resumes_exactly(job, s3_prefix, tmp_path, caplog, reference, expect_step=newest,
                             reference_steps=reference_steps)

@@ -11,8 +11,11 @@ put, commit). The upload counts in full although it runs in the background: it s
 machine's cores and link with training, and until it commits, the steps since the previous
 checkpoint are still at risk. With one upload in flight, an interval shorter than one upload
 would only skip saves, so the interval is at least the upload time. It is turned into steps with
-the measured step time (the median of the last ``STEP_WINDOW`` steps, so that an epoch end's
-evaluation or a checkpoint's own step do not move it).
+the measured step time: the time between two periodic saves over the steps between them. Both
+follow a read-back of the losses, which drains MXNet's asynchronous engine, so this is the real
+step time (the Python loop alone runs up to ``training.loop.step.LOSS_CHECK_EVERY`` steps ahead of
+the engine between read-backs); an interval that ends at an epoch-end save holds the evaluation
+and is not used.
 
 Until the first checkpoint's cost is known the interval is ``BOOTSTRAP_STEPS``. Costs and step
 times are smoothed (exponential average, ``SMOOTHING``); the interval is re-planned when either
@@ -23,8 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
-from collections import deque
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 BOOTSTRAP_STEPS = 10
 DRIFT = 0.25
 SMOOTHING = 0.3
-STEP_WINDOW = 64
 
 
 def interval_s(cost_s: float, mtbf_s: float) -> float:
@@ -86,32 +86,25 @@ class AutoCadence:
         self.every_n_steps = BOOTSTRAP_STEPS
         self.plan: Plan | None = None
         self.replans = 0
-        self._step_times: deque[float] = deque(maxlen=STEP_WINDOW)
-        self._last_step_at: float | None = None
         self._blocked_s: float | None = None
         self._upload_s: float | None = None
+        self._step_s: float | None = None
 
-    def step_done(self, now: float) -> None:
-        """A step ended at ``now`` (monotonic); called after every step, so O(1)."""
-        if self._last_step_at is not None:
-            self._step_times.append(now - self._last_step_at)
-        self._last_step_at = now
-
-    def measured(self, blocked_s: float, upload_s: float | None) -> Plan | None:
-        """One checkpoint's blocked time and, when an upload has finished since the last call, its
-        mean duration; returns the new plan when it changed (logged), else None."""
+    def measured(self, blocked_s: float, upload_s: float | None, step_s: float | None) -> Plan | None:
+        """One checkpoint's blocked time and, when known, the mean duration of the uploads finished
+        since the last call and the step time since the previous save; returns the new plan when
+        it changed (logged), else None."""
         self._blocked_s = _smooth(self._blocked_s, blocked_s)
-        if upload_s is not None:
-            self._upload_s = _smooth(self._upload_s, upload_s)
-        if self._upload_s is None or not self._step_times:
+        self._upload_s = self._upload_s if upload_s is None else _smooth(self._upload_s, upload_s)
+        self._step_s = self._step_s if step_s is None else _smooth(self._step_s, step_s)
+        if self._upload_s is None or self._step_s is None or self._step_s <= 0:
             return None
-        step_s = statistics.median(self._step_times)
-        if step_s <= 0 or self._blocked_s + self._upload_s <= 0:
+        if self._blocked_s + self._upload_s <= 0:
             return None
-        if self.plan is not None and not self.plan.drifted(self._blocked_s, self._upload_s, step_s):
+        if self.plan is not None and not self.plan.drifted(self._blocked_s, self._upload_s, self._step_s):
             return None
         first = self.plan is None
-        self.plan = Plan.make(self._blocked_s, self._upload_s, step_s, self.mtbf_s)
+        self.plan = Plan.make(self._blocked_s, self._upload_s, self._step_s, self.mtbf_s)
         self.every_n_steps = self.plan.every_n_steps
         self.replans += 0 if first else 1
         log.info("checkpoint cadence (auto)%s: %s", "" if first else f", re-planned (drift > {DRIFT:.0%})",

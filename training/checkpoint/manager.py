@@ -11,7 +11,7 @@ at which the tests and chaos runs inject faults keep their meaning relative to t
   that long has passed since the last save. Never at the last step of an epoch: the epoch-end
   checkpoint follows it (the loop saves that one with ``must=True``). With ``every_n_steps:
   "auto"`` the interval is ``training.checkpoint.cadence``'s (Young/Daly from rank 0's measured
-  checkpoint cost and step time, re-planned on drift). Only rank 0 measures a cost, so the other
+  checkpoint cost and step time between periodic saves, re-planned on drift). Only rank 0 measures a cost, so the other
   ranks keep the first interval (``cadence.BOOTSTRAP_STEPS``): their ``due`` only decides where
   they read their losses back, which changes neither the parameters nor the synchronisation
   (``dist_sync`` already meets at every step's push/pull), so an exact resume stays exact.
@@ -59,6 +59,7 @@ class CheckpointManager:
         self._auto = AutoCadence(cfg.mtbf_s) if cfg.every_n_steps == "auto" else None
         self._every_n_steps = self._auto.every_n_steps if self._auto is not None else cfg.every_n_steps
         self._uploads_seen = (0, 0.0)  # the writer's finished uploads and their seconds, at the last plan
+        self._last_save_step: int | None = None
         self._every_n_seconds = cfg.every_n_seconds
         self._resumed_step = resumed_step  # a job resumed at its final step commits nothing new
         self._last_save = time.monotonic()
@@ -68,8 +69,6 @@ class CheckpointManager:
         the epoch done; ``now`` from ``time.monotonic``). Called after every step: arithmetic only.
         Without a writer the clock of ``every_n_seconds`` never restarts (nothing is saved), so
         once that long has passed it is due at every step, as it has always been on those ranks."""
-        if self._auto is not None:
-            self._auto.step_done(now)
         return ((global_step % self._every_n_steps == 0
                  or (self._every_n_seconds > 0 and now - self._last_save >= self._every_n_seconds))
                 and step_in_epoch < self._steps_per_epoch)
@@ -88,11 +87,16 @@ class CheckpointManager:
             log.info("checkpoint at step %d skipped: the previous one is still uploading", global_step)
             return False
         upload_s = self._upload_since_last_plan() if self._auto is not None and not self._writer.busy else None
+        # Between two periodic saves (after an epoch-end one too): steps only, engine drained at both ends.
+        step_s = None
+        if not must and self._last_save_step is not None and global_step > self._last_save_step:
+            step_s = (started - self._last_save) / (global_step - self._last_save_step)
         self._writer.submit(self._snapshot(global_step), deadline=deadline)
         self._last_save = time.monotonic()
+        self._last_save_step = global_step
         self.stats.blocked_s += self._last_save - started
         if self._auto is not None:
-            self._auto.measured(self._last_save - started, upload_s)
+            self._auto.measured(self._last_save - started, upload_s, step_s)
             self._every_n_steps = self._auto.every_n_steps
         return True
 
