@@ -70,7 +70,7 @@ _DIGEST_OMITTED_AT_DEFAULT = {"data": ("target_columns", "target_range", "standa
                                        "rare_label_action", "rare_label_rows", "rare_label_ratio"),
                               "model": ("task", "loss", "huber_rho", "options", "code_uri"),
                               "optim": ("early_stopping_patience", "early_stopping_metric", "early_stopping_min_delta"),
-                              "checkpoint": ("export_epoch",)}
+                              "checkpoint": ("export_epoch", "mtbf_s")}
 # What a missing table value does: fail validation (as non-finite), or take the train split's
 # median (numeric) / most frequent value (categorical) at shard time and in the served model.
 MISSING_VALUES = ("fail", "impute")
@@ -409,8 +409,12 @@ class CheckpointConfig(_Strict):
     """
 
     # Cadence: every N global steps and/or every T seconds (0 = off), and always at epoch end.
-    every_n_steps: int = Field(50, ge=1)
+    # "auto": N from the measured cost of a checkpoint and ``mtbf_s`` (Young/Daly,
+    # training.checkpoint.cadence).
+    every_n_steps: Annotated[int, Field(ge=1)] | Literal["auto"] = 50
     every_n_seconds: Number = Field(0.0, ge=0)
+    # Mean time between failures of the whole job, in seconds (used by every_n_steps="auto").
+    mtbf_s: Number = Field(86400.0, gt=0)
     # Retention: the newest ``keep`` committed (at least 2: a torn newest one needs a fallback),
     # plus (if > 0) the oldest committed checkpoint of every window of ``keep_every_n_steps``
     # steps, forever.
@@ -683,6 +687,9 @@ def _line(model: type[BaseModel], prefix: str, errors: list[dict[str, Any]]) -> 
     path = _path(prefix, loc)
     field = model.model_fields.get(str(loc[0])) if len(loc) == 1 else None
     expected = [_EXPECTED[e["type"]] for e in errors if e["type"] in _EXPECTED]
+    if len(errors) > 1:  # a union's members: one out of its bounds or a literal expects those too
+        expected = ([_bounds(None, e["ctx"]) for e in errors if e["type"] in _BOUND_ERRORS] + expected
+                    + [e["ctx"]["expected"] for e in errors if e["type"] == "literal_error"])
     if kind == "value_error":  # a combination check or a section's own errors: they name their fields
         return str(err["ctx"]["error"])
     if expected:

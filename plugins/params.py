@@ -159,9 +159,11 @@ def training_params() -> dict[str, Param]:
                                                     "is split evenly over them."),
         "job_timeout_s": _shortcut(base, "job_timeout_s",
                                    description="The training job's time limit in seconds (cluster.job_timeout_s)."),
-        "checkpoint_every_n_steps": _shortcut(base, "checkpoint_every_n_steps", maximum=1_000_000,
+        # An integer here; "auto" (Young/Daly) is set through config or config_uri.
+        "checkpoint_every_n_steps": _shortcut(base, "checkpoint_every_n_steps", type="integer", minimum=1,
+                                              maximum=1_000_000,
                                               description="Checkpoint to S3 every N steps, and at each epoch end "
-                                                          "(checkpoint.every_n_steps)."),
+                                                          "(checkpoint.every_n_steps; \"auto\" through config)."),
         "registered_model_name": Param(DEFAULT_MODEL_NAME, type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",
                                        description="MLflow registered model to add a version to."),
         "instance_type": Param("", type="string", pattern=r"^$|^[a-z][a-z0-9-]*\.[a-z0-9]+$",
