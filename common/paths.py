@@ -65,6 +65,11 @@ class RunPaths:
     def config(self) -> str:
         return self.stage("config")
 
+    @property
+    def job_status(self) -> str:
+        """The training job's status record (``training.launch.status``), beside its job document."""
+        return join(self.config, "job_status.json")
+
 
 DATASETS_DIR = "datasets"
 LATEST_VALIDATED = "latest_validated.json"

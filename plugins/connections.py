@@ -153,6 +153,17 @@ def connection_env(params: Mapping[str, Any] | None = None) -> EnvChanges:
     return env
 
 
+def aws_conn_id(params: Mapping[str, Any] | None) -> str:
+    """The AWS connection id of a run: its ``aws_conn_id`` Param's, else the default id."""
+    return _conn_id(params or {}, AWS_CONN_PARAM, AWS_DEFAULT_CONN_ID)[0]
+
+
+def storage_env(conn_id: str) -> EnvChanges:
+    """The AWS environment of ``conn_id`` where it is defined, else nothing (the process's own):
+    for code that reads S3 outside a task (a trigger in the triggerer)."""
+    return aws_env(conn_id) if _connection(conn_id, required=False) is not None else {}
+
+
 def _apply(changes: EnvChanges) -> None:
     """Set (or, for None, unset) each variable in this process's environment."""
     for key, value in changes.items():

@@ -4,7 +4,8 @@ ps-lite cannot lose a node: when one role dies, the others block forever (seen h
 heartbeats set). So the supervisor owns the scheduler, the servers and the workers, and ends the
 whole job when any role exits non-zero (seen within one poll, ``POLL_S``), when a worker has
 logged nothing for ``cluster.stall_timeout_s`` (``start_timeout_s`` before its first line), or
-when the job runs past ``cluster.job_timeout_s``. It streams each role's output into this
+when the job runs past ``cluster.job_timeout_s`` (0: no limit; the stall bound guards a hung
+job). It streams each role's output into this
 process's log with a ``[role-rank@host]`` prefix and raises one ``JobFailed`` naming the role,
 its host, its exit code or signal and its last lines. Every role is stopped (its whole process
 group, on whatever host) before ``run`` returns or raises: after a role failure at once (1 s
@@ -43,8 +44,9 @@ from common.roles import JobLaunch, forwarded_env, role_argv, role_env
 from common.settings import settings
 from common.config import TrainConfig
 from training.launch.job import DETERMINISTIC_EXIT_CODES
+from training.launch.status import StatusWriter
 
-__all__ = ["JobFailed", "Supervisor", "role_argv", "launch_for"]
+__all__ = ["JobFailed", "JobStopped", "Supervisor", "role_argv", "launch_for"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,14 @@ class JobFailed(RuntimeError):
         self.host = host
         self.exit_code = exit_code
         self.deterministic = deterministic
+
+
+class JobStopped(RuntimeError):
+    """The job was asked to stop (``Supervisor.request_stop``) and every role has been stopped."""
+
+
+# The role whose log lines carry the job's progress (global step, epoch) into the status record.
+PROGRESS_ROLE = "worker-0"
 
 
 @dataclass
@@ -162,7 +172,7 @@ class Supervisor:
 
     def __init__(self, cfg: TrainConfig, spawner: Spawner | None = None, *, host: str = "127.0.0.1",
                  port: int = 0, base_env: Mapping[str, str] | None = None,
-                 cluster: RoleCluster | None = None) -> None:
+                 cluster: RoleCluster | None = None, status: StatusWriter | None = None) -> None:
         if (spawner is None) == (cluster is None):
             raise ValueError("give the supervisor either a cluster or a spawner (with host and port)")
         self.cfg = cfg
@@ -173,6 +183,14 @@ class Supervisor:
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.roles: list[_Role] = []
         self.events = _Events(settings(self.base_env).events_file)
+        self.status = status
+        # A plain flag, not a threading.Event: setting an Event from a signal handler can deadlock
+        # on the lock its waiter holds.
+        self.stop_requested = False
+
+    def request_stop(self) -> None:
+        """Ask for an orderly stop (safe from a signal handler): ``run`` raises ``JobStopped``."""
+        self.stop_requested = True
 
     # -- starting ---------------------------------------------------------------------------
 
@@ -192,6 +210,7 @@ class Supervisor:
 
     def _pump(self, role: _Role) -> None:
         prefix = f"{role.name}@{role.host}"
+        progress = self.status.progress if self.status is not None and role.name == PROGRESS_ROLE else None
         for line in role.handle.stdout:
             line = line.rstrip("\n")
             role.tail.append(line)
@@ -199,6 +218,8 @@ class Supervisor:
             role.seen_output = True
             log.info("[%s] %s", prefix, line)
             self.events("line", role=role.name, text=line)
+            if progress is not None:
+                progress(line)
 
     def run(self, job_uri: str) -> None:
         c = self.cfg.cluster
@@ -223,6 +244,9 @@ class Supervisor:
             self._watch()
         except JobFailed as exc:
             orderly = exc.role == "job"  # a job timeout: every role is still alive
+            raise
+        except JobStopped:
+            log.warning("stop requested: stopping every role (rank 0 first writes its emergency checkpoint)")
             raise
         finally:
             self._stop_all(orderly=orderly)
@@ -265,6 +289,10 @@ class Supervisor:
         workers = [r for r in self.roles if r.kind == "worker"]
         while True:
             time.sleep(POLL_S)
+            if self.stop_requested:
+                raise JobStopped("the job was stopped on request")
+            if self.status is not None:
+                self.status.beat()
             now = time.monotonic()
             for role in self.roles:
                 code = role.handle.poll()
@@ -274,7 +302,7 @@ class Supervisor:
                 self._drain()
                 log.info("job finished in %.1fs", now - started)
                 return
-            if now - started > c.job_timeout_s:
+            if c.job_timeout_s and now - started > c.job_timeout_s:
                 self._fail(None, f"job exceeded its timeout of {c.job_timeout_s:.0f}s", None)
             for w in workers:
                 # Before its first line a worker is still importing mxnet and joining the job.
