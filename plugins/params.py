@@ -154,7 +154,8 @@ def training_params() -> dict[str, Param]:
                                         description="Contexts per worker (cluster.devices_per_worker); the batch "
                                                     "is split evenly over them."),
         "job_timeout_s": _shortcut(base, "job_timeout_s",
-                                   description="The training job's time limit in seconds (cluster.job_timeout_s)."),
+                                   description="The training job's time limit in seconds, 0 for none (cluster.job_timeout_s); "
+                                               "stall detection guards a hung job either way."),
         "checkpoint_every_n_steps": _shortcut(base, "checkpoint_every_n_steps", maximum=1_000_000,
                                               description="Checkpoint to S3 every N steps, and at each epoch end "
                                                           "(checkpoint.every_n_steps)."),
