@@ -4,8 +4,9 @@
 writes the cluster's record. Each attempt's roles are started in process groups of their own
 and recorded under ``<record>/procs/<attempt>/``, so ``teardown`` (from any process, e.g. an
 Airflow teardown task after the training task was killed) stops every group still alive. The
-detached supervisor is recorded under ``<record>/jobs/procs/`` and logs to
-``<record>/jobs/<job_id>.log``.
+detached supervisor is recorded under ``$MXPIPE_HOME/jobs/<cluster>/procs/`` and logs to
+``$MXPIPE_HOME/jobs/<cluster>/<job_id>.log``, outside the cluster's record, so its log outlives
+the teardown.
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ class LocalCluster(Cluster):
 
     @property
     def jobs_dir(self) -> str:
-        return os.path.join(self.state_dir, "jobs")
+        return os.path.join(self.home, "jobs", self.cluster_id)
 
     def start_supervisor(self, job_uri: str, *, job_id: str, attempt: int, env: dict[str, str]) -> dict[str, Any]:
         """``python -m training supervise`` in a session of its own on this host, output to a log."""
