@@ -158,7 +158,7 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
         self.defer(trigger=TrainJobTrigger(job=external_id, cluster=external_id["cluster"],
                                            aws_conn_id=aws_conn_id(context["params"]), poll_s=self.poll_s,
                                            stale_after_s=self._stale_after_s(), stop_grace_s=self._stop_grace_s()),
-                   method_name="execute_complete", kwargs={"job": external_id}, timeout=timeout)
+                   method_name="execute_complete", timeout=timeout)
 
     def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:
         from plugins.connections import task_environment
@@ -169,10 +169,11 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
 
     # -- the end ----------------------------------------------------------------------------
 
-    def execute_complete(self, context: Context, job: dict[str, Any], event: dict[str, Any]) -> dict[str, Any]:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         from training.launch.status import FAILED, SUCCEEDED
 
-        state, status = event["state"], event.get("status") or {}
+        # The event carries the job: a resumed task's kwargs are the event alone (dag.test()).
+        job, state, status = event["job"], event["state"], event.get("status") or {}
         if state == SUCCEEDED:
             return self.get_job_result(job, context)
         if state == FAILED and status.get("deterministic"):
@@ -190,7 +191,7 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
         try:
             return super().resume_execution(next_method, next_kwargs, context)
         except TaskDeferralTimeout:
-            # The trigger's timeout replaces the deferral's kwargs: the job comes from the store.
+            # A trigger timeout carries no event: the job comes from the store.
             store = context.get("task_state_store")
             job = self._job or (store.get(self.external_id_key) if store is not None else None)
             if job is not None:

@@ -81,17 +81,17 @@ def test_execute_complete_maps_each_end(monkeypatch):
     monkeypatch.setattr(op, "get_job_result", lambda j, ctx: {"global_step": 7, "job": j["job_id"]})
     stops = []
     monkeypatch.setattr(op, "_stop", lambda j, why: stops.append(why))
-    assert op.execute_complete({}, job, {"state": SUCCEEDED, "status": {}}) == {"global_step": 7, "job": "1-a"}
+    assert op.execute_complete({}, {"job": job, "state": SUCCEEDED, "status": {}}) == {"global_step": 7, "job": "1-a"}
     with pytest.raises(AirflowFailException, match="NaN loss"):
-        op.execute_complete({}, job, {"state": FAILED, "status": {"deterministic": True, "error": "NaN loss"}})
+        op.execute_complete({}, {"job": job, "state": FAILED, "status": {"deterministic": True, "error": "NaN loss"}})
     with pytest.raises(TrainingFailed, match="killed by SIGKILL"):
-        op.execute_complete({}, job, {"state": FAILED, "status": {"deterministic": False,
+        op.execute_complete({}, {"job": job, "state": FAILED, "status": {"deterministic": False,
                                                                   "error": "worker-1 killed by SIGKILL"}})
     with pytest.raises(TrainingFailed, match="stalled: gone"):
-        op.execute_complete({}, job, {"state": "stale", "why": "gone", "status": {}})
+        op.execute_complete({}, {"job": job, "state": "stale", "why": "gone", "status": {}})
     assert stops == ["gone"]
     with pytest.raises(TrainingFailed, match="ended lost"):
-        op.execute_complete({}, job, {"state": "lost", "why": "no record", "status": None})
+        op.execute_complete({}, {"job": job, "state": "lost", "why": "no record", "status": None})
 
 
 def test_submit_reconnects_to_a_live_job_rather_than_starting_a_second(monkeypatch, tmp_path):
