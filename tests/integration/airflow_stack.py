@@ -48,7 +48,8 @@ def stack_client_env(home: Path, s3_server: Any, mlflow_server: Any,
 @contextlib.contextmanager
 def killed_and_restarted(cfg: StackConfig, client_env: Mapping[str, str], components: Iterable[str]) -> Iterator[None]:
     """``kill -9`` every process of the named components (their whole sessions: executor workers
-    and task processes too), start them again, and stop the new ones on the way out."""
+    and task processes too), start them again, and stop the new ones on the way out: the stack
+    then lacks those components, so a module uses this in its last test."""
     import signal
 
     from common.procs import group_members

@@ -10,7 +10,10 @@ slowed (``MXPIPE_FAULT_STEP_DELAY_S``) so the job is mid-training when the test 
 - Mark failed mid-training: the trigger's ``on_kill`` and the teardown stop the job in order,
   the emergency checkpoint is committed, the record ends ``stopped``, no process is left, and
   the task is not retried.
-Every wait is bounded.
+- The task's ``execution_timeout`` (``MXPIPE_TRAIN_TIMEOUT_S``, a stack of its own): the same
+  orderly stop, and the task fails without a retry.
+The restart test runs last: the components it restarts are stopped when it ends. Every wait is
+bounded.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXTRA_ENV = {"MXPIPE_FAULT_STEP_DELAY_S": "0.4"}
 # The orderly stop: preempt_grace_s (30 s) for rank 0, the other roles' grace, the last write.
 STOP_BOUND_S = 30 + 1 + 5 + 20
+TRAIN_TIMEOUT_S = 90
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +53,14 @@ def stack(s3_server, mlflow_server, tmp_path_factory):
     home = tmp_path_factory.mktemp("operator-stack")
     with airflow_stack(home, s3_server, mlflow_server, {DAG_ID: "mxnet_training.py"}, extra_env=EXTRA_ENV) as cfg:
         yield cfg, home, stack_client_env(home, s3_server, mlflow_server, EXTRA_ENV)
+
+
+@pytest.fixture
+def timeout_stack(s3_server, mlflow_server, tmp_path):
+    env = {**EXTRA_ENV, "MXPIPE_TRAIN_TIMEOUT_S": str(TRAIN_TIMEOUT_S)}
+    with airflow_stack(tmp_path / "home", s3_server, mlflow_server, {DAG_ID: "mxnet_training.py"},
+                       extra_env=env) as cfg:
+        yield cfg, tmp_path / "home"
 
 
 def _conf(uri, **kw):
@@ -89,6 +101,57 @@ def _role_processes(run_id):
     return tagged_processes("MXPIPE_CLUSTER", cluster_id_for(f"{DAG_ID}--{run_id}"))
 
 
+def _check_stopped_in_order(s3_server, home, run_id, seen, started):
+    """The job ended ``stopped`` within the bound, its emergency checkpoint committed at or after
+    the step seen before the stop, no process of the run left, the train task failed once."""
+    from training.checkpoint.store import CheckpointStore
+
+    deadline = started + STOP_BOUND_S + 60
+    while time.monotonic() < deadline:
+        status = read_status(_status_uri(s3_server, run_id))
+        if status.state != "running":
+            break
+        time.sleep(1)
+    assert status.state == "stopped", status
+    paths = RunPaths(root=s3_server.env["MXPIPE_ARTIFACT_ROOT"], dag_id=DAG_ID, run_id=run_id)
+    newest = CheckpointStore(paths.checkpoints).committed_steps()[0]
+    assert newest >= seen.global_step
+    logs = "".join(open(os.path.join(root, f)).read() for root, _, files in os.walk(home / "jobs")
+                   for f in files if f == f"{status.job_id}.log")
+    assert f"emergency checkpoint at step {newest} committed" in logs, logs[-3000:]
+    wait_until = time.monotonic() + 120
+    while _role_processes(run_id) and time.monotonic() < wait_until:
+        time.sleep(1)
+    assert not _role_processes(run_id)
+    with pytest.raises(ProcessLookupError):
+        os.kill(status.pid, 0)
+    return status
+
+
+def test_execution_timeout_stops_the_job_in_order_without_a_retry(timeout_stack, s3_server, digits_uri):
+    cfg, home = timeout_stack
+    run_id = trigger_dag_run(cfg.airflow_url, DAG_ID, _conf(digits_uri, epochs=40))
+    seen = _wait_training(s3_server, cfg, run_id, min_step=5)
+    assert wait_for_dag_run(cfg.airflow_url, DAG_ID, run_id, timeout_s=TRAIN_TIMEOUT_S + 600) == "failed"
+    status = _check_stopped_in_order(s3_server, home, run_id, seen, time.monotonic())
+    assert status.heartbeat - status.started_at < TRAIN_TIMEOUT_S + STOP_BOUND_S + 30
+    ti = _train_ti(cfg, run_id)
+    assert ti["state"] == "failed" and ti["try_number"] == 1
+
+
+def test_mark_failed_mid_training_stops_the_job_in_order(stack, s3_server, digits_uri):
+    cfg, home, _ = stack
+    run_id = trigger_dag_run(cfg.airflow_url, DAG_ID, _conf(digits_uri, epochs=8))
+    seen = _wait_training(s3_server, cfg, run_id, min_step=15)
+    started = time.monotonic()
+    with AirflowClient(cfg.airflow_url) as client:
+        client.request("PATCH", f"/dags/{DAG_ID}/dagRuns/{run_id}", json={"state": "failed"})
+    _check_stopped_in_order(s3_server, home, run_id, seen, started)
+    assert time.monotonic() - started < STOP_BOUND_S + 15
+    ti = _train_ti(cfg, run_id)
+    assert ti["state"] == "failed" and ti["try_number"] == 1
+
+
 def test_scheduler_and_triggerer_restart_mid_training_loses_no_step(stack, s3_server, digits_uri):
     cfg, home, client_env = stack
     run_id = trigger_dag_run(cfg.airflow_url, DAG_ID, _conf(digits_uri))
@@ -109,37 +172,3 @@ def test_scheduler_and_triggerer_restart_mid_training_loses_no_step(stack, s3_se
     metrics = json.loads(storage.get_bytes(storage.join(paths.metrics, "train.json")))
     steps = [r["step"] for r in metrics["step_history"]]
     assert steps == list(range(1, metrics["global_step"] + 1)), steps  # no step twice, none skipped
-
-
-def test_mark_failed_mid_training_stops_the_job_in_order(stack, s3_server, digits_uri):
-    cfg, home, _ = stack
-    run_id = trigger_dag_run(cfg.airflow_url, DAG_ID, _conf(digits_uri, epochs=8))
-    seen = _wait_training(s3_server, cfg, run_id, min_step=15)
-    started = time.monotonic()
-    with AirflowClient(cfg.airflow_url) as client:
-        client.request("PATCH", f"/dags/{DAG_ID}/dagRuns/{run_id}", json={"state": "failed"})
-    deadline = started + STOP_BOUND_S + 60
-    while time.monotonic() < deadline:
-        status = read_status(_status_uri(s3_server, run_id))
-        if status.state != "running":
-            break
-        time.sleep(1)
-    took = time.monotonic() - started
-    assert status.state == "stopped", status
-    assert took < STOP_BOUND_S + 15, took
-    from training.checkpoint.store import CheckpointStore
-
-    paths = RunPaths(root=s3_server.env["MXPIPE_ARTIFACT_ROOT"], dag_id=DAG_ID, run_id=run_id)
-    newest = CheckpointStore(paths.checkpoints).committed_steps()[0]
-    assert newest >= seen.global_step
-    logs = "".join(open(os.path.join(root, f)).read() for root, _, files in os.walk(home / "jobs")
-                   for f in files if f == f"{status.job_id}.log")
-    assert f"emergency checkpoint at step {newest} committed" in logs, logs[-3000:]
-    wait_until = time.monotonic() + 120
-    while _role_processes(run_id) and time.monotonic() < wait_until:
-        time.sleep(1)
-    assert not _role_processes(run_id)
-    with pytest.raises(ProcessLookupError):
-        os.kill(status.pid, 0)
-    ti = _train_ti(cfg, run_id)
-    assert ti["state"] == "failed" and ti["try_number"] == 1
