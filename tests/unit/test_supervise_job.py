@@ -153,3 +153,13 @@ def test_local_cluster_starts_the_supervisor_detached_and_stops_it_within_the_bo
     assert cluster.stop_job(grace_s=1) == []  # idempotent
     nothing_left.check("the detached supervisor")
     assert json.loads(open(job.status_uri).read())["job_id"] == "1-det"
+
+
+def test_a_cluster_that_cannot_be_loaded_is_a_recorded_deterministic_failure(tmp_path, nothing_left):
+    job, uri = _job(tmp_path, nothing_left, {})
+    JobSpec(**{**job.__dict__, "cluster": {"factory": "no.such.module:attach", "description": {}}}).save(uri)
+    proc = _supervise(uri, watch=nothing_left)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "error: cannot load the cluster factory 'no.such.module:attach'" in out
+    status = read_status(job.status_uri)
+    assert status.state == FAILED and status.deterministic and "no.such.module" in status.error

@@ -87,7 +87,13 @@ def supervise(job_uri: str, *, job_id: str, attempt: int = 0, base_env: Mapping[
         state=STARTING, job_id=job_id, attempt=attempt, started_at=time.time(), host=socket.gethostname(), pid=os.getpid()),
         on_error=lambda exc: log.warning("could not write the status record %s: %s", job.status_uri, exc))
     status.update()
-    sup = Supervisor(job.config, cluster=cluster_of(job), base_env=dict(os.environ if base_env is None else base_env),
+    try:
+        cluster = cluster_of(job)
+    except Exception as exc:  # the record says why, so the operator does not wait for a heartbeat
+        status.finish(FAILED, error=f"{type(exc).__name__}: {exc}"[-4000:],
+                      deterministic=isinstance(exc, SuperviseError))
+        raise
+    sup = Supervisor(job.config, cluster=cluster, base_env=dict(os.environ if base_env is None else base_env),
                      status=status)
     if install_signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
