@@ -21,9 +21,16 @@ from tests.unit import script_cluster
 pytestmark = pytest.mark.unit
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# A worker that logs progress as rank 0 does, and on SIGTERM "checkpoints" and exits 75.
-LOOP = ("trap 'echo emergency checkpoint at step $s; exit 75' TERM; s=0; while :; do s=$((s+1)); "
-        "echo \"progress epoch=1 step=$s/100 global_step=$((100+s)) loss=0.1\"; sleep 0.2; done")
+# A worker that names its kvstore rank, logs progress as a worker does, and on SIGTERM says so
+# (rank 0: "checkpoints") and exits 75. ps-lite ranks need not follow the role names.
+def _loop(rank):
+    on_term = "emergency checkpoint at step $s" if rank == 0 else "rank 1 leaving"
+    return (f"echo 'worker {rank}/2 started (kvstore=dist_sync)'; trap 'echo {on_term}; exit 75' TERM; s=0; "
+            "while :; do s=$((s+1)); echo \"progress epoch=1 step=$s/100 global_step=$((100+s)) loss=0.1\"; "
+            "sleep 0.2; done")
+
+
+LOOP = _loop(0)
 
 
 def _job(tmp_path, watch, scripts, **cluster):
@@ -95,7 +102,7 @@ def test_job_succeeds_with_its_progress_in_the_record(tmp_path, nothing_left):
 
 
 def test_sigterm_stops_the_job_in_order_and_records_stopped(tmp_path, nothing_left):
-    job, uri = _job(tmp_path, nothing_left, {"worker-0": LOOP, "worker-1": LOOP})
+    job, uri = _job(tmp_path, nothing_left, {"worker-0": _loop(1), "worker-1": _loop(0)})
     proc = _supervise(uri, watch=nothing_left)
     _wait_for(lambda: (s := read_status(job.status_uri)) and s.state == RUNNING and s.global_step > 100, 60,
               "the job running with progress")
@@ -106,8 +113,8 @@ def test_sigterm_stops_the_job_in_order_and_records_stopped(tmp_path, nothing_le
     assert proc.returncode == 75, out
     status = read_status(job.status_uri)
     assert status.state == STOPPED and "stopped on request" in status.error
-    # rank 0 was asked first (SIGTERM, its preemption grace) and ended on its own
-    assert "emergency checkpoint at step" in out and "[worker-0@host-worker-0] emergency checkpoint" in out
+    # rank 0 (here the role worker-1) was asked alone first and ended on its own, then the others
+    assert out.index("[worker-1@host-worker-1] emergency checkpoint at step") < out.index("rank 1 leaving")
     assert took < 5 + 1 + 5 + 5, took  # preempt_grace_s + 1, the others' grace, a margin
     nothing_left.check("the stopped supervisor")
 
@@ -139,7 +146,7 @@ def test_local_cluster_starts_the_supervisor_detached_and_stops_it_within_the_bo
     cluster = LocalCluster("c1", ClusterSpec(run_tag="r", workers=2, servers=1), home=str(tmp_path / "home"))
     os.makedirs(cluster.state_dir)
     nothing_left.records(os.path.join(cluster.jobs_dir, "procs"))
-    job, uri = _job(tmp_path, nothing_left, {"worker-0": LOOP, "worker-1": LOOP})
+    job, uri = _job(tmp_path, nothing_left, {"worker-0": LOOP, "worker-1": _loop(1)})
     where = cluster.start_supervisor(uri, job_id="1-det", attempt=1, env={**os.environ, **nothing_left.env})
     assert where["log"].endswith("1-det.log")
     _wait_for(lambda: (s := read_status(job.status_uri)) and s.state == RUNNING, 60, "the job running")

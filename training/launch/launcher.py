@@ -10,7 +10,8 @@ process's log with a ``[role-rank@host]`` prefix and raises one ``JobFailed`` na
 its host, its exit code or signal and its last lines. Every role is stopped (its whole process
 group, on whatever host) before ``run`` returns or raises: after a role failure at once (1 s
 SIGTERM grace, the others are blocked in ps-lite), otherwise workers first with the
-checkpoint's preemption grace (rank 0's emergency checkpoint), then scheduler and servers. The next attempt starts a fresh job,
+checkpoint's preemption grace (rank 0 alone first, for its emergency checkpoint; its rank comes
+from its first line), then scheduler and servers. The next attempt starts a fresh job,
 which resumes from the latest committed checkpoint.
 
 Where roles run is not this module's business. It takes either a cluster (anything with
@@ -31,6 +32,7 @@ import collections
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -112,6 +114,10 @@ class JobStopped(RuntimeError):
 
 # The role whose log lines carry the job's progress (global step, epoch) into the status record.
 PROGRESS_ROLE = "worker-0"
+# A worker's first line names its kvstore rank (training.loop.worker.build_cluster). ps-lite's
+# scheduler assigns ranks in the order workers register, so rank 0 (the checkpoint writer) is
+# not necessarily the role named worker-0.
+_RANK_LINE = re.compile(r"\bworker (\d+)/\d+ started\b")
 
 
 @dataclass
@@ -121,6 +127,7 @@ class _Role:
     last_output: float = field(default_factory=time.monotonic)
     seen_output: bool = False
     reader: threading.Thread | None = None
+    rank: int | None = None  # a worker's kvstore rank, once its first line said it
 
     @property
     def name(self) -> str:
@@ -220,6 +227,8 @@ class Supervisor:
             self.events("line", role=role.name, text=line)
             if progress is not None:
                 progress(line)
+            if role.rank is None and role.kind == "worker" and (m := _RANK_LINE.search(line)):
+                role.rank = int(m.group(1))
 
     def run(self, job_uri: str) -> None:
         c = self.cfg.cluster
@@ -265,10 +274,17 @@ class Supervisor:
         grace = STOP_GRACE_S if orderly else FAILED_STOP_GRACE_S
         stopped = 0
         if orderly:
-            live = [r.handle for r in self.roles if r.kind == "worker" and r.handle.poll() is None]
+            live = [r for r in self.roles if r.kind == "worker" and r.handle.poll() is None]
+            preempt = float(getattr(self.cfg.checkpoint, "preempt_grace_s", STOP_GRACE_S))
+            # Rank 0 alone first: it finishes its step (its peers still take part), commits the
+            # emergency checkpoint and exits. Signalled together, a peer that exits at once
+            # leaves rank 0 blocked in that step's push/pull until SIGKILL, with no checkpoint.
+            first = [r for r in live if r.rank == 0]
+            if first:
+                stopped += self._stop([r.handle for r in first], preempt + 1.0)
+                live = [r for r in live if r.rank != 0]
             if live:
-                preempt = float(getattr(self.cfg.checkpoint, "preempt_grace_s", STOP_GRACE_S))
-                stopped += self._stop(live, preempt + 1.0)
+                stopped += self._stop([r.handle for r in live], preempt + 1.0 if not first else grace)
         if self.cluster is not None:
             stopped += self.cluster.stop_roles([r.handle for r in self.roles], grace_s=grace)
         else:
