@@ -345,10 +345,11 @@ class ClusterConfig(_Strict):
     num_workers: int = Field(2, ge=1, le=256)
     num_servers: int = Field(1, ge=1, le=64)
     # Bounds of the distributed job (seconds). A worker that logs nothing for stall_timeout_s
-    # is considered hung: ps-lite never recovers from a lost peer by itself.
+    # is considered hung: ps-lite never recovers from a lost peer by itself. job_timeout_s 0 is
+    # no limit (a multi-day run); stall detection still ends a hung job.
     start_timeout_s: Number = Field(120.0, gt=0)
     stall_timeout_s: Number = Field(120.0, gt=0)
-    job_timeout_s: Number = Field(3600.0, gt=0)
+    job_timeout_s: Number = Field(0.0, ge=0)
     # Threads per role process; on a small machine several roles share the cores.
     threads_per_role: int = Field(1, ge=1)
     # "workers" keeps the optimizer state on every worker (Trainer.save_states works: exact

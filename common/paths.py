@@ -70,6 +70,10 @@ class RunPaths:
         """A custom network's code, staged by the first task (``common.model_code``)."""
         return self.stage("code")
 
+    def job_status(self) -> str:
+        """The training job's status record (``training.launch.status``), beside its job document."""
+        return join(self.config, "job_status.json")
+
 
 DATASETS_DIR = "datasets"
 LATEST_VALIDATED = "latest_validated.json"

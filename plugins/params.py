@@ -158,7 +158,8 @@ def training_params() -> dict[str, Param]:
                                         description="Contexts per worker (cluster.devices_per_worker); the batch "
                                                     "is split evenly over them."),
         "job_timeout_s": _shortcut(base, "job_timeout_s",
-                                   description="The training job's time limit in seconds (cluster.job_timeout_s)."),
+                                   description="The training job's time limit in seconds, 0 for none (cluster.job_timeout_s); "
+                                               "stall detection guards a hung job either way."),
         # An integer here; "auto" (Young/Daly) is set through config or config_uri.
         "checkpoint_every_n_steps": _shortcut(base, "checkpoint_every_n_steps", type="integer", minimum=1,
                                               maximum=1_000_000,

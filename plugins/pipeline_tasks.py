@@ -46,7 +46,7 @@ from common.model_code import StagedCode
 from common.paths import DatasetPaths, RunPaths
 from common.settings import settings
 from plugins import run_config
-from plugins.connections import cluster_settings, role_base_env
+from plugins.connections import cluster_settings
 from training.tracking.server import tracking_uri as mlflow_server
 
 if TYPE_CHECKING:
@@ -248,7 +248,9 @@ def provision(config: Mapping[str, Any], params: Mapping[str, Any], dag_id: str,
 
 
 def teardown(cluster: dict[str, Any] | None) -> dict[str, Any]:
-    """Release the cluster (runs on success, failure and manual fail). Idempotent."""
+    """Release the cluster (runs on success, failure and manual fail). Idempotent. A training job
+    still running (the run was marked failed, the train task timed out) is stopped first, in
+    order: SIGTERM to its supervisor, rank 0's emergency checkpoint, then every role."""
     from infra.cluster import attach
 
     if not cluster:
@@ -268,69 +270,81 @@ def reap(older_than_s: float = 0.0) -> dict[str, Any]:
         raise _fail(f"reap: {exc}") from exc
 
 
-def live_run(cfg: TrainConfig, backend: Any, dag_id: str, run_id: str, try_number: int,
-             on_run: Callable[[str], None] | None) -> Any:
-    """The DAG run's live MLflow run for this attempt (``training.tracking.live``), or None when
-    ``MXPIPE_LIVE_TRACKING`` is off. On ``ec2`` its cost adds the instance-hours and their price."""
+def live_tracking(cfg: TrainConfig, dag_id: str, run_id: str, try_number: int) -> dict[str, Any]:
+    """What the job's supervisor needs to keep the DAG run's MLflow run live while it trains
+    (``training.tracking.live``), or {} when ``MXPIPE_LIVE_TRACKING`` is off."""
     from common.version import git_sha
-    from infra.cost import cluster_cost
-    from training.tracking.live import LiveRun
 
     if not settings().live_tracking:
-        return None
-    c = cfg.cluster
-    return LiveRun(tracking_uri=mlflow_server(), experiment=EXPERIMENT, run_name=f"{dag_id}/{run_id}",
-                   find_tags={"airflow.dag_id": dag_id, "airflow.run_id": run_id},
-                   tags={"airflow.try_number": str(try_number), "mlflow.source.git.commit": git_sha()},
-                   sync_s=settings().live_sync_s, gpus_per_worker=c.devices_per_worker if c.device == "gpu" else 0,
-                   on_run=on_run, cost_extras=(lambda: cluster_cost(backend)) if c.backend == "ec2" else None)
+        return {}
+    return {"tracking_uri": mlflow_server(), "experiment": EXPERIMENT, "run_name": f"{dag_id}/{run_id}",
+            "find_tags": {"airflow.dag_id": dag_id, "airflow.run_id": run_id},
+            "tags": {"airflow.try_number": str(try_number), "mlflow.source.git.commit": git_sha()},
+            "sync_s": settings().live_sync_s}
 
 
-def train(config: Mapping[str, Any], params: Mapping[str, Any], cluster: dict[str, Any], shards: dict[str, Any],
-          dag_id: str, run_id: str, try_number: int,
-          on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the distributed job on the provisioned cluster; a retry resumes from its checkpoints.
-    ``on_run`` gets the URL of the live MLflow run once it exists."""
+def open_live_run(job: Mapping[str, Any]) -> str:
+    """Create (or find) the DAG run's MLflow run as training starts, so its link works at once;
+    the supervisor's live run finds it by the same tags. '' when tracking is off or unreachable:
+    MLflow never stops a training."""
+    from training.tracking.live import open_run_url
+
+    tracking = job.get("tracking") or {}
+    if not tracking:
+        return ""
+    try:
+        return open_run_url(tracking)
+    except Exception as exc:  # noqa: BLE001 - tracking must not fail the training
+        log.warning("could not open the MLflow run at %s: %s", tracking.get("tracking_uri"), exc)
+        return ""
+
+
+def prepare_job(config: Mapping[str, Any], params: Mapping[str, Any], cluster: dict[str, Any],
+                shards: dict[str, Any], dag_id: str, run_id: str, try_number: int) -> dict[str, Any]:
+    """Write the attempt's job document (config, where to read and write, its status record, the
+    cluster its supervisor attaches to); returns the pointers the training operator keeps."""
     from common import storage
     from infra.cluster import attach
     from training.checkpoint.store import CheckpointStore
     from training.launch.job import JobSpec
-    from training.launch.launcher import JobFailed, Supervisor
 
     cfg = load_config(config)
     paths = run_paths(dag_id, run_id)
     # The job loads it only while this run has no checkpoint of its own (training.loop.worker).
     warm = warm_start_checkpoint(params, dag_id, run_id, cfg)
-    code = shards.get("model_code") or {}
-    job = JobSpec(config=cfg, shards_prefix=shards["shards_prefix"], checkpoint_prefix=paths.checkpoints,
-                  model_prefix=paths.model, metrics_uri=storage.join(paths.metrics, "train.json"),
-                  run_name=f"{dag_id}/{run_id}",
-                  warm_start_prefix=warm["prefix"] if warm else "",
-                  model_code_uri=code.get("uri", ""), model_code_sha256=code.get("sha256", ""))
-    job_uri = storage.join(paths.config, "job.json")
-    job.save(job_uri)
-    committed = CheckpointStore(paths.checkpoints, keep=cfg.checkpoint.keep).committed_steps()
-    resume_step = committed[0] if committed else 0
-    log.info("attempt %d: %s", try_number,
-             f"resuming from checkpoint step {resume_step}" if committed else "starting from scratch")
     # The cluster places the roles and picks the scheduler's address for this attempt. A retry
     # provisions again first: idempotent, it reuses what is healthy and replaces what was lost
     # (a reclaimed spot instance), where the previous attempt's failure may have come from.
     backend = attach(cluster)
     if try_number > 1:
         backend = type(backend).provision(backend.spec, backend.home)
-    # The roles get the S3 settings this task's connections put in its environment.
-    sup = Supervisor(cfg, cluster=backend, base_env=role_base_env(os.environ),
-                     observer=live_run(cfg, backend, dag_id, run_id, try_number, on_run))
-    try:
-        sup.run(job_uri)
-    except JobFailed as exc:
-        if exc.deterministic:
-            raise _fail(f"train: {exc}") from exc
-        raise
-    metrics = json.loads(storage.get_bytes(job.metrics_uri))
-    return {"model_prefix": paths.model, "metrics_uri": job.metrics_uri, "checkpoint_prefix": paths.checkpoints,
-            "resumed_from_step": resume_step, "attempt": try_number, "global_step": metrics["global_step"],
+    code = shards.get("model_code") or {}
+    job = JobSpec(config=cfg, shards_prefix=shards["shards_prefix"], checkpoint_prefix=paths.checkpoints,
+                  model_prefix=paths.model, metrics_uri=storage.join(paths.metrics, "train.json"),
+                  run_name=f"{dag_id}/{run_id}",
+                  warm_start_prefix=warm["prefix"] if warm else "",
+                  model_code_uri=code.get("uri", ""), model_code_sha256=code.get("sha256", ""),
+                  status_uri=paths.job_status, cluster=backend.job_cluster(),
+                  tracking=live_tracking(cfg, dag_id, run_id, try_number))
+    job_uri = storage.join(paths.config, "job.json")
+    job.save(job_uri)
+    committed = CheckpointStore(paths.checkpoints, keep=cfg.checkpoint.keep).committed_steps()
+    resume_step = committed[0] if committed else 0
+    log.info("attempt %d: %s", try_number,
+             f"resuming from checkpoint step {resume_step}" if committed else "starting from scratch")
+    return {"job_uri": job_uri, "status_uri": job.status_uri, "metrics_uri": job.metrics_uri,
+            "model_prefix": paths.model, "checkpoint_prefix": paths.checkpoints, "resumed_from_step": resume_step,
+            "attempt": try_number, "cluster": backend.describe(), "tracking": job.tracking}
+
+
+def train_result(job: Mapping[str, Any]) -> dict[str, Any]:
+    """What a succeeded training returns: the same small dict of pointers for ``register``."""
+    from common import storage
+
+    metrics = json.loads(storage.get_bytes(job["metrics_uri"]))
+    return {"model_prefix": job["model_prefix"], "metrics_uri": job["metrics_uri"],
+            "checkpoint_prefix": job["checkpoint_prefix"], "resumed_from_step": job["resumed_from_step"],
+            "attempt": job["attempt"], "global_step": metrics["global_step"],
             "final_val_accuracy": metrics["history"][-1].get("val_accuracy"),
             # The epoch the exported model is from, when tracked (checkpoint.export_epoch, early stopping).
             "best": metrics.get("best")}

@@ -36,10 +36,17 @@ EVERY_SECTION = {
 # (config, digest(), resume_digest()) measured with the dataclass implementation of
 # common/config.py (before the models were pydantic): checkpoints written then embed these, so
 # they must never change for the same config.
+def _timed(cfg: TrainConfig) -> TrainConfig:
+    """The recipe as it was then: cluster.job_timeout_s defaulted to 3600 (now 0, no limit)."""
+    raw = cfg.to_dict()
+    raw["cluster"]["job_timeout_s"] = 3600.0
+    return TrainConfig.from_dict(raw)
+
+
 PINNED = [
-    (lambda: recipe("digits"), "6e0b0322f610a689", "b1f6055028fc297f"),
-    (lambda: recipe("digits", "s3://b/d.csv"), "7ac610d7782aac46", "35420b11d431abae"),
-    (lambda: recipe("debug"), "470cb94388c46c00", "335b575157570806"),
+    (lambda: _timed(recipe("digits")), "6e0b0322f610a689", "b1f6055028fc297f"),
+    (lambda: _timed(recipe("digits", "s3://b/d.csv")), "7ac610d7782aac46", "35420b11d431abae"),
+    (lambda: _timed(recipe("debug")), "470cb94388c46c00", "335b575157570806"),
     (lambda: TrainConfig.from_dict(EVERY_SECTION), "4e1a488af679820f", "ccb6b4304d97d98e"),
 ]
 

@@ -21,7 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
 
 # The label column of the evaluation data (the model's own output column is ``label``).
 TARGET_COLUMN = "true_label"
@@ -171,7 +175,7 @@ def evaluate_regressor(model_uri: str, data: EvaluationData, dataset: Any, *, mo
     return RegressionScores(result=result, metrics=metrics, predictions=predicted)
 
 
-def raw_frame(record: dict[str, Any], X: "np.ndarray") -> "pd.DataFrame":
+def raw_frame(record: dict[str, Any], X: np.ndarray) -> pd.DataFrame:
     """Shard features ``[n, len(output_columns)]`` → raw-equivalent input columns (what the
     registered model takes: it is scored through its raw-table path)."""
     import numpy as np
