@@ -185,3 +185,32 @@ def test_the_registered_model_and_its_run_record_the_selection(reference, mlflow
     assert run.data.metrics["best_epoch"] == best["best_epoch"]
     assert run.data.metrics["best_val_accuracy"] == pytest.approx(best["best_value"])
     assert run.data.metrics["early_stopped_epoch"] == best["stopped_at_epoch"]
+
+
+def test_regression_stops_on_val_rmse_and_exports_the_best_epoch(s3_server, tmp_path):
+    """model.task='regression' with the watched metric left at 'auto': the job watches val_rmse
+    (lower is better) on scikit-learn's diabetes table, standardised by default; a learning rate
+    that overfits within the epochs makes it stop, and the export is the best epoch's checkpoint."""
+    import pandas as pd
+    from sklearn.datasets import load_diabetes
+
+    from common.config import recipe
+    from data_checks.shard import shard_dataset
+
+    prefix = f"s3://{s3_server.bucket}/test-early-stopping-regression"
+    source = storage.join(prefix, "diabetes.csv")
+    storage.put_bytes(source, load_diabetes(as_frame=True).frame.to_csv(index=False).encode())
+    cfg = recipe("debug", source).replace(
+        data={"label_column": "target"}, model={"task": "regression", "loss": "l2", "hidden": (64, 32)},
+        optim={"epochs": 60, "learning_rate": 0.05, "early_stopping_patience": 3},
+        checkpoint={"every_n_steps": 1000, "async_upload": False})
+    shard_dataset(cfg, storage.join(prefix, "shards"))
+    job = _job(cfg, storage.join(prefix, "shards"), storage.join(prefix, "run"))
+    _run(job, storage.join(prefix, "run"), tmp_path)
+    metrics = _metrics(job)
+    best, rmse = metrics["best"], [h["val_rmse"] for h in metrics["history"]]
+    print(f"val_rmse per epoch: {[round(r, 2) for r in rmse]}; selection {best}")
+    assert (best["metric"], best["mode"], best["exported"]) == ("val_rmse", "min", "best")
+    assert best["stopped_at_epoch"] == best["best_epoch"] + 3 == len(rmse) - 1 < 59
+    assert best["best_value"] == min(rmse) == rmse[best["best_epoch"]]
+    assert _exported_equal(job, checkpoint_params(job, best["best_step"]))
