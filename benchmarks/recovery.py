@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.dag_services import embedded_services  # noqa: E402
 from benchmarks.result_file import write_json  # noqa: E402
 
 RUNNER = """
@@ -99,27 +100,15 @@ def main() -> int:
     parser.add_argument("--json", help="also write the medians and maxima to this file")
     args = parser.parse_args()
 
-    from infra.s3_service import start_s3, stop_s3
-    from infra.services import start_mlflow
-    from infra.stack_config import StackConfig, load_credentials, stack_env
-
     with tempfile.TemporaryDirectory(prefix="mxpipe-p4-") as tmp:
         root = Path(tmp)
-        cfg = StackConfig.with_free_ports(root / "stack")
-        cfg.save()
-        s3 = start_s3(cfg)
-        mlflow = None
-        try:
-            mlflow = start_mlflow(cfg)
-            creds = load_credentials(cfg.home)
-            env = {**os.environ, **{k: v for k, v in stack_env(cfg.home).items()
-                                    if k.startswith("AWS_") or k == "MLFLOW_TRACKING_URI"}}
-            env.update({"AWS_ACCESS_KEY_ID": creds["access_key"], "AWS_SECRET_ACCESS_KEY": creds["secret_key"],
-                        "MXPIPE_HOME": str(root / "home"), "AIRFLOW_HOME": str(root / "airflow"),
+        with embedded_services(root) as (cfg, services):
+            env = {**os.environ, **services}
+            env.update({"MXPIPE_HOME": str(root / "home"), "AIRFLOW_HOME": str(root / "airflow"),
                         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
                         "AIRFLOW__CORE__DAGS_FOLDER": os.path.join(REPO, "dags"), "PYTHONPATH": REPO,
                         "MXPIPE_ARTIFACT_ROOT": f"s3://{cfg.bucket}/p4", "MXPIPE_SCHEDULE": "none",
-                        "MXPIPE_RETRY_DELAY_S": str(args.retry_delay_s), "MLFLOW_TRACKING_URI": cfg.mlflow_uri})
+                        "MXPIPE_RETRY_DELAY_S": str(args.retry_delay_s)})
             env.pop("AWS_ENDPOINT_URL", None)
             subprocess.run([os.path.join(os.path.dirname(sys.executable), "airflow"), "db", "migrate"], env=env,
                            check=True, capture_output=True, timeout=600)
@@ -131,10 +120,6 @@ def main() -> int:
                 work.mkdir()
                 samples.append(run_once(env, dataset, args.kill_step, work))
                 print(json.dumps({k: round(v, 2) for k, v in samples[-1].items()}), flush=True)
-        finally:
-            if mlflow is not None:
-                mlflow.stop()
-            stop_s3(s3)
     print(f"\nP4 recovery, {args.runs} runs, retry delay {args.retry_delay_s:g} s (median / max, seconds)")
     summary: dict[str, float] = {"runs": args.runs, "retry_delay_s": args.retry_delay_s}
     for term in TERMS:

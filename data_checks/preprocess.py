@@ -106,7 +106,7 @@ def fit(train: Callable[[], Iterator[np.ndarray]], layout: "Layout", codes: dict
             "inputs": inputs, "output_columns": output, "imputed": {}}
 
 
-def _slots(record: dict[str, Any], codes: dict[str, dict[str, int]]) -> dict[str, np.ndarray]:
+def category_slots(record: dict[str, Any], codes: dict[str, dict[str, int]]) -> dict[str, np.ndarray]:
     """Per categorical input: reader code → its one-hot slot (the unknown bucket if not in train)."""
     out = {}
     for col in record["inputs"]:
@@ -163,7 +163,7 @@ def rewrite(paths: list[tuple[str, str]], splits: list[str], n_train: int, layou
                 yield block.features[:, :nf]
 
     record = fit(train, layout, codes, data)
-    slots = _slots(record, codes)
+    slots = category_slots(record, codes)
     imputed: dict[str, dict[str, int]] = {}
     for (idx, rec), split in zip(paths, splits):
         tmp_idx, tmp_rec = idx + ".new", rec + ".new"

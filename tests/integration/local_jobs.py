@@ -28,14 +28,15 @@ def run_job(job, prefix, tmp_path, env=None, observer=None):
     return spawner
 
 
-def shard_digits(prefix, digits_csv):
-    """The digits table uploaded under ``prefix`` and sharded with the ``debug`` recipe: (config, shards prefix)."""
+def shard_digits(prefix, digits_csv, **data):
+    """The digits table uploaded under ``prefix`` and sharded with the ``debug`` recipe (``data``:
+    fields of its data section to change): (config, shards prefix)."""
     from common.config import recipe
     from data_checks.shard import shard_dataset
 
     source = storage.join(prefix, "digits.csv")
     storage.put_bytes(source, digits_csv)
-    cfg = recipe("debug", source)
+    cfg = recipe("debug", source).replace(data=data) if data else recipe("debug", source)
     shard_dataset(cfg, storage.join(prefix, "shards"))
     return cfg, storage.join(prefix, "shards")
 

@@ -182,24 +182,33 @@ def test_elastic_resume_two_workers_to_one(shards, s3_prefix, tmp_path, caplog):
     assert metrics["history"][-1]["val_accuracy"] > 0.6  # it kept learning (the reference: ~0.8)
 
 
-def test_a_custom_network_resumes_exactly(shards, s3_prefix, tmp_path, tmp_path_factory, caplog):
-    """A network of the user's own (with dropout: the per-step re-seeding applies to it too),
-    its code staged on S3 and fetched by every worker: killed at step 15 of one epoch and
-    resumed, it ends with the parameters of an uninterrupted run of the same network."""
+@pytest.fixture(scope="module")
+def custom_code(s3_server, tmp_path_factory):
+    """The user's network package (tests/custom_nets.py) in a folder outside the repo, staged on S3."""
     from common import model_code
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from custom_nets import write_package
 
-    cfg, shards_prefix = shards
     code_dir = write_package(str(tmp_path_factory.mktemp("user-nets")))
-    staged = model_code.stage(code_dir, storage.join(s3_prefix, "code"))
-    custom = cfg.replace(model={"name": "mynet.arch:build", "options": {"width": 24, "dropout": 0.2}},
-                         optim={"epochs": 1})
+    return model_code.stage(code_dir, f"s3://{s3_server.bucket}/test-ckpt-custom-code")
+
+
+def _custom_job(cfg, shards_prefix, prefix, staged, **overrides):
+    """A job of the user's network (with dropout) whose roles fetch its staged code."""
+    custom = cfg.replace(model={"name": "mynet.arch:build", "options": {"width": 24, "dropout": 0.2}})
+    return dataclasses.replace(_job(custom, shards_prefix, prefix, **overrides), model_code_uri=staged.uri,
+                               model_code_sha256=staged.sha256)
+
+
+def test_a_custom_network_resumes_exactly(shards, custom_code, s3_prefix, tmp_path, caplog):
+    """A network of the user's own (with dropout: the per-step re-seeding applies to it too),
+    its code staged on S3 and fetched by every worker: killed at step 15 of one epoch and
+    resumed, it ends with the parameters of an uninterrupted run of the same network."""
+    cfg, shards_prefix = shards
 
     def job_under(prefix):
-        return dataclasses.replace(_job(custom, shards_prefix, prefix), model_code_uri=staged.uri,
-                                   model_code_sha256=staged.sha256)
+        return _custom_job(cfg, shards_prefix, prefix, custom_code, optim={"epochs": 1})
 
     uninterrupted = job_under(storage.join(s3_prefix, "uninterrupted"))
     _run(uninterrupted, storage.join(s3_prefix, "uninterrupted"), tmp_path)
@@ -328,9 +337,10 @@ def test_wrong_key_fails_the_job_as_bad_input(shards, s3_prefix, tmp_path, monke
     assert time.monotonic() - started < 120
 
 
-def test_resume_is_exact_on_a_preprocessed_table(s3_server, s3_prefix, tmp_path, caplog):
-    """Shards of a table with a text column and imputed missing values (one-hot, standardised):
-    a job killed mid-run resumes to the uninterrupted job's parameters."""
+@pytest.fixture(scope="module")
+def table_shards(s3_server):
+    """A table with a text column and missing values, sharded with imputation (one-hot,
+    standardised): (config, shards prefix, manifest)."""
     import pandas as pd
 
     rng = np.random.default_rng(5)
@@ -344,14 +354,50 @@ def test_resume_is_exact_on_a_preprocessed_table(s3_server, s3_prefix, tmp_path,
     cfg = recipe("debug", source).replace(data={"missing_values": "impute"}, optim={"epochs": 3},
                                           model={"hidden": (16,), "dropout": 0.2}, checkpoint={"every_n_steps": 3})
     manifest = shard_dataset(cfg, storage.join(bucket, "shards"))
+    return cfg, storage.join(bucket, "shards"), manifest
+
+
+def test_resume_is_exact_on_a_preprocessed_table(table_shards, s3_server, s3_prefix, tmp_path, caplog):
+    """Shards of a table with a text column and imputed missing values (one-hot, standardised):
+    a job killed mid-run resumes to the uninterrupted job's parameters."""
+    cfg, shards_prefix, manifest = table_shards
     assert manifest["preprocessing"]["imputed"]["train"] and manifest["num_features"] == 5
-    ref_prefix = storage.join(bucket, "reference")
-    ref = _job(cfg, storage.join(bucket, "shards"), ref_prefix)
+    ref_prefix = f"s3://{s3_server.bucket}/test-ckpt-prep/reference"
+    ref = _job(cfg, shards_prefix, ref_prefix)
     _run(ref, ref_prefix, tmp_path)
     ref_ckpt, reference = _final_params(ref)
-    job = _job(cfg, storage.join(bucket, "shards"), s3_prefix)
+    job = _job(cfg, shards_prefix, s3_prefix)
     with pytest.raises(JobFailed):
         _run(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_KILL_STEP": "10", "MXPIPE_FAULT_KILL_RANK": "1"})
     _run(job, s3_prefix, tmp_path)
     ckpt, params = _final_params(job)
     assert ckpt.step == ref_ckpt.step and _max_diff(params, reference) <= EXACT_ATOL
+
+
+@pytest.mark.parametrize("case", ["preprocessed-table", "custom-network"])
+def test_elastic_resume_with_preprocessing_or_a_custom_network(case, request, s3_prefix, tmp_path, caplog):
+    """Elastic resume (2 workers killed mid-run, resumed on 1) on a preprocessed table, and with
+    the user's own network (its code fetched again by the new job's worker)."""
+    if case == "preprocessed-table":
+        cfg, shards_prefix, _ = request.getfixturevalue("table_shards")
+        kill_step, epochs = "8", 3
+
+        def job(**overrides):
+            return _job(cfg, shards_prefix, s3_prefix, **overrides)
+    else:
+        cfg, shards_prefix = request.getfixturevalue("shards")
+        staged, kill_step, epochs = request.getfixturevalue("custom_code"), "30", 2
+
+        def job(**overrides):
+            return _custom_job(cfg, shards_prefix, s3_prefix, staged, **overrides)
+
+    with pytest.raises(JobFailed):
+        _run(job(checkpoint={"elastic": True, "async_upload": False}), s3_prefix, tmp_path,
+             env={"MXPIPE_FAULT_KILL_STEP": kill_step, "MXPIPE_FAULT_KILL_RANK": "1"})
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")
+    one = job(cluster={"num_workers": 1}, checkpoint={"elastic": True})
+    _run(one, s3_prefix, tmp_path)
+    assert "elastic resume: 2 workers → 1" in caplog.text, caplog.text[-3000:]
+    metrics = json.loads(storage.get_bytes(one.metrics_uri))
+    assert metrics["num_workers"] == 1 and [h["epoch"] for h in metrics["history"]] == list(range(epochs))
+    assert np.isfinite(metrics["history"][-1]["val_loss"])

@@ -9,12 +9,11 @@ import os
 import subprocess
 import sys
 
-import numpy as np
-import pandas as pd
 import pytest
 
 from common import storage
 from tests.integration.airflow_runs import airflow_env, run_confs
+from tests.integration.cities_table import UNSEEN_ROWS, cities_table
 
 pytestmark = pytest.mark.integration
 
@@ -32,22 +31,9 @@ print("PREDICTED " + json.dumps({"labels": out["label"].tolist(), "p": out["prob
 """
 
 
-def table(n: int = 900, seed: int = 3) -> pd.DataFrame:
-    """The class follows the city and a large-scale number; a second number is noise."""
-    rng = np.random.default_rng(seed)
-    city = rng.choice(["oslo", "lima", "pune", "kyiv"], n)
-    income = rng.normal(50_000, 15_000, n)
-    label = np.where(np.isin(city, ["oslo", "lima"]), "north", "south")
-    label = np.where(income > 65_000, "rich", label)
-    frame = pd.DataFrame({"income": income, "noise": rng.normal(0, 1e-3, n), "city": city, "label": label})
-    frame.loc[rng.choice(n, 40, replace=False), "income"] = np.nan
-    frame.loc[rng.choice(n, 30, replace=False), "city"] = None
-    return frame
-
-
 def test_categorical_table_with_missing_values_trains_and_serves_raw_rows(s3_server, mlflow_server, tmp_path):
     buf = io.StringIO()
-    table().to_csv(buf, index=False)
+    cities_table().to_csv(buf, index=False)
     uri = f"s3://{s3_server.bucket}/datasets/cities.csv"
     storage.put_bytes(uri, buf.getvalue().encode())
     env = airflow_env(str(tmp_path / "home"), MXPIPE_ARTIFACT_ROOT=f"s3://{s3_server.bucket}/prep-runs",
@@ -68,11 +54,9 @@ def test_categorical_table_with_missing_values_trains_and_serves_raw_rows(s3_ser
     report = json.loads(open(client.download_artifacts(run.info.run_id, "validation.json", str(tmp_path))).read())
     assert sum(report["imputed"]["train"].values()) > 0 and set(report["imputed"]["train"]) == {"income", "city"}
 
-    rows = {"income": [90_000.0, None, 40_000.0, 41_000.0], "noise": [0.0, 0.0, None, 0.0],
-            "city": ["oslo", "pune", "atlantis", None]}
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     out = subprocess.run([sys.executable, "-c", PREDICT, mlflow_server.tracking_uri, f"models:/{MODEL}@challenger",
-                          json.dumps(rows)], env=clean, cwd=str(tmp_path), capture_output=True, text=True,
+                          json.dumps(UNSEEN_ROWS)], env=clean, cwd=str(tmp_path), capture_output=True, text=True,
                          timeout=300)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("PREDICTED ")]
     assert lines, out.stdout[-3000:] + out.stderr[-3000:]
