@@ -52,9 +52,9 @@ def _train(shards, s3_prefix, tmp_path, caplog, env=None, **overrides):
     cfg, prefix, _ = shards
     job = make_job(cfg, prefix, s3_prefix, **overrides)
     caplog.set_level(logging.INFO, logger="training.launch.launcher")
-    spawner = run_job(job, s3_prefix, tmp_path, env=env)
+    roles = run_job(job, s3_prefix, tmp_path, env=env)
     metrics = json.loads(storage.get_bytes(job.metrics_uri))
-    return job, metrics, [r.name for r in spawner.records]
+    return job, metrics, roles
 
 
 def _assert_trains(metrics, min_accuracy=0.5):
