@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from common.config import TrainConfig
-from local_jobs import run_local
+from tests.integration.local_jobs import run_local
 from training.launch.job import JobSpec
 
 

@@ -104,8 +104,8 @@ def run_detached(job_uri: str, *, env: Mapping[str, str], timeout_s: float, job_
         raise JobFailed(f"the supervisor of job {job_id} exited without a final status record{_tail(where)}",
                         role="job", exit_code=None, deterministic=False)
     if status.state == FAILED:
-        raise JobFailed(status.error + _tail(where), role=status.role or "job", exit_code=status.exit_code,
-                        deterministic=status.deterministic)
+        raise JobFailed(status.error + _tail(where), role=status.role or "job", host=status.role_host,
+                        exit_code=status.exit_code, deterministic=status.deterministic)
     if status.state == STOPPED:
         raise JobStopped(status.error or f"job {job_id} was stopped")
     log.info("job %s succeeded at global step %d", job_id, status.global_step)

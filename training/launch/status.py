@@ -11,7 +11,7 @@ Airflow try that started it, 0 outside Airflow), ``global_step`` and ``epoch`` (
 log lines), ``heartbeat`` (Unix time of the last write; a live supervisor writes at least every
 ``HEARTBEAT_S``), ``error`` and ``deterministic`` (on failure: whether a retry can help), and
 ``host`` / ``pid`` of the supervisor, which is what a stop signals, and on a role's failure
-``role`` and ``exit_code`` (its exit code, negative for a signal; None for a stall).
+``role``, ``role_host`` and ``exit_code`` (negative for a signal; None for a stall).
 """
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ class JobStatus:
     host: str = ""
     pid: int = 0
     role: str = ""
+    role_host: str = ""
     exit_code: int | None = None
 
     def __post_init__(self) -> None:
