@@ -2,17 +2,20 @@
 
 ``run_detached(job_uri, env=..., timeout_s=...)`` is what the Airflow operator does, without
 Airflow: it builds the cluster the job document names (``supervise.cluster_of``), starts
-``python -m training supervise`` detached on it (``Cluster.start_supervisor``), reads the job's
-status record until it is final (or, for a remote supervisor, its heartbeat is stale past
-``STALE_AFTER_S``: stopped as a stall; a local one is watched by its pid), and then makes sure nothing is left (``Cluster.stop_job``; a
-local supervisor, a child of this process, is also reaped). It returns the final record of a
-job that succeeded and raises ``JobFailed`` (role, exit code and whether it is deterministic,
-from the record) or ``JobStopped``, with the tail of the supervisor's log where this machine
-can read it. While it waits, the lines of a supervisor log this machine can read (the local
-backend's) are relayed into this process's log under the supervisor's own logger
-(``training.launch.launcher``), as they appeared when the supervisor ran in this process: a
-user of ``python -m training run`` sees the training, a test asserts on its lines. A job past ``timeout_s``, or any exception here (Ctrl-C), stops the job in order
-first: SIGTERM to the supervisor, rank 0's emergency checkpoint, then every role.
+``python -m training supervise`` detached on it (``Cluster.start_supervisor``) and reads the
+job's status record until it is final. A local supervisor is watched by its pid as well; a
+remote one whose heartbeat is stale past ``STALE_AFTER_S`` is stopped as a stall. Then it makes
+sure nothing is left (``Cluster.stop_job``; a local supervisor, a child of this process, is
+also reaped). It returns the final record of a job that succeeded and raises ``JobFailed``
+(role, its host, exit code and whether it is deterministic, from the record) or ``JobStopped``,
+with the tail of the supervisor's log where this machine can read it.
+
+While it waits, the lines of a supervisor log this machine can read (the local backend's, a
+shared folder's) are relayed into this process's log under the supervisor's own logger
+(``training.launch.launcher``), as they appeared when the supervisor ran in this process: a user
+of ``python -m training run`` sees the training, a test asserts on its lines. A job past
+``timeout_s``, or any exception here (Ctrl-C), stops the job in order first: SIGTERM to the
+supervisor, rank 0's emergency checkpoint, then every role.
 
 ``python -m training run``, the tests and the benchmarks all start jobs through it: there is one
 way a job runs. ``local_cluster`` is the job document's cluster for the local backend
@@ -65,8 +68,8 @@ def local_cluster(cluster_id: str, cfg: TrainConfig, *, home: str = "",
     c = cfg.cluster
     spec = {"run_tag": cluster_id, "workers": max(1, c.num_workers), "servers": max(1, c.num_servers),
             "options": {"worker_argv": list(worker_argv)} if worker_argv else {}}
-    return {"factory": INFRA_FACTORY,
-            "description": {"backend": "local", "cluster_id": cluster_id, "spec": spec, **({"home": home} if home else {})}}
+    description = {"backend": "local", "cluster_id": cluster_id, "spec": spec, **({"home": home} if home else {})}
+    return {"factory": INFRA_FACTORY, "description": description}
 
 
 def run_detached(job_uri: str, *, env: Mapping[str, str], timeout_s: float, job_id: str = "", attempt: int = 0,
