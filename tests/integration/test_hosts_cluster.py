@@ -112,13 +112,14 @@ def _watch(watch, cluster, hosts):
 
 def _detached(cluster, job, job_uri, caplog, env=None):
     """Run ``job`` on ``cluster`` under its detached supervisor; where each role ran (role →
-    host address, from the supervisor's relayed ``[role@host]`` lines)."""
+    host address, from the supervisor's relayed "roles started: role@host …" line)."""
     job = dataclasses.replace(job, status_uri=storage.join(job_uri.rsplit("/", 1)[0], "job_status.json"),
                               cluster=cluster.job_cluster())
     job.save(job_uri)
     caplog.set_level(logging.INFO, logger="training.launch.launcher")
     run_detached(job_uri, env={**os.environ, **(env or {})}, timeout_s=JOB_TIMEOUT_S)
-    return dict(re.findall(r"\[((?:scheduler|server|worker)[-\d]*)@([\d.]+)\]", caplog.text))
+    started = re.search(r"roles started: (.*)", caplog.text)
+    return dict(role.split("@") for role in started.group(1).split()) if started else {}
 
 
 def _run_job(hosts, job, job_uri, home, tag, nothing_left, caplog):

@@ -268,6 +268,7 @@ class Supervisor:
             for handle in self.cluster.start_roles(launch_for(self.cfg, job_uri, env)):
                 self._adopt(handle)
             self.events("roles_started", roles=[r.name for r in self.roles])
+            log.info("roles started: %s", " ".join(f"{r.name}@{r.host}" for r in self.roles))
             self._watch()
         except BaseException as exc:
             error = exc
