@@ -2,9 +2,9 @@
 the optimizers, an LR schedule with warmup across a resume, gradient accumulation, 2-bit
 compression, and the per-epoch progress line.
 
-Each job is the real ``python -m training worker`` under the project's Supervisor (scheduler +
-servers + workers as local processes for the ``dist_*`` modes), reading digits shards from and
-checkpointing to a real S3 server (SeaweedFS). Jobs are kept tiny (MLP with 32 hidden units,
+Each job is the real ``python -m training worker`` under the project's detached supervisor, as a
+DAG run starts it (scheduler + servers + workers as local processes for the ``dist_*`` modes),
+reading digits shards from and checkpointing to a real S3 server (SeaweedFS). Jobs are kept tiny (MLP with 32 hidden units,
 2 epochs of about 20 steps) so the file runs in a few minutes on 2 cores. What the modes compute
 against a single-process reference is ``test_kvstore_reference.py``; here the question is
 whether the engine itself runs, trains and counts right in each mode.
