@@ -209,7 +209,8 @@ def test_run_detached_raises_the_roles_failure_from_the_record(tmp_path, nothing
         run_detached(uri, env={**os.environ, **nothing_left.env}, timeout_s=120)
     err = failed.value
     assert err.role == "worker-0" and err.host == "127.0.0.1" and err.exit_code == 7 and not err.deterministic
-    assert "boom: out of memory" in str(err) and "last lines of the supervisor's log" in str(err)
+    assert "boom: out of memory" in str(err) and "last lines of worker-0" in str(err)
+    assert "(supervisor log: " in str(err)  # where the whole story is
     nothing_left.check("the detached job")
 
 

@@ -7,8 +7,10 @@ job's status record until it is final. A local supervisor is watched by its pid 
 remote one whose heartbeat is stale past ``STALE_AFTER_S`` is stopped as a stall. Then it makes
 sure nothing is left (``Cluster.stop_job``; a local supervisor, a child of this process, is
 also reaped). It returns the final record of a job that succeeded and raises ``JobFailed``
-(role, its host, exit code and whether it is deterministic, from the record) or ``JobStopped``,
-with the tail of the supervisor's log where this machine can read it.
+(the supervisor's one error, role, its host, exit code and whether it is deterministic, from the
+record, and where its log is) or ``JobStopped``. When the record cannot say why (the supervisor
+exited without a final record, or the job was stopped from here), the error carries the tail of
+the supervisor's log instead, where this machine can read it.
 
 While it waits, the lines of a supervisor log this machine can read (the local backend's, a
 shared folder's) are relayed into this process's log under the supervisor's own logger
@@ -107,7 +109,7 @@ def run_detached(job_uri: str, *, env: Mapping[str, str], timeout_s: float, job_
         raise JobFailed(f"the supervisor of job {job_id} exited without a final status record{_tail(where)}",
                         role="job", exit_code=None, deterministic=False)
     if status.state == FAILED:
-        raise JobFailed(status.error + _tail(where), role=status.role or "job", host=status.role_host,
+        raise JobFailed(status.error + _where_log(where), role=status.role or "job", host=status.role_host,
                         exit_code=status.exit_code, deterministic=status.deterministic)
     if status.state == STOPPED:
         raise JobStopped(status.error or f"job {job_id} was stopped")
@@ -165,10 +167,15 @@ def _reap(pid: int) -> None:
         pass  # not a child of this process, or reaped already
 
 
+def _where_log(where: Mapping[str, Any]) -> str:
+    path = str(where.get("log") or "")
+    return f"\n(supervisor log: {path} on {where.get('host', '?')})" if path else ""
+
+
 def _tail(where: Mapping[str, Any]) -> str:
     path = str(where.get("log") or "")
     if not os.path.isfile(path):
-        return f"\n(supervisor log: {path} on {where.get('host', '?')})" if path else ""
+        return _where_log(where)
     with open(path, errors="replace") as fh:
         lines = deque(fh, maxlen=LOG_TAIL_LINES)
     return f"\nlast lines of the supervisor's log {path}:\n" + "".join(lines).rstrip("\n")
