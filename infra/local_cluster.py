@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.procs import GroupSpawner, ProcessRole, free_port, kill_groups, kill_recorded
-from common.roles import WORKER, JobLaunch, role_argv, role_env
+from common.roles import TRACKING_SECRETS, WORKER, JobLaunch, role_argv, role_env
 from infra.cluster import (STOP_JOB_GRACE_S, Cluster, ClusterSpec, ProvisionError, cluster_id_for,
                            supervise_argv)
 
@@ -83,7 +83,8 @@ class LocalCluster(Cluster):
     def start_roles(self, launch: JobLaunch) -> list[ProcessRole]:
         host, port = self.scheduler_address()
         spawner = self.spawner()
-        base = {**os.environ, "MXPIPE_CLUSTER": self.cluster_id}
+        # This process is the job's supervisor: the MLflow credentials of its live run are never a role's.
+        base = {**{k: v for k, v in os.environ.items() if k not in TRACKING_SECRETS}, "MXPIPE_CLUSTER": self.cluster_id}
         worker_argv = list(self.spec.options.get("worker_argv") or ())
         handles = []
         try:
