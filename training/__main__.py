@@ -78,6 +78,7 @@ def _worker(job_uri: str) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     import math
+    import uuid
 
     from common import model_code, storage
     from common.config import ConfigError, TrainConfig
@@ -92,13 +93,14 @@ def _run(args: argparse.Namespace) -> int:
         cfg = TrainConfig.from_file(args.config)
         # A custom network's code travels with the job as in a DAG run (common.model_code).
         code = model_code.stage(cfg.model.code_uri, storage.join(out, "code")) if cfg.model.code_uri else None
-    # The job runs as a DAG run's does: a detached supervisor on a local cluster (named for the
-    # output prefix, so a rerun meets the previous run's status record and never runs beside it).
+    # The job runs as a DAG run's does: a detached supervisor on a local cluster of this command's
+    # own (a second command on the same --out is refused by the status record, and its teardown
+    # cannot touch the first one's processes).
     job = JobSpec(config=cfg, shards_prefix=args.shards, checkpoint_prefix=storage.join(out, "checkpoints"),
                   model_prefix=storage.join(out, "model"), metrics_uri=storage.join(out, "metrics", "train.json"),
                   model_code_uri=code.uri if code else "", model_code_sha256=code.sha256 if code else "",
                   status_uri=storage.join(out, "config", "job_status.json"),
-                  cluster=local_cluster(safe_component(f"run-{out}"), cfg))
+                  cluster=local_cluster(safe_component(f"run-{uuid.uuid4().hex[:8]}-{out}"), cfg))
     job_uri = storage.join(out, "config", "job.json")
     job.save(job_uri)
     # The supervisor bounds the job itself (cluster.job_timeout_s, stalls); this only bounds the wait.

@@ -226,3 +226,15 @@ def test_run_detached_stops_a_job_past_its_bound_in_order(tmp_path, nothing_left
     assert time.monotonic() - started < 5 + 2 + 5 + 10  # the bound, the grace, the other roles, start-up
     assert read_status(str(tmp_path / "job_status.json")).state == STOPPED
     nothing_left.check("the detached job")
+
+
+def test_run_detached_never_starts_beside_a_live_job(tmp_path, nothing_left):
+    from training.launch.detached import run_detached
+    from training.launch.launcher import JobFailed
+
+    uri = _detached_job(tmp_path, "echo never")
+    StatusWriter(str(tmp_path / "job_status.json"), JobStatus(state=RUNNING, job_id="1-live", host="h", pid=7)).update()
+    with pytest.raises(JobFailed, match="job 1-live is still live"):
+        run_detached(uri, env={**os.environ, **nothing_left.env}, timeout_s=60)
+    assert not os.path.exists(tmp_path / "home" / "jobs")  # no supervisor was started, nothing stopped
+    assert read_status(str(tmp_path / "job_status.json")).job_id == "1-live"

@@ -2,8 +2,8 @@
 
 ``run_detached(job_uri, env=..., timeout_s=...)`` is what the Airflow operator does, without
 Airflow: it builds the cluster the job document names (``supervise.cluster_of``), starts
-``python -m training supervise`` detached on it (``Cluster.start_supervisor``) and reads the
-job's status record until it is final. A local supervisor is watched by its pid as well; a
+``python -m training supervise`` detached on it (``Cluster.start_supervisor``; not while the
+record shows another live job on the prefix) and reads the job's status record until it is final. A local supervisor is watched by its pid as well; a
 remote one whose heartbeat is stale past ``STALE_AFTER_S`` is stopped as a stall. Then it makes
 sure nothing is left (``Cluster.stop_job``; a local supervisor, a child of this process, is
 also reaped). It returns the final record of a job that succeeded and raises ``JobFailed``
@@ -60,6 +60,8 @@ class JobCluster(RoleCluster, Protocol):
 
     def stop_job(self, *, grace_s: float = ...) -> list[str]: ...
 
+    def teardown(self) -> dict[str, Any]: ...
+
 
 def local_cluster(cluster_id: str, cfg: TrainConfig, *, home: str = "",
                   worker_argv: Sequence[str] = ()) -> dict[str, Any]:
@@ -84,6 +86,12 @@ def run_detached(job_uri: str, *, env: Mapping[str, str], timeout_s: float, job_
     job = JobSpec.load(job_uri)
     if not job.status_uri:
         raise SuperviseError(f"{job_uri} has no status_uri: a detached job needs a status record")
+    current = read_status(job.status_uri)
+    if current is not None and current.live():
+        # Never a second job on one checkpoint prefix, and never a stop_job of the live one.
+        raise JobFailed(f"job {current.job_id} is still live on this run's checkpoint prefix (supervisor pid "
+                        f"{current.pid} on {current.host}, heartbeat {current.age_s():.0f}s ago): not starting "
+                        "another", role="job", exit_code=None, deterministic=False)
     cluster: JobCluster = cluster_of(job)  # type: ignore[assignment]
     job_id = job_id or f"{attempt}-{uuid.uuid4().hex[:12]}"
     grace_s = float(job.config.checkpoint.preempt_grace_s) + STOP_MARGIN_S
