@@ -3,17 +3,20 @@ be stopped and restarted on the same ports and data folder, one job attempt with
 at an exact training step, and the facts every trial is checked against.
 
 An attempt is a real local-backend ``dist_sync`` job (scheduler, servers, workers as process
-groups) run by the project's ``Supervisor``, exactly as the ``train`` task runs it; a retry is a
-second attempt over the same run prefix, as the Airflow retry is. Every role of an attempt
+groups) started exactly as the ``train`` task starts it: ``python -m training supervise``
+detached on the cluster, waited on through its status record (``training.launch.detached``); a
+retry is a second attempt over the same run prefix, as the Airflow retry is. Every role of an attempt
 carries ``MXPIPE_CHAOS_TAG=<unique>`` in its environment, so the orphan check scans every
 process on the machine (``common.procs.Watch``) rather than trusting the supervisor's own list.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -24,14 +27,18 @@ from typing import Any
 import numpy as np
 
 from common import storage
-from common.procs import GroupSpawner, Watch, free_port
+from common.procs import Watch
+from common.procs.records import load_records
 from training.checkpoint.store import CheckpointStore, store_for
 from common.config import TrainConfig
+from training.launch.detached import local_cluster, run_detached
 from training.launch.job import JobSpec
-from training.launch.launcher import JobFailed, Supervisor
+from training.launch.launcher import JobFailed
 
 TAG = "MXPIPE_CHAOS_TAG"
 ORPHAN_WAIT_S = 10.0
+# One attempt's bound; the supervisor's own stall detection ends a hung job long before.
+ATTEMPT_TIMEOUT_S = 1800.0
 
 
 # -- the S3 server ------------------------------------------------------------------------------
@@ -126,22 +133,32 @@ class Attempt:
         return None
 
 
-class _PidFileSpawner(GroupSpawner):
-    """Writes the pid of the role named ``target`` to ``pid_file`` as soon as it is spawned: the
-    ``MXPIPE_FAULT_KILL_PID_FILE`` a worker reads when its kill step comes."""
+def supervise(job: JobSpec, job_uri: str, cluster: dict[str, Any], env: Mapping[str, str]) -> str | None:
+    """Run ``job`` as the train task does: its document at ``job_uri`` (status record beside it)
+    naming ``cluster`` (a job document's cluster section), its supervisor detached there with
+    ``env``. The failure's message, None if the job finished."""
+    job = dataclasses.replace(job, status_uri=storage.join(job_uri.rsplit("/", 1)[0], "job_status.json"),
+                              cluster=cluster)
+    job.save(job_uri)
+    try:
+        run_detached(job_uri, env=env, timeout_s=ATTEMPT_TIMEOUT_S)
+    except JobFailed as exc:
+        return str(exc)
+    return None
 
-    def __init__(self, record_dir: str, target: str | None, pid_file: Path) -> None:
-        super().__init__(record_dir)
-        self.target = target
-        self.pid_file = pid_file
 
-    def spawn(self, name: str, argv: Any, env: Mapping[str, str], **kw: Any) -> Any:
-        proc = super().spawn(name, argv, env, **kw)
-        if name == self.target:
-            tmp = self.pid_file.with_suffix(".tmp")
-            tmp.write_text(str(proc.pid))
-            os.replace(tmp, self.pid_file)  # never a half-written pid for the worker to read
-        return proc
+def _write_victim_pid(procs: Path, victim: str, pid_file: Path, done: threading.Event) -> None:
+    """Write the pid of role ``victim`` to ``pid_file`` as soon as the cluster records it (under
+    ``procs``, one folder per attempt): the ``MXPIPE_FAULT_KILL_PID_FILE`` a worker reads when
+    its kill step comes, not before."""
+    while not done.wait(0.05):
+        for folder in sorted(procs.glob("*")) if procs.is_dir() else []:
+            for rec in load_records(str(folder)):
+                if rec.name == victim:
+                    tmp = pid_file.with_suffix(".tmp")
+                    tmp.write_text(str(rec.pid))
+                    os.replace(tmp, pid_file)  # never a half-written pid for the worker to read
+                    return
 
 
 def run_attempt(job: JobSpec, workdir: Path, *, victim: str | None = None, kill_step: int = 0,
@@ -149,8 +166,8 @@ def run_attempt(job: JobSpec, workdir: Path, *, victim: str | None = None, kill_
     """Run the job once. With ``victim`` (a role name: ``worker-1``, ``server-0``, ``scheduler``)
     worker ``killer_rank`` SIGKILLs that role right after global step ``kill_step``, once per
     ``workdir`` (a retry in the same workdir runs clean, as an Airflow retry would). With
-    ``cluster`` (an ``infra.cluster`` backend, no ``victim``) the roles run there instead of as
-    local process groups; the tag reaches them through the forwarded environment."""
+    ``cluster`` (an ``infra.cluster`` backend, no ``victim``) the roles run there instead of on a
+    local cluster of the attempt's own; the tag reaches them through the forwarded environment."""
     workdir.mkdir(parents=True, exist_ok=True)
     n = len([p for p in workdir.iterdir() if p.name.startswith("attempt-")])
     adir = workdir / f"attempt-{n}"
@@ -163,18 +180,18 @@ def run_attempt(job: JobSpec, workdir: Path, *, victim: str | None = None, kill_
         run_env.update({"MXPIPE_FAULT_KILL_STEP": str(kill_step), "MXPIPE_FAULT_KILL_RANK": str(killer_rank),
                         "MXPIPE_FAULT_KILL_PID_FILE": str(pid_file)})
     prefix = job.checkpoint_prefix.rsplit("/", 1)[0]
-    job_uri = storage.join(prefix, "job.json")
-    job.save(job_uri)
-    if cluster is not None:
-        sup = Supervisor(job.config, cluster=cluster, base_env=run_env)
-    else:
-        spawner = _PidFileSpawner(str(adir / "procs"), victim, pid_file)
-        sup = Supervisor(job.config, spawner, host="127.0.0.1", port=free_port(), base_env=run_env)
-    started, failed = time.monotonic(), None
+    cluster_id = f"chaos-{tag}"
+    described = cluster.job_cluster() if cluster is not None else local_cluster(cluster_id, job.config,
+                                                                                home=str(adir / "home"))
+    done = threading.Event()
+    if victim is not None:
+        threading.Thread(target=_write_victim_pid, args=(adir / "home" / "clusters" / cluster_id / "procs", victim,
+                                                         pid_file, done), daemon=True).start()
+    started = time.monotonic()
     try:
-        sup.run(job_uri)
-    except JobFailed as exc:
-        failed = str(exc)
+        failed = supervise(job, storage.join(prefix, "job.json"), described, run_env)
+    finally:
+        done.set()
     seconds = time.monotonic() - started
     orphans = Watch(tags=[(TAG, tag)]).left(ORPHAN_WAIT_S)  # roles just exiting get that long
     evs = [json.loads(ln) for ln in events.read_text().splitlines()] if events.exists() else []

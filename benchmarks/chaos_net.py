@@ -71,15 +71,10 @@ def _cut_link(ns: str, events: Path, cut_s: float, marks: dict[str, float], erro
 
 
 def _attempt(job: Any, job_uri: str, cluster: Any, events: Path) -> tuple[str | None, float]:
-    from training.launch.launcher import JobFailed, Supervisor
-
-    env = {**os.environ, "MXPIPE_EVENTS_FILE": str(events)}
+    """One attempt, its supervisor detached on the cluster's first host: (failure, seconds)."""
     started = time.monotonic()
-    try:
-        Supervisor(job.config, cluster=cluster, base_env=env).run(job_uri)
-        return None, time.monotonic() - started
-    except JobFailed as exc:
-        return str(exc), time.monotonic() - started
+    failed = cj.supervise(job, job_uri, cluster.job_cluster(), {**os.environ, "MXPIPE_EVENTS_FILE": str(events)})
+    return failed, time.monotonic() - started
 
 
 def _left(cluster: Any, hosts: list[dict]) -> list[int]:
@@ -97,7 +92,6 @@ def trial(root: Path, hosts: list[dict], cfg: TrainConfig, shards: str, cut_s: f
     out = str(root / name)
     job = cj.job_for(cfg, shards, out)
     job_uri = storage.join(out, "job.json")
-    job.save(job_uri)
     spec = ClusterSpec(run_tag=f"chaos-r4-{uuid.uuid4().hex[:8]}", workers=2, servers=1, backend="hosts",
                        options={"hosts": hosts})
     cluster = provision(spec, home=str(root / "home"))

@@ -1,7 +1,7 @@
 """C1: bytes pushed per step with and without 2-bit gradient compression, and the throughput cost.
 
 Two real 2-worker ``dist_sync`` jobs (1 server; scheduler, server and workers under the
-project's Supervisor) run back to back in one invocation: the same MLP, data and steps, the
+project's detached supervisor) run back to back in one invocation: the same MLP, data and steps, the
 engine's own trainer path (``training.loop.kvstore_sync.make_trainer``, ``with_gradient_compression``,
 ``training.loop.step.StepRunner``, optimizer on the workers), once plain and once with 2-bit
 compression, alternating for ``--rounds`` pairs (the fastest job of each kind is kept). Each
@@ -123,29 +123,15 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_job(args: argparse.Namespace, compression: bool, out: str) -> list[dict[str, Any]]:
-    from common.config import TrainConfig
-    from common.procs import GroupSpawner, Watch, free_port
-    from training.launch.launcher import Supervisor
+    from tests.integration.ps_cluster import run_script_job
 
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--out", out, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--batch", str(args.batch), "--threshold", str(args.threshold),
             "--hidden", *map(str, args.hidden), *(["--compression"] if compression else [])]
 
-    class ChildSupervisor(Supervisor):
-        """The project's Supervisor with the workers running this script's ``--child``."""
-
-        def _start(self, name: str, kind: str, argv_: list[str]) -> None:  # type: ignore[override]
-            super()._start(name, kind, argv if kind == "worker" else argv_)
-
-    cfg = TrainConfig().replace(cluster={"num_workers": 2, "num_servers": 1, "job_timeout_s": 600.0})
-    os.makedirs(out, exist_ok=True)
-    record_dir = os.path.join(out, "procs")
-    sup = ChildSupervisor(cfg, GroupSpawner(record_dir), host="127.0.0.1", port=free_port(),
-                          base_env={**os.environ, "PYTHONPATH": REPO})
-    try:
-        sup.run("unused")
-    finally:
-        Watch(record_dirs=[record_dir]).check("the job's roles")
+    # The workers run this script's --child, under a detached supervisor as every job does.
+    run_script_job(argv, num_workers=2, num_servers=1, record_dir=os.path.join(out, "procs"), timeout_s=600.0,
+                   env={"PYTHONPATH": REPO})
     return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
 
 

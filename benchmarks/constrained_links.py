@@ -50,22 +50,21 @@ from infra.planning import WIRE_BYTES  # noqa: E402
 def run_job(root: str, hosts: list[dict], cfg: Any, shards: str, name: str) -> dict[str, Any]:
     """One job on ``hosts`` as they are shaped now; its step time, accuracy and wall time."""
     from infra.cluster import ClusterSpec, provision
-    from training.launch.launcher import Supervisor
 
     out = os.path.join(root, name)
     job = cj.job_for(cfg, shards, out)
-    job_uri = storage.join(out, "job.json")
-    job.save(job_uri)
     spec = ClusterSpec(run_tag=f"bench-links-{uuid.uuid4().hex[:8]}", workers=2, servers=1, backend="hosts",
                        options={"hosts": hosts})
     cluster = provision(spec, home=os.path.join(root, "home"))
     before = link_stats(hosts[0])
     started = time.monotonic()
     try:
-        Supervisor(job.config, cluster=cluster, base_env=dict(os.environ)).run(job_uri)
+        failed = cj.supervise(job, storage.join(out, "job.json"), cluster.job_cluster(), os.environ)
     finally:
         cluster.teardown()
     wall = time.monotonic() - started
+    if failed is not None:
+        raise RuntimeError(f"the {name} job failed: {failed}")
     after = link_stats(hosts[0])
     metrics = json.loads(storage.get_bytes(job.metrics_uri))
     last = metrics["history"][-1]

@@ -1,7 +1,7 @@
 """Throughput of the pipeline's training job in each kvstore mode, on this machine.
 
 The same job every time (the ``digits`` recipe: MLP 128-64 on sklearn's digits, batch 32 per
-worker) runs through the real launcher (scheduler, servers and workers under the Supervisor)
+worker) runs as every job does (scheduler, servers and workers under a detached supervisor)
 with shards, checkpoints and the model in a temp folder. Throughput is the job's own figure:
 samples per second per worker inside the training loop (checkpoints and evaluation included),
 times the number of workers. One run per mode; prints a table and the chosen mode's ratio to
@@ -28,11 +28,10 @@ if REPO not in sys.path:
 
 from benchmarks.result_file import write_json  # noqa: E402
 from common import storage  # noqa: E402
-from common.procs import GroupSpawner, Watch, free_port  # noqa: E402
 from data_checks.shard import shard_dataset  # noqa: E402
 from common.config import TrainConfig, recipe  # noqa: E402
 from training.launch.job import JobSpec  # noqa: E402
-from training.launch.launcher import Supervisor  # noqa: E402
+from tests.integration.local_jobs import run_local  # noqa: E402
 
 CHOSEN = "dist_sync/workers"
 
@@ -71,15 +70,8 @@ def run_mode(root: str, source: str, label: str, cluster: dict, env: dict, epoch
     shard_dataset(cfg, shards)
     job = JobSpec(config=cfg, shards_prefix=shards, checkpoint_prefix=os.path.join(prefix, "ckpt"),
                   model_prefix=os.path.join(prefix, "model"), metrics_uri=os.path.join(prefix, "metrics.json"))
-    job_uri = os.path.join(prefix, "job.json")
-    job.save(job_uri)
-    record_dir = os.path.join(prefix, "procs")
-    sup = Supervisor(cfg, GroupSpawner(record_dir), host="127.0.0.1", port=free_port(), base_env={**os.environ, **env})
     started = time.monotonic()
-    try:
-        sup.run(job_uri)
-    finally:
-        Watch(record_dirs=[record_dir]).check("the job's roles")
+    run_local(job, os.path.join(prefix, "job.json"), os.path.join(prefix, "home"), env)
     wall = time.monotonic() - started
     metrics = json.loads(storage.get_bytes(job.metrics_uri))
     return {"mode": label, "workers": metrics["num_workers"],

@@ -7,7 +7,7 @@ One dataset (synthetic 1x28x28 "images", 10 classes, sharded once by ``shard_dat
 2 train shards) and one model (``lenet``: two 3x3 convolutions, Dense 128; Adam, batch 64),
 so that a step is compute (tens of ms), not Python overhead.
 
-- P1: the real trainer (``training.loop.worker`` under the Supervisor: a ``local`` kvstore job,
+- P1: the real trainer (``training.loop.worker`` under its detached supervisor: a ``local`` kvstore job,
   1 worker with 2 threads) ÷ a bare Gluon loop over the same rows, model, optimizer, kvstore
   and threads in a process of its own (``--bare-child``). Both report their steady state: the
   median over epochs after the first of samples / loop time per epoch (the worker's epoch
@@ -95,21 +95,14 @@ def _steady(rates: list[float]) -> float:
 
 
 def run_pipeline(root: str, cfg: TrainConfig, shards: str, label: str) -> dict[str, Any]:
-    from common.procs import GroupSpawner, Watch, free_port
+    from tests.integration.local_jobs import run_local
     from training.launch.job import JobSpec
-    from training.launch.launcher import Supervisor
 
     prefix = tempfile.mkdtemp(prefix=f"{label}-", dir=root)
     job = JobSpec(config=cfg, shards_prefix=shards, checkpoint_prefix=os.path.join(prefix, "ckpt"),
                   model_prefix=os.path.join(prefix, "model"), metrics_uri=os.path.join(prefix, "metrics.json"))
-    job_uri = os.path.join(prefix, "job.json")
-    job.save(job_uri)
-    record_dir = os.path.join(prefix, "procs")
-    sup = Supervisor(cfg, GroupSpawner(record_dir), host="127.0.0.1", port=free_port(), base_env=dict(os.environ))
-    try:
-        sup.run(job_uri)
-    finally:
-        Watch(record_dirs=[record_dir]).check("the job's roles")
+    # Started as every run is (a detached supervisor on a local cluster); nothing may be left.
+    run_local(job, os.path.join(prefix, "job.json"), os.path.join(prefix, "home"))
     history = json.loads(storage.get_bytes(job.metrics_uri))["history"]
     return {"samples_per_s": _steady([h["samples_per_s_total"] for h in history]),
             "epochs": [round(h["samples_per_s_total"], 1) for h in history],

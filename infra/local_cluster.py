@@ -7,6 +7,10 @@ Airflow teardown task after the training task was killed) stops every group stil
 detached supervisor is recorded under ``$MXPIPE_HOME/jobs/<cluster>/procs/`` and logs to
 ``$MXPIPE_HOME/jobs/<cluster>/<job_id>.log``, outside the cluster's record, so its log outlives
 the teardown.
+
+``spec.options["worker_argv"]``, when given, is the command every worker runs instead of
+``python -m training worker JOB_URI``, under the same ps-lite environment: how the kvstore probes
+and benchmarks run a worker script of their own as a real job (``training.launch.detached.local_cluster``).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.procs import GroupSpawner, ProcessRole, free_port, kill_groups, kill_recorded
-from common.roles import JobLaunch, role_argv, role_env
+from common.roles import TRACKING_SECRETS, WORKER, JobLaunch, role_argv, role_env
 from infra.cluster import (STOP_JOB_GRACE_S, Cluster, ClusterSpec, ProvisionError, cluster_id_for,
                            supervise_argv)
 
@@ -79,13 +83,17 @@ class LocalCluster(Cluster):
     def start_roles(self, launch: JobLaunch) -> list[ProcessRole]:
         host, port = self.scheduler_address()
         spawner = self.spawner()
-        base = {**os.environ, "MXPIPE_CLUSTER": self.cluster_id}
+        # This process is the job's supervisor: the MLflow credentials of its live run are never a role's.
+        base = {**{k: v for k, v in os.environ.items() if k not in TRACKING_SECRETS}, "MXPIPE_CLUSTER": self.cluster_id}
+        worker_argv = list(self.spec.options.get("worker_argv") or ())
         handles = []
         try:
             for role in launch.roles():
                 env = role_env(launch, role.kind, node_host=self.host, root_uri=host, root_port=port,
                                base=base, repo_root=REPO_ROOT)
-                proc = spawner.spawn(role.name, role_argv(role.kind, launch.job_uri, self.python), env, cwd=REPO_ROOT)
+                argv = worker_argv if role.kind == WORKER and worker_argv else role_argv(role.kind, launch.job_uri,
+                                                                                         self.python)
+                proc = spawner.spawn(role.name, argv, env, cwd=REPO_ROOT)
                 handles.append(ProcessRole(role.name, role.kind, self.host, proc))
         except BaseException:
             spawner.kill_all(grace_s=1.0)

@@ -4,6 +4,10 @@
         Runs the distributed job (1 scheduler, S servers, W workers as local processes) over
         shards written by ``python -m data_checks shard``; checkpoints, metrics and the exported
         model go under ``--out``. Rerunning the same command resumes from the latest checkpoint.
+        The job runs as a DAG run's does (``training.launch.detached``): its supervisor detached
+        on a local cluster (the job document names ``infra.cluster:attach``, never imported
+        here), its status record at ``--out``/config/job_status.json, its log under
+        ``$MXPIPE_HOME/jobs/``; Ctrl-C stops it in order (rank 0's emergency checkpoint first).
         A missing or invalid config file: one line on stderr, exit code 2; a failed job: 1.
 
     python -m training config [--recipe digits|debug] [--dataset URI]
@@ -29,7 +33,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 from typing import Any
 
 from common.cli import parser as cli_parser
@@ -74,30 +77,41 @@ def _worker(job_uri: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import math
+    import uuid
+
     from common import model_code, storage
     from common.config import ConfigError, TrainConfig
-    from common.procs import GroupSpawner, free_port
+    from common.paths import safe_component
+    from training.launch.detached import local_cluster, run_detached
     from training.launch.job import JobSpec
-    from training.launch.launcher import JobFailed, Supervisor
+    from training.launch.launcher import JobFailed
+    from training.launch.supervise import cluster_of
 
     out = args.out.rstrip("/")
     with usage_errors(ConfigError):
         cfg = TrainConfig.from_file(args.config)
         # A custom network's code travels with the job as in a DAG run (common.model_code).
         code = model_code.stage(cfg.model.code_uri, storage.join(out, "code")) if cfg.model.code_uri else None
+    # The job runs as a DAG run's does: a detached supervisor on a local cluster of this command's
+    # own (a second command on the same --out is refused by the status record, and its teardown
+    # cannot touch the first one's processes).
     job = JobSpec(config=cfg, shards_prefix=args.shards, checkpoint_prefix=storage.join(out, "checkpoints"),
                   model_prefix=storage.join(out, "model"), metrics_uri=storage.join(out, "metrics", "train.json"),
-                  model_code_uri=code.uri if code else "", model_code_sha256=code.sha256 if code else "")
+                  model_code_uri=code.uri if code else "", model_code_sha256=code.sha256 if code else "",
+                  status_uri=storage.join(out, "config", "job_status.json"),
+                  cluster=local_cluster(safe_component(f"run-{uuid.uuid4().hex[:8]}-{out}"), cfg))
     job_uri = storage.join(out, "config", "job.json")
     job.save(job_uri)
-    with tempfile.TemporaryDirectory(prefix="mxpipe-job-") as tmp:
-        spawner = GroupSpawner(os.path.join(tmp, "procs"))
-        sup = Supervisor(cfg, spawner, host="127.0.0.1", port=free_port("127.0.0.1"), base_env=os.environ)
-        try:
-            sup.run(job_uri)
-        except JobFailed as exc:
-            print(f"training failed: {exc}", file=sys.stderr)
-            return 1
+    # The supervisor bounds the job itself (cluster.job_timeout_s, stalls); this only bounds the wait.
+    c = cfg.cluster
+    try:
+        run_detached(job_uri, env=os.environ, timeout_s=c.job_timeout_s + 300.0 if c.job_timeout_s else math.inf)
+    except JobFailed as exc:
+        print(f"training failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        cluster_of(job).teardown()  # the cluster's records (its supervisor's log stays under $MXPIPE_HOME/jobs)
     metrics = json.loads(storage.get_bytes(job.metrics_uri))
     print(json.dumps({"model": job.model_prefix, "checkpoints": job.checkpoint_prefix,
                       "final": metrics["history"][-1]}, indent=2))

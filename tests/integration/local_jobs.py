@@ -1,11 +1,19 @@
-"""Shared by the job tests: build a JobSpec under a prefix and run it on local role processes,
-asserting that no role process outlives the job."""
+"""Shared by the job tests: build a JobSpec under a prefix and run it as every run does, on the
+local backend under a detached supervisor (``training.launch.detached``), asserting that no
+process of the job (the supervisor, any role) outlives it."""
+import dataclasses
 import os
+import uuid
 
 from common import storage
-from common.procs import GroupSpawner, Watch, free_port
+from common.procs import Watch
+from common.procs.records import load_records
+from training.launch.detached import local_cluster, run_detached
 from training.launch.job import JobSpec
-from training.launch.launcher import Supervisor
+
+# Every process of one job carries this tag (the supervisor's environment, which its roles inherit).
+TAG = "MXPIPE_JOB_TEST_TAG"
+JOB_TIMEOUT_S = 1800.0
 
 
 def make_job(cfg, shards_prefix, prefix, **overrides):
@@ -14,18 +22,25 @@ def make_job(cfg, shards_prefix, prefix, **overrides):
                    model_prefix=storage.join(prefix, "model"), metrics_uri=storage.join(prefix, "metrics.json"))
 
 
-def run_job(job, prefix, tmp_path, env=None, observer=None):
-    job_uri = storage.join(prefix, "job.json")
+def run_local(job, job_uri, home, env=None, worker_argv=(), timeout_s=JOB_TIMEOUT_S):
+    """Save ``job`` at ``job_uri`` with its status record beside it and a local cluster under
+    ``home``, run it detached and wait; the names of the roles it started (every attempt's)."""
+    cluster_id = f"job-{uuid.uuid4().hex[:10]}"
+    job = dataclasses.replace(job, status_uri=storage.join(job_uri.rsplit("/", 1)[0], "job_status.json"),
+                              cluster=local_cluster(cluster_id, job.config, home=home, worker_argv=worker_argv))
     job.save(job_uri)
-    record_dir = str(tmp_path / f"procs-{len(os.listdir(tmp_path))}")
-    spawner = GroupSpawner(record_dir)
-    sup = Supervisor(job.config, spawner, host="127.0.0.1", port=free_port(), base_env={**os.environ, **(env or {})},
-                     observer=observer)
+    tag = (TAG, uuid.uuid4().hex)
     try:
-        sup.run(job_uri)
+        run_detached(job_uri, env={**os.environ, **(env or {}), tag[0]: tag[1]}, timeout_s=timeout_s)
     finally:
-        Watch(record_dirs=[record_dir]).check("the job's roles")
-    return spawner
+        Watch(tags=[tag]).check("the job's supervisor and roles")
+    procs = os.path.join(home, "clusters", cluster_id, "procs")
+    return [rec.name for attempt in sorted(os.listdir(procs)) for rec in load_records(os.path.join(procs, attempt))]
+
+
+def run_job(job, prefix, tmp_path, env=None):
+    """Run ``job`` (its document at ``prefix``/job.json) on a local cluster; its role names."""
+    return run_local(job, storage.join(prefix, "job.json"), str(tmp_path / "home"), env)
 
 
 def shard_digits(prefix, digits_csv, **data):

@@ -2,9 +2,9 @@
 the optimizers, an LR schedule with warmup across a resume, gradient accumulation, 2-bit
 compression, and the per-epoch progress line.
 
-Each job is the real ``python -m training worker`` under the project's Supervisor (scheduler +
-servers + workers as local processes for the ``dist_*`` modes), reading digits shards from and
-checkpointing to a real S3 server (SeaweedFS). Jobs are kept tiny (MLP with 32 hidden units,
+Each job is the real ``python -m training worker`` under the project's detached supervisor, as a
+DAG run starts it (scheduler + servers + workers as local processes for the ``dist_*`` modes),
+reading digits shards from and checkpointing to a real S3 server (SeaweedFS). Jobs are kept tiny (MLP with 32 hidden units,
 2 epochs of about 20 steps) so the file runs in a few minutes on 2 cores. What the modes compute
 against a single-process reference is ``test_kvstore_reference.py``; here the question is
 whether the engine itself runs, trains and counts right in each mode.
@@ -52,9 +52,9 @@ def _train(shards, s3_prefix, tmp_path, caplog, env=None, **overrides):
     cfg, prefix, _ = shards
     job = make_job(cfg, prefix, s3_prefix, **overrides)
     caplog.set_level(logging.INFO, logger="training.launch.launcher")
-    spawner = run_job(job, s3_prefix, tmp_path, env=env)
+    roles = run_job(job, s3_prefix, tmp_path, env=env)
     metrics = json.loads(storage.get_bytes(job.metrics_uri))
-    return job, metrics, [r.name for r in spawner.records]
+    return job, metrics, roles
 
 
 def _assert_trains(metrics, min_accuracy=0.5):

@@ -11,13 +11,20 @@ runs over both transports of ``infra.transport``:
   group at the end;
 - ``netns``: ``ip netns exec``, the same shell command per role without sshd.
 
+Every job runs as the train task runs it: its supervisor detached on the first host
+(``training.launch.detached``), its lines relayed into this process's log, where the tests read
+where each role ran.
+
 Storage: the first tests read the job and shards from a folder every host sees at the same
 path (what an NFS/EFS mount is on real hosts). The S3 tests instead run SeaweedFS bound to this
 machine's bridge address, credentials enforced: the hosts download their shards and commit
 their checkpoints through it over their veths, and an outage of that server is ridden out.
 """
+import dataclasses
 import json
+import logging
 import os
+import re
 import sys
 import uuid
 
@@ -27,7 +34,8 @@ from data_checks.shard import shard_dataset
 from infra.cluster import ClusterSpec, ProvisionError, provision
 from common.config import recipe
 from training.launch.job import JobSpec
-from training.launch.launcher import JobFailed, Supervisor
+from training.launch.detached import run_detached
+from training.launch.launcher import JobFailed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from netns_hosts import (controller_address, hosts_pids, link_stats, namespace_hosts,  # noqa: E402
@@ -43,6 +51,7 @@ needs_netns = pytest.mark.skipif(bool(_WHY_NOT), reason=f"network namespaces una
 needs_sshd = pytest.mark.skipif(bool(_WHY_NOT_SSH), reason=f"sshd in namespaces unavailable: {_WHY_NOT_SSH}")
 TRANSPORTS = [pytest.param("netns", marks=needs_netns), pytest.param("ssh", marks=needs_sshd)]
 OUTAGE_S = 20.0
+JOB_TIMEOUT_S = 900.0
 
 
 @pytest.fixture(scope="module")
@@ -101,16 +110,26 @@ def _watch(watch, cluster, hosts):
     watch.tag("MXPIPE_CLUSTER", cluster.cluster_id).probe(lambda: hosts_pids(hosts))
 
 
-def _run_job(hosts, job, job_uri, home, tag, nothing_left):
+def _detached(cluster, job, job_uri, caplog, env=None):
+    """Run ``job`` on ``cluster`` under its detached supervisor; where each role ran (role →
+    host address, from the supervisor's relayed "roles started: role@host …" line)."""
+    job = dataclasses.replace(job, status_uri=storage.join(job_uri.rsplit("/", 1)[0], "job_status.json"),
+                              cluster=cluster.job_cluster())
+    job.save(job_uri)
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")
+    run_detached(job_uri, env={**os.environ, **(env or {})}, timeout_s=JOB_TIMEOUT_S)
+    started = re.search(r"roles started: (.*)", caplog.text)
+    return dict(role.split("@") for role in started.group(1).split()) if started else {}
+
+
+def _run_job(hosts, job, job_uri, home, tag, nothing_left, caplog):
     spec = ClusterSpec(run_tag=f"hosts-test--{tag}-{SUFFIX}", workers=2, servers=1, backend="hosts",
                        options={"hosts": hosts})
     cluster = provision(spec, home=home)
     _watch(nothing_left, cluster, hosts)
     assert provision(spec, home=home).cluster_id == cluster.cluster_id  # idempotent
-    sup = Supervisor(job.config, cluster=cluster, base_env=dict(os.environ))
     try:
-        sup.run(job_uri)
-        placed = {r.name: r.host for r in sup.roles}
+        placed = _detached(cluster, job, job_uri, caplog)
     finally:
         cluster.teardown()
     nothing_left.check("the hosts cluster")
@@ -124,17 +143,17 @@ def _run_job(hosts, job, job_uri, home, tag, nothing_left):
 
 
 @pytest.mark.parametrize("hosts", TRANSPORTS, indirect=True)
-def test_job_runs_across_namespace_hosts(hosts, local_shards, tmp_path, nothing_left):
+def test_job_runs_across_namespace_hosts(hosts, local_shards, tmp_path, nothing_left, caplog):
     cfg, shards = local_shards
     job, job_uri = _job(cfg, shards, str(tmp_path / "run"), optim={"epochs": 2})
-    _run_job(hosts, job, job_uri, str(tmp_path / "home"), f"ok-{hosts[0]['transport']}", nothing_left)
+    _run_job(hosts, job, job_uri, str(tmp_path / "home"), f"ok-{hosts[0]['transport']}", nothing_left, caplog)
 
 
 @pytest.mark.parametrize("hosts", TRANSPORTS[1:], indirect=True)
-def test_a_custom_network_reaches_the_remote_workers_through_storage(hosts, local_shards, tmp_path, nothing_left):
+def test_a_custom_network_reaches_the_remote_workers_through_storage(hosts, local_shards, tmp_path, nothing_left,
+                                                                     caplog):
     """The user's folder is gone once its code is staged: the workers on the other hosts build the
     network from the staged archive, fetched and verified through storage."""
-    import dataclasses
     import shutil
 
     from common import model_code
@@ -155,10 +174,9 @@ def test_a_custom_network_reaches_the_remote_workers_through_storage(hosts, loca
                        options={"hosts": hosts})
     cluster = provision(spec, home=str(tmp_path / "home"))
     _watch(nothing_left, cluster, hosts)
-    sup = Supervisor(job.config, cluster=cluster, base_env=dict(os.environ))
     try:
-        sup.run(job_uri)
-        assert {r.host for r in sup.roles if r.kind == "worker"} == {hosts[1]["address"], hosts[2]["address"]}
+        placed = _detached(cluster, job, job_uri, caplog)
+        assert {placed["worker-0"], placed["worker-1"]} == {hosts[1]["address"], hosts[2]["address"]}
         metrics = json.loads(storage.get_bytes(job.metrics_uri))
         assert metrics["num_workers"] == 2 and metrics["history"][-1]["val_accuracy"] > 0.5
     finally:
@@ -168,18 +186,18 @@ def test_a_custom_network_reaches_the_remote_workers_through_storage(hosts, loca
 
 @pytest.mark.parametrize("hosts", TRANSPORTS, indirect=True)
 def test_killed_remote_worker_is_reported_with_its_host_and_everything_stops(hosts, local_shards, tmp_path,
-                                                                            nothing_left):
+                                                                            nothing_left, caplog):
     cfg, shards = local_shards
     job, job_uri = _job(cfg, shards, str(tmp_path / "run"), optim={"epochs": 2})
     spec = ClusterSpec(run_tag=f"hosts-test--kill-{hosts[0]['transport']}-{SUFFIX}", workers=2, servers=1,
                        backend="hosts", options={"hosts": hosts})
     cluster = provision(spec, home=str(tmp_path / "home"))
     _watch(nothing_left, cluster, hosts)
-    env = {**os.environ, "MXPIPE_FAULT_KILL_STEP": "8", "MXPIPE_FAULT_KILL_RANK": "1"}
+    env = {"MXPIPE_FAULT_KILL_STEP": "8", "MXPIPE_FAULT_KILL_RANK": "1"}
     try:
         with pytest.raises(JobFailed) as failed:
-            Supervisor(job.config, cluster=cluster, base_env=env).run(job_uri)
-        # Roles left alive by the failure were stopped on their hosts before run() returned.
+            _detached(cluster, job, job_uri, caplog, env)
+        # Roles left alive by the failure were stopped on their hosts before the job ended.
         nothing_left.check("the supervisor")
     finally:
         cluster.teardown()
@@ -204,7 +222,7 @@ def test_unreachable_host_fails_provision_with_its_name(hosts, tmp_path):
 
 @needs_sshd
 def test_ssh_job_reads_its_shards_and_commits_checkpoints_through_s3_over_the_links(
-        topology, bridge_s3, digits_csv, tmp_path, nothing_left):
+        topology, bridge_s3, digits_csv, tmp_path, nothing_left, caplog):
     from benchmarks.chaos_jobs import store_facts
     from training.checkpoint.store import CheckpointStore
 
@@ -216,7 +234,7 @@ def test_ssh_job_reads_its_shards_and_commits_checkpoints_through_s3_over_the_li
     job, job_uri = _job(cfg, f"{base}/shards", f"{base}/run", optim={"epochs": 2})
     assert bridge_s3.cfg.s3_endpoint.startswith(f"http://{controller_address(hosts)}:")
     before = [link_stats(h) for h in hosts]
-    _run_job(hosts, job, job_uri, str(tmp_path / "home"), "s3", nothing_left)
+    _run_job(hosts, job, job_uri, str(tmp_path / "home"), "s3", nothing_left, caplog)
     moved = [{k: a[k] - b[k] for k in ("rx_bytes", "tx_bytes")} for a, b in zip(map(link_stats, hosts), before)]
     facts = store_facts(job)
     assert facts["committed"] and not facts["torn"] and facts["latest_valid"] == max(facts["committed"])

@@ -4,7 +4,7 @@ A W-worker job where every worker trains on its own slice of each step's global 
 with the parameters of one process training on the whole global batch (same initial
 parameters, same data, same optimizer), up to float32 summation order. Each case runs
 ``TRIALS`` independent trials (fresh model, fresh kvstore keys) inside one real ps-lite job
-(scheduler + servers + workers under the project's Supervisor), so a race has ``TRIALS``
+(scheduler + servers + workers under the project's detached supervisor), so a race has ``TRIALS``
 chances to show per launch; every trial must pass. Ranks other than 0 start each trial from
 wrong parameters, so the initial parameter sync is checked as well.
 

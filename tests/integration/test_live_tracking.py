@@ -1,7 +1,10 @@
 """Live MLflow tracking of real local ps-lite jobs against a real MLflow server: epoch metrics
 arrive while the job trains, role system metrics and cost are logged, and the run ends FINISHED,
-FAILED (a role killed) or KILLED (the supervisor stopped)."""
+FAILED (a role killed) or KILLED (the supervisor stopped). The live run is the detached
+supervisor's own, built from the job document's ``tracking`` section as in a DAG run."""
 import _thread
+import dataclasses
+import logging
 import os
 import sys
 import threading
@@ -13,7 +16,6 @@ from common import storage
 from data_checks.shard import shard_dataset
 from common.config import recipe
 from training.launch.launcher import JobFailed
-from training.tracking.live import LiveRun
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from local_jobs import make_job, run_job  # noqa: E402
@@ -37,9 +39,11 @@ def digits_shards(s3_server, digits_csv):
     return cfg, storage.join(bucket, "shards")
 
 
-def _live(mlflow_server, run_id):
-    return LiveRun(tracking_uri=mlflow_server.tracking_uri, experiment=EXPERIMENT, run_name=f"dag/{run_id}",
-                   find_tags={"airflow.dag_id": "dag", "airflow.run_id": run_id}, sync_s=0.5)
+def _tracked(job, mlflow_server, run_id):
+    """``job`` with the live run of DAG run ``run_id`` (the section the training task writes)."""
+    return dataclasses.replace(job, tracking={
+        "tracking_uri": mlflow_server.tracking_uri, "experiment": EXPERIMENT, "run_name": f"dag/{run_id}",
+        "find_tags": {"airflow.dag_id": "dag", "airflow.run_id": run_id}, "sync_s": 0.5})
 
 
 def _client(mlflow_server):
@@ -48,11 +52,22 @@ def _client(mlflow_server):
     return MlflowClient(mlflow_server.tracking_uri)
 
 
-def _wait_for_epoch_metric(live, client, job_thread=None):
+def _run_ids(client, run_id):
+    """The MLflow runs of DAG run ``run_id``, as the supervisor's live run finds them (its tags)."""
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    if experiment is None:
+        return []
+    runs = client.search_runs([experiment.experiment_id], f"tags.`airflow.run_id` = '{run_id}'")
+    return [r.info.run_id for r in runs]
+
+
+def _wait_for_epoch_metric(client, run_id, job_thread=None):
+    """The id of DAG run ``run_id``'s MLflow run once it has an epoch metric."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
-        if live.run_id and client.get_metric_history(live.run_id, "train_loss"):
-            return
+        for mlflow_run in _run_ids(client, run_id):
+            if client.get_metric_history(mlflow_run, "train_loss"):
+                return mlflow_run
         if job_thread is not None and not job_thread.is_alive():
             break
         time.sleep(0.2)
@@ -60,15 +75,15 @@ def _wait_for_epoch_metric(live, client, job_thread=None):
 
 
 def test_epoch_and_system_metrics_arrive_while_the_job_trains(digits_shards, s3_prefix, tmp_path, mlflow_server,
-                                                              nothing_left):
+                                                              nothing_left, caplog):
     cfg, shards = digits_shards
-    job = make_job(cfg, shards, s3_prefix, optim={"epochs": 4})
-    live = _live(mlflow_server, "live-ok")
+    job = _tracked(make_job(cfg, shards, s3_prefix, optim={"epochs": 4}), mlflow_server, "live-ok")
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")  # the supervisor's relayed log
     errors = []
 
     def train():
         try:
-            run_job(job, s3_prefix, tmp_path, env=SLOW, observer=live)
+            run_job(job, s3_prefix, tmp_path, env=SLOW)
         except BaseException as exc:  # reported by the assertion below
             errors.append(exc)
 
@@ -76,16 +91,17 @@ def test_epoch_and_system_metrics_arrive_while_the_job_trains(digits_shards, s3_
     job_thread = threading.Thread(target=train)
     job_thread.start()
     client = _client(mlflow_server)
-    _wait_for_epoch_metric(live, client, job_thread)
+    run_id = _wait_for_epoch_metric(client, "live-ok", job_thread)
     # The job is still training: rank 0 writes its metrics file only at the end.
     assert job_thread.is_alive() and not storage.exists(job.metrics_uri)
     job_thread.join(WAIT_S)
     wall = time.monotonic() - started
     assert not job_thread.is_alive() and not errors, errors
 
-    run = client.get_run(live.run_id)
+    assert _run_ids(client, "live-ok") == [run_id]
+    run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(live.run_id, "train_loss")] == [0, 1, 2, 3]
+    assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [0, 1, 2, 3]
     assert "val_accuracy" in run.data.metrics
     for role in ROLES:
         assert run.data.metrics[f"system/{role}/rss_megabytes"] > 0
@@ -94,51 +110,51 @@ def test_epoch_and_system_metrics_arrive_while_the_job_trains(digits_shards, s3_
     assert run.data.metrics["cost.core_seconds"] <= wall * os.cpu_count()
     assert run.data.metrics["cost.recompute_share"] == 0.0
     assert "cost.gpu_seconds" not in run.data.metrics and "cost.usd" not in run.data.metrics
-    assert live.errors == 0
+    assert "MLflow live tracking could not" not in caplog.text  # no tracking call failed
 
 
 def test_a_killed_role_ends_the_run_failed_and_the_retry_reuses_it(digits_shards, s3_prefix, tmp_path,
                                                                    mlflow_server, nothing_left):
     cfg, shards = digits_shards
-    job = make_job(cfg, shards, s3_prefix, optim={"epochs": 3}, checkpoint={"every_n_steps": 7})
+    job = _tracked(make_job(cfg, shards, s3_prefix, optim={"epochs": 3}, checkpoint={"every_n_steps": 7}),
+                   mlflow_server, "live-killed")
     fault = {"MXPIPE_FAULT_KILL_STEP": "30", "MXPIPE_FAULT_KILL_RANK": "1",
              "MXPIPE_FAULT_ONCE_FILE": str(tmp_path / "fault-fired")}
-    live = _live(mlflow_server, "live-killed")
     with pytest.raises(JobFailed):
-        run_job(job, s3_prefix, tmp_path, env=fault, observer=live)
+        run_job(job, s3_prefix, tmp_path, env=fault)
     client = _client(mlflow_server)
-    run = client.get_run(live.run_id)
+    [run_id] = _run_ids(client, "live-killed")
+    run = client.get_run(run_id)
     assert run.info.status == "FAILED"
     assert "SIGKILL" in run.data.tags["error"]
-    assert client.get_metric_history(live.run_id, "train_loss")  # the epoch before the kill
+    assert client.get_metric_history(run_id, "train_loss")  # the epoch before the kill
     first_core_s = run.data.metrics["cost.core_seconds"]
 
-    retry = _live(mlflow_server, "live-killed")
-    run_job(job, s3_prefix, tmp_path, env=fault, observer=retry)
-    assert retry.run_id == live.run_id
-    run = client.get_run(retry.run_id)
+    run_job(job, s3_prefix, tmp_path, env=fault)  # the retry: a new supervisor, the same run
+    assert _run_ids(client, "live-killed") == [run_id]
+    run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(retry.run_id, "train_loss")] == [0, 1, 2]
+    assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [0, 1, 2]
     assert run.data.metrics["cost.core_seconds"] > first_core_s  # both attempts counted
 
 
 def test_stopping_the_supervisor_ends_the_run_killed(digits_shards, s3_prefix, tmp_path, mlflow_server,
                                                      nothing_left):
     cfg, shards = digits_shards
-    job = make_job(cfg, shards, s3_prefix, optim={"epochs": 20})
-    live = _live(mlflow_server, "live-stopped")
+    job = _tracked(make_job(cfg, shards, s3_prefix, optim={"epochs": 20}), mlflow_server, "live-stopped")
     client = _client(mlflow_server)
 
     def stop_after_first_epoch():
-        _wait_for_epoch_metric(live, client)
-        _thread.interrupt_main()  # what Ctrl-C (or Airflow's task termination) does to the supervisor
+        _wait_for_epoch_metric(client, "live-stopped")
+        _thread.interrupt_main()  # Ctrl-C while waiting: the job is stopped (SIGTERM to its supervisor)
 
     stopper = threading.Thread(target=stop_after_first_epoch, daemon=True)
     stopper.start()
     with pytest.raises(KeyboardInterrupt):
-        run_job(job, s3_prefix, tmp_path, env=SLOW, observer=live)
+        run_job(job, s3_prefix, tmp_path, env=SLOW)
     stopper.join(5)
-    run = client.get_run(live.run_id)
+    [run_id] = _run_ids(client, "live-stopped")
+    run = client.get_run(run_id)
     assert run.info.status == "KILLED"
-    assert run.data.tags["error"].startswith("stopped: KeyboardInterrupt")
+    assert run.data.tags["error"] == "the job was stopped on request"
     assert run.data.metrics["progress.global_step"] > 0

@@ -12,8 +12,8 @@ characters); the MLflow token (``MLFLOW_TRACKING_TOKEN``, which the MLflow clien
 bearer token; the test server ignores it) and the checkpoint encryption key are fake and
 recognisable. The DAG run gets the key pair and the token only through the ``aws_default`` and
 ``mlflow_default`` connections, as a deployment does. The DAG does not expose ``checkpoint.encryption_key_env``, so the encryption key is
-checked on the local-job path only (``training.launch.launcher.Supervisor`` as the ``train`` task runs
-it). Every scan also plants a control secret in each kind of source it reads and requires the
+checked on the local-job path only (a detached supervisor on the local backend, as the ``train``
+task runs it). Every scan also plants a control secret in each kind of source it reads and requires the
 scanner to find it there: a scan that read nothing could not pass.
 """
 import json

@@ -33,8 +33,8 @@ def digits_shards(s3_server, digits_csv):
 def test_dist_sync_two_workers_one_server(digits_shards, s3_prefix, tmp_path):
     cfg, shards = digits_shards
     job = _job(cfg, shards, s3_prefix, optim={"epochs": 4})
-    spawner = _run(job, s3_prefix, tmp_path)
-    assert [r.name for r in spawner.records] == ["scheduler", "server-0", "worker-0", "worker-1"]
+    roles = _run(job, s3_prefix, tmp_path)
+    assert roles == ["scheduler", "server-0", "worker-0", "worker-1"]
     metrics = json.loads(storage.get_bytes(job.metrics_uri))
     assert metrics["num_workers"] == 2
     assert len(metrics["history"]) == 4

@@ -131,6 +131,20 @@ def test_a_single_process_kvstore_job_is_its_worker_without_ps_lite():
                                                                           "worker-1"]
 
 
+def test_local_workers_run_a_given_command_without_the_tracking_credentials(tmp_path, nothing_left, monkeypatch):
+    """``spec.options["worker_argv"]`` replaces the worker's command (probes, benchmarks); the
+    supervisor's MLflow credentials stay its own."""
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "not-for-roles")
+    spec = ClusterSpec(run_tag=f"argv-{SUFFIX}", workers=1, servers=1,
+                       options={"worker_argv": ["sh", "-c", "echo token=${MLFLOW_TRACKING_TOKEN:-none} $DMLC_ROLE"]})
+    cluster = LocalCluster(spec.run_tag, spec, str(tmp_path))
+    launch = JobLaunch(job_uri="j", num_workers=1, num_servers=1, env=dict(nothing_left.env), distributed=False)
+    [worker] = cluster.start_roles(launch)
+    out, _ = worker.proc.communicate(timeout=30)
+    assert worker.name == "worker-0" and out.strip() == "token=none"  # no ps-lite either: not distributed
+    nothing_left.check("the worker")
+
+
 def test_transport_command_lines():
     ssh = HostSpec(name="a", address="10.1.2.3", ssh_user="train", ssh_key="/k", ssh_port=2222)
     argv = host_argv(ssh, "echo hi")

@@ -170,3 +170,71 @@ def test_a_cluster_that_cannot_be_loaded_is_a_recorded_deterministic_failure(tmp
     assert proc.returncode == 2 and "error: cannot load the cluster factory 'no.such.module:attach'" in out
     status = read_status(job.status_uri)
     assert status.state == FAILED and status.deterministic and "no.such.module" in status.error
+
+
+def _detached_job(tmp_path, worker_script):
+    """A one-worker job without ps-lite (kvstore ``local``) on a local cluster whose worker runs
+    ``worker_script``: the whole detached path in seconds."""
+    from training.launch.detached import local_cluster
+
+    cfg = TrainConfig().replace(cluster={"num_workers": 1, "num_servers": 1, "kvstore": "local",
+                                         "start_timeout_s": 30, "stall_timeout_s": 30},
+                                checkpoint={"preempt_grace_s": 2})
+    job = JobSpec(config=cfg, shards_prefix="", checkpoint_prefix="", model_prefix="", metrics_uri="",
+                  status_uri=str(tmp_path / "job_status.json"),
+                  cluster=local_cluster("det", cfg, home=str(tmp_path / "home"),
+                                        worker_argv=["sh", "-c", worker_script]))
+    uri = str(tmp_path / "job.json")
+    job.save(uri)
+    return uri
+
+
+def test_run_detached_returns_the_final_record_and_relays_the_log(tmp_path, nothing_left, caplog):
+    from training.launch.detached import run_detached
+
+    uri = _detached_job(tmp_path, "echo 'worker 0/1 started'; echo 'progress epoch=0 step=3/3 global_step=3 loss=1'")
+    caplog.set_level("INFO", logger="training.launch.launcher")
+    status = run_detached(uri, env={**os.environ, **nothing_left.env}, timeout_s=120)
+    assert status.state == SUCCEEDED and status.global_step == 3
+    assert "[worker-0@127.0.0.1] progress epoch=0" in caplog.text  # the supervisor's lines, relayed
+    nothing_left.check("the detached job")
+
+
+def test_run_detached_raises_the_roles_failure_from_the_record(tmp_path, nothing_left):
+    from training.launch.detached import run_detached
+    from training.launch.launcher import JobFailed
+
+    uri = _detached_job(tmp_path, "echo 'worker 0/1 started'; echo 'boom: out of memory'; exit 7")
+    with pytest.raises(JobFailed) as failed:
+        run_detached(uri, env={**os.environ, **nothing_left.env}, timeout_s=120)
+    err = failed.value
+    assert err.role == "worker-0" and err.host == "127.0.0.1" and err.exit_code == 7 and not err.deterministic
+    assert "boom: out of memory" in str(err) and "last lines of worker-0" in str(err)
+    assert "(supervisor log: " in str(err)  # where the whole story is
+    nothing_left.check("the detached job")
+
+
+def test_run_detached_stops_a_job_past_its_bound_in_order(tmp_path, nothing_left):
+    from training.launch.detached import run_detached
+    from training.launch.launcher import JobFailed
+
+    uri = _detached_job(tmp_path, "echo 'worker 0/1 started'; trap 'echo leaving; exit 75' TERM; "
+                                  "while :; do sleep 0.2; done")
+    started = time.monotonic()
+    with pytest.raises(JobFailed, match="did not end within its bound of 5s; it was stopped"):
+        run_detached(uri, env={**os.environ, **nothing_left.env}, timeout_s=5)
+    assert time.monotonic() - started < 5 + 2 + 5 + 10  # the bound, the grace, the other roles, start-up
+    assert read_status(str(tmp_path / "job_status.json")).state == STOPPED
+    nothing_left.check("the detached job")
+
+
+def test_run_detached_never_starts_beside_a_live_job(tmp_path, nothing_left):
+    from training.launch.detached import run_detached
+    from training.launch.launcher import JobFailed
+
+    uri = _detached_job(tmp_path, "echo never")
+    StatusWriter(str(tmp_path / "job_status.json"), JobStatus(state=RUNNING, job_id="1-live", host="h", pid=7)).update()
+    with pytest.raises(JobFailed, match="job 1-live is still live"):
+        run_detached(uri, env={**os.environ, **nothing_left.env}, timeout_s=60)
+    assert not os.path.exists(tmp_path / "home" / "jobs")  # no supervisor was started, nothing stopped
+    assert read_status(str(tmp_path / "job_status.json")).job_id == "1-live"

@@ -14,10 +14,11 @@ checkpoint's preemption grace (rank 0 alone first, for its emergency checkpoint;
 from its first line), then scheduler and servers. The next attempt starts a fresh job,
 which resumes from the latest committed checkpoint.
 
-Where roles run is not this module's business. It takes either a cluster (anything with
+Where roles run is not this module's business: it takes a cluster (anything with
 ``start_roles(JobLaunch) -> handles`` and ``stop_roles(handles)``: ``infra.cluster``'s local,
-hosts and EC2 backends), or, for tests and the CLI, a ``Spawner`` plus the scheduler's host and
-port, with which it starts local processes itself. What each role runs and its ps-lite
+hosts and EC2 backends). It runs inside ``python -m training supervise``, the one way a job runs
+(the train task, ``python -m training run``, the tests and the benchmarks all start that command
+detached: ``training.launch.detached``). What each role runs and its ps-lite
 variables come from ``common.roles`` (its docstring says why each ps-lite knob is set as it is:
 ``PS_RESEND`` and heartbeats off, ``DMLC_NODE_HOST`` per host, ``DMLC_INTERFACE`` only when a
 backend names one).
@@ -41,27 +42,24 @@ import logging
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from common.procs import ProcessRole, kill_groups
-from common.roles import JobLaunch, forwarded_env, role_argv, role_env
+from common.roles import JobLaunch, forwarded_env
 from common.settings import settings
 from common.config import TrainConfig
 from training.launch.job import DETERMINISTIC_EXIT_CODES
 from training.launch.status import StatusWriter
 
-__all__ = ["JobFailed", "JobObserver", "JobStopped", "Supervisor", "role_argv", "launch_for", "outcome_of"]
+__all__ = ["JobFailed", "JobObserver", "JobStopped", "Supervisor", "launch_for", "outcome_of"]
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
 TAIL_LINES = 30
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # How long the scheduler and servers get to exit on their own once every worker succeeded.
 DRAIN_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
@@ -71,12 +69,6 @@ STACK_DUMP_WAIT_S = 1.0
 # (the worker's emergency checkpoint) never gets to run: a long grace would only add to the
 # recovery time, so they get this much before SIGKILL.
 FAILED_STOP_GRACE_S = 1.0
-
-
-class Spawner(Protocol):
-    def spawn(self, name: str, argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen: ...
-
-    def kill_all(self, *, grace_s: float = 5.0) -> int: ...
 
 
 class RoleHandle(Protocol):
@@ -215,17 +207,10 @@ class _Events:
 class Supervisor:
     """Starts the roles of one job and watches them until success or the first failure."""
 
-    def __init__(self, cfg: TrainConfig, spawner: Spawner | None = None, *, host: str = "127.0.0.1",
-                 port: int = 0, base_env: Mapping[str, str] | None = None,
-                 cluster: RoleCluster | None = None, observer: JobObserver | None = None,
-                 status: StatusWriter | None = None) -> None:
-        if (spawner is None) == (cluster is None):
-            raise ValueError("give the supervisor either a cluster or a spawner (with host and port)")
+    def __init__(self, cfg: TrainConfig, *, cluster: RoleCluster, base_env: Mapping[str, str] | None = None,
+                 observer: JobObserver | None = None, status: StatusWriter | None = None) -> None:
         self.cfg = cfg
-        self.spawner = spawner
         self.cluster = cluster
-        self.host = host
-        self.port = port
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.roles: list[_Role] = []
         self.events = _Events(settings(self.base_env).events_file)
@@ -240,14 +225,6 @@ class Supervisor:
         self.stop_requested = True
 
     # -- starting ---------------------------------------------------------------------------
-
-    def _start(self, name: str, kind: str, argv: list[str]) -> None:
-        """Start one local role on the spawner (the path without a cluster)."""
-        assert self.spawner is not None
-        launch = launch_for(self.cfg, "")
-        env = role_env(launch, kind, node_host=self.host, root_uri=self.host, root_port=self.port,
-                       base=self.base_env, repo_root=REPO_ROOT)
-        self._adopt(ProcessRole(name, kind, self.host, self.spawner.spawn(name, argv, env)))
 
     def _adopt(self, handle: Any) -> None:
         role = _Role(handle=handle)
@@ -275,7 +252,7 @@ class Supervisor:
     def run(self, job_uri: str) -> None:
         c = self.cfg.cluster
         self.events("job_start", job_uri=job_uri)
-        where = type(self.cluster).__name__ if self.cluster is not None else f"{self.host}:{self.port}"
+        where = type(self.cluster).__name__
         if c.distributed:
             log.info("starting job: 1 scheduler, %d servers, %d workers on %s", c.num_servers, c.num_workers, where)
         else:
@@ -285,16 +262,13 @@ class Supervisor:
         if self.observer is not None:
             self.observer.start()
         try:
-            if self.cluster is not None:
-                # The cluster supplies each host's base environment; the job adds what a role
-                # must inherit from here (storage credentials, fault injection, ps-lite tuning).
-                env = forwarded_env(self.base_env)
-                for handle in self.cluster.start_roles(launch_for(self.cfg, job_uri, env)):
-                    self._adopt(handle)
-            else:
-                for role in launch_for(self.cfg, job_uri).roles():
-                    self._start(role.name, role.kind, role_argv(role.kind, job_uri))
+            # The cluster supplies each host's base environment; the job adds what a role must
+            # inherit from here (storage credentials, fault injection, ps-lite tuning).
+            env = forwarded_env(self.base_env)
+            for handle in self.cluster.start_roles(launch_for(self.cfg, job_uri, env)):
+                self._adopt(handle)
             self.events("roles_started", roles=[r.name for r in self.roles])
+            log.info("roles started: %s", " ".join(f"{r.name}@{r.host}" for r in self.roles))
             self._watch()
         except BaseException as exc:
             error = exc
@@ -314,11 +288,6 @@ class Supervisor:
         return {r.name: r.handle.proc.pid for r in self.roles
                 if _is_local(r.host) and getattr(r.handle, "proc", None) is not None}
 
-    def _stop(self, handles: Sequence[Any], grace_s: float) -> int:
-        if self.cluster is not None:
-            return self.cluster.stop_roles(handles, grace_s=grace_s)
-        return kill_groups((h.proc.pid for h in handles), grace_s=grace_s)
-
     def _stop_all(self, *, orderly: bool) -> None:
         """Stop every role. ``orderly`` (success, job timeout, this process interrupted): the
         workers first, with the config's preemption grace for rank 0's emergency checkpoint
@@ -335,15 +304,12 @@ class Supervisor:
             # leaves rank 0 blocked in that step's push/pull until SIGKILL, with no checkpoint.
             first = [r for r in live if r.rank == 0]
             if first:
-                stopped += self._stop([r.handle for r in first], preempt + 1.0)
+                stopped += self.cluster.stop_roles([r.handle for r in first], grace_s=preempt + 1.0)
                 live = [r for r in live if r.rank != 0]
             if live:
-                stopped += self._stop([r.handle for r in live], preempt + 1.0 if not first else grace)
-        if self.cluster is not None:
-            stopped += self.cluster.stop_roles([r.handle for r in self.roles], grace_s=grace)
-        else:
-            assert self.spawner is not None
-            stopped += self.spawner.kill_all(grace_s=grace)
+                stopped += self.cluster.stop_roles([r.handle for r in live],
+                                                   grace_s=preempt + 1.0 if not first else grace)
+        stopped += self.cluster.stop_roles([r.handle for r in self.roles], grace_s=grace)
         for role in self.roles:
             if role.reader:
                 role.reader.join(timeout=5.0)
@@ -388,11 +354,10 @@ class Supervisor:
         """Ask every live local worker for its Python stacks (faulthandler on SIGUSR1, installed
         by ``python -m training worker``), so a stall report shows where each one waited: in a
         dist_sync stall the others wait in ps-lite for the one that stopped."""
-        if self.spawner is None:
-            return  # a remote role's local process is its transport's client, not the worker
         sent = False
         for role in roles:
-            proc = getattr(role.handle, "proc", None)
+            # A remote role's local process is its transport's client, not the worker.
+            proc = getattr(role.handle, "proc", None) if _is_local(role.host) else None
             if proc is not None and proc.poll() is None:
                 try:
                     os.kill(proc.pid, signal.SIGUSR1)

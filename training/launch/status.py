@@ -10,7 +10,8 @@ Fields: ``state`` (``STATES``), ``job_id`` (unique per supervisor start), ``atte
 Airflow try that started it, 0 outside Airflow), ``global_step`` and ``epoch`` (from rank 0's
 log lines), ``heartbeat`` (Unix time of the last write; a live supervisor writes at least every
 ``HEARTBEAT_S``), ``error`` and ``deterministic`` (on failure: whether a retry can help), and
-``host`` / ``pid`` of the supervisor, which is what a stop signals.
+``host`` / ``pid`` of the supervisor, which is what a stop signals, and on a role's failure
+``role``, ``role_host`` and ``exit_code`` (negative for a signal; None for a stall).
 """
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ class JobStatus:
     deterministic: bool = False
     host: str = ""
     pid: int = 0
+    role: str = ""
+    role_host: str = ""
+    exit_code: int | None = None
 
     def __post_init__(self) -> None:
         if self.state not in STATES:

@@ -113,7 +113,8 @@ def supervise(job_uri: str, *, job_id: str, attempt: int = 0, base_env: Mapping[
         status.finish(STOPPED, error=str(exc))
         return EXIT_STOPPED
     except JobFailed as exc:
-        status.finish(FAILED, error=str(exc)[-4000:], deterministic=exc.deterministic)
+        status.finish(FAILED, error=str(exc)[-4000:], deterministic=exc.deterministic, role=exc.role,
+                      role_host=exc.host, exit_code=exc.exit_code)
         return EXIT_DETERMINISTIC if exc.deterministic else EXIT_FAILED
     except Exception as exc:  # a cluster or storage error starting the roles: retryable
         log.exception("job %s failed", job_id)

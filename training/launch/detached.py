@@ -1,0 +1,210 @@
+"""Run one job as every run does: its supervisor detached on the job's cluster, waited on.
+
+``run_detached(job_uri, env=..., timeout_s=...)`` is what the Airflow operator does, without
+Airflow: it builds the cluster the job document names (``supervise.cluster_of``), starts
+``python -m training supervise`` detached on it (``Cluster.start_supervisor``; not while the
+record shows another live job on the prefix) and reads the job's status record until it is final. A local supervisor is watched by its pid as well; a
+remote one whose heartbeat is stale past ``STALE_AFTER_S`` is stopped as a stall. Then it makes
+sure nothing is left (``Cluster.stop_job``; a local supervisor, a child of this process, is
+also reaped). It returns the final record of a job that succeeded and raises ``JobFailed``
+(the supervisor's one error, role, its host, exit code and whether it is deterministic, from the
+record, and where its log is) or ``JobStopped``. When the record cannot say why (the supervisor
+exited without a final record, or the job was stopped from here), the error carries the tail of
+the supervisor's log instead, where this machine can read it.
+
+While it waits, the lines of a supervisor log this machine can read (the local backend's, a
+shared folder's) are relayed into this process's log under the supervisor's own logger
+(``training.launch.launcher``), as they appeared when the supervisor ran in this process: a user
+of ``python -m training run`` sees the training, a test asserts on its lines. A job past
+``timeout_s``, or any exception here (Ctrl-C), stops the job in order first: SIGTERM to the
+supervisor, rank 0's emergency checkpoint, then every role.
+
+``python -m training run``, the tests and the benchmarks all start jobs through it: there is one
+way a job runs. ``local_cluster`` is the job document's cluster for the local backend
+(``infra.cluster:attach`` named, never imported: ``training`` imports no backend).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from common.config import TrainConfig
+from training.launch.job import JobSpec
+from training.launch.launcher import JobFailed, JobStopped, RoleCluster
+from training.launch.status import FAILED, FINAL_STATES, STOPPED, JobStatus, read_status
+from training.launch.supervise import SuperviseError, cluster_of
+
+log = logging.getLogger(__name__)
+# The relayed lines keep the logger they were written under: the supervisor's.
+supervisor_log = logging.getLogger("training.launch.launcher")
+
+POLL_S = 0.5
+# How long a supervisor that wrote its final record gets to exit before stop_job makes sure.
+EXIT_WAIT_S = 30.0
+# A stop's bound beyond the emergency checkpoint's grace (the other roles, the last record write).
+STOP_MARGIN_S = 30.0
+LOG_TAIL_LINES = 40
+# The factory a job document names for an ``infra`` cluster (``infra.cluster.CLUSTER_FACTORY``).
+INFRA_FACTORY = "infra.cluster:attach"
+
+
+class JobCluster(RoleCluster, Protocol):
+    """The part of a cluster that runs a detached supervisor (``infra.cluster.Cluster``)."""
+
+    def start_supervisor(self, job_uri: str, *, job_id: str, attempt: int, env: dict[str, str]) -> dict[str, Any]: ...
+
+    def stop_job(self, *, grace_s: float = ...) -> list[str]: ...
+
+    def teardown(self) -> dict[str, Any]: ...
+
+
+def local_cluster(cluster_id: str, cfg: TrainConfig, *, home: str = "",
+                  worker_argv: Sequence[str] = ()) -> dict[str, Any]:
+    """A job document's cluster on the local backend (every role a process of this machine, the
+    supervisor a session of its own). ``home``: where its records and the supervisor's log go
+    (default ``$MXPIPE_HOME``); ``worker_argv``: a command the workers run instead of
+    ``python -m training worker JOB_URI`` (probes and benchmarks)."""
+    c = cfg.cluster
+    spec = {"run_tag": cluster_id, "workers": max(1, c.num_workers), "servers": max(1, c.num_servers),
+            "options": {"worker_argv": list(worker_argv)} if worker_argv else {}}
+    description = {"backend": "local", "cluster_id": cluster_id, "spec": spec, **({"home": home} if home else {})}
+    return {"factory": INFRA_FACTORY, "description": description}
+
+
+def run_detached(job_uri: str, *, env: Mapping[str, str], timeout_s: float, job_id: str = "", attempt: int = 0,
+                 poll_s: float = POLL_S) -> JobStatus:
+    """Run the job at ``job_uri`` under a detached supervisor started with ``env``; the final
+    status record of its success (see the module docstring for everything else). ``timeout_s``
+    may be ``math.inf``: the supervisor bounds the job itself (``cluster.job_timeout_s``, stalls)."""
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    job = JobSpec.load(job_uri)
+    if not job.status_uri:
+        raise SuperviseError(f"{job_uri} has no status_uri: a detached job needs a status record")
+    current = read_status(job.status_uri)
+    if current is not None and current.live():
+        # Never a second job on one checkpoint prefix, and never a stop_job of the live one.
+        raise JobFailed(f"job {current.job_id} is still live on this run's checkpoint prefix (supervisor pid "
+                        f"{current.pid} on {current.host}, heartbeat {current.age_s():.0f}s ago): not starting "
+                        "another", role="job", exit_code=None, deterministic=False)
+    cluster: JobCluster = cluster_of(job)  # type: ignore[assignment]
+    job_id = job_id or f"{attempt}-{uuid.uuid4().hex[:12]}"
+    grace_s = float(job.config.checkpoint.preempt_grace_s) + STOP_MARGIN_S
+    where = cluster.start_supervisor(job_uri, job_id=job_id, attempt=attempt, env=dict(env))
+    pid = int(where.get("pid") or 0)  # the local backend's: a child of this process
+    relay = _LogRelay(str(where.get("log") or ""))
+    try:
+        status = _wait(job.status_uri, job_id, pid, timeout_s, poll_s, relay)
+    except BaseException as exc:
+        log.warning("stopping job %s: %s", job_id, type(exc).__name__)
+        cluster.stop_job(grace_s=grace_s)
+        _reap(pid)
+        relay()
+        if isinstance(exc, TimeoutError):
+            raise JobFailed(f"job {job_id} {exc}; it was stopped{_tail(where)}", role="job", exit_code=None,
+                            deterministic=False) from None
+        raise
+    _wait_exit(pid)
+    cluster.stop_job(grace_s=grace_s)  # nothing may outlive the job, whatever the supervisor did
+    _reap(pid)
+    relay()
+    if status is None:
+        raise JobFailed(f"the supervisor of job {job_id} exited without a final status record{_tail(where)}",
+                        role="job", exit_code=None, deterministic=False)
+    if status.state == FAILED:
+        raise JobFailed(status.error + _where_log(where), role=status.role or "job", host=status.role_host,
+                        exit_code=status.exit_code, deterministic=status.deterministic)
+    if status.state == STOPPED:
+        raise JobStopped(status.error or f"job {job_id} was stopped")
+    log.info("job %s succeeded at global step %d", job_id, status.global_step)
+    return status
+
+
+def _wait(status_uri: str, job_id: str, pid: int, timeout_s: float, poll_s: float,
+          relay: "_LogRelay") -> JobStatus | None:
+    """The job's final record; None if its (local) supervisor exited without one. TimeoutError
+    past ``timeout_s`` or on a stale heartbeat."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        relay()
+        try:
+            status = read_status(status_uri)
+        except Exception as exc:  # noqa: BLE001 - storage trouble: the record is read again next poll
+            log.warning("could not read the status record %s: %s", status_uri, exc)
+            status = None
+        ours = status is not None and status.job_id == job_id
+        if ours and status.state in FINAL_STATES:
+            return status
+        # A local supervisor is watched by its pid instead: its heartbeat can age through a
+        # storage outage that the job itself rides out.
+        if ours and not pid and not status.live():
+            raise TimeoutError(f"went silent: its supervisor's heartbeat is {status.age_s():.0f}s old")
+        if pid and not _alive(pid):
+            status = read_status(status_uri)  # the final write may have landed since the read above
+            final = status is not None and status.job_id == job_id and status.state in FINAL_STATES
+            return status if final else None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"did not end within its bound of {timeout_s:.0f}s")
+        time.sleep(poll_s)
+
+
+def _alive(pid: int) -> bool:
+    from common.procs import group_members
+
+    return bool(group_members([pid]))  # the supervisor leads its own group; a zombie is gone
+
+
+def _wait_exit(pid: int) -> None:
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while pid and _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _reap(pid: int) -> None:
+    """Collect a local supervisor's exit status, so it does not linger as a zombie."""
+    if not pid:
+        return
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass  # not a child of this process, or reaped already
+
+
+def _where_log(where: Mapping[str, Any]) -> str:
+    path = str(where.get("log") or "")
+    return f"\n(supervisor log: {path} on {where.get('host', '?')})" if path else ""
+
+
+def _tail(where: Mapping[str, Any]) -> str:
+    path = str(where.get("log") or "")
+    if not os.path.isfile(path):
+        return _where_log(where)
+    with open(path, errors="replace") as fh:
+        lines = deque(fh, maxlen=LOG_TAIL_LINES)
+    return f"\nlast lines of the supervisor's log {path}:\n" + "".join(lines).rstrip("\n")
+
+
+class _LogRelay:
+    """Relays the new complete lines of the supervisor's log file at each call (none if this
+    machine cannot read it)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = ""
+
+    def __call__(self) -> None:
+        if not self.path or not os.path.isfile(self.path):
+            return
+        with open(self.path, errors="replace") as fh:
+            fh.seek(self.offset)
+            text = fh.read()
+            self.offset = fh.tell()
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            supervisor_log.info("%s", line)
