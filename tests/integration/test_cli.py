@@ -38,7 +38,7 @@ def test_shard_validate_train_from_the_command_line(tmp_path, digits_csv):
     result = json.loads(out.stdout[out.stdout.index("{\n"):])
     assert result["final"]["epoch"] == 2 and result["final"]["val_accuracy"] > 0.85
     assert sorted(os.listdir(tmp_path / "run" / "model")) == ["model-0000.params", "model-symbol.json",
-                                                               "model_meta.json"]
+                                                               "model_meta.json", "preprocessing.json"]
 
 
 def test_bad_config_is_a_clear_error(tmp_path):

@@ -204,14 +204,15 @@ def test_accumulation_pushes_once_per_k_micro_batches(shards, s3_prefix, tmp_pat
 
 
 def test_two_bit_compression_on_dist_sync_trains(shards, s3_prefix, tmp_path, caplog):
-    """A threshold matched to the gradients it quantises (docs/kvstore-correctness.md: each
-    worker pushes the unscaled sum over its 32 rows, median |g| about 4-9 at the start): the
-    job trains. Measured 0.70 after these 40 steps (deterministic), against 0.88 uncompressed;
-    thresholds 0.5 and 2 stay at 0.33 and 0.43, and at chance after 10 epochs."""
+    """The default threshold on standardised features (data.standardize, on for tables): the
+    job trains. Measured with benchmarks/compression_accuracy.py --epochs 2 (deterministic):
+    0.916 at threshold 0.5 against 0.877 uncompressed; 0.866 at 2, 0.765 at 8, 0.408 at 32. On
+    the raw pixel values (0-16) the same threshold stayed at 0.33 (docs/kvstore-correctness.md):
+    the threshold is compared with the unscaled gradient, which standardised inputs keep small."""
     job, metrics, _ = _train(shards, s3_prefix, tmp_path, caplog,
-                             cluster={"gradient_compression": "2bit", "compression_threshold": 32.0})
-    _assert_trains(metrics, min_accuracy=0.5)
-    assert len(re.findall(r"2-bit gradient compression on \(threshold 32\)", caplog.text)) == 2
+                             cluster={"gradient_compression": "2bit", "compression_threshold": 0.5})
+    _assert_trains(metrics, min_accuracy=0.8)
+    assert len(re.findall(r"2-bit gradient compression on \(threshold 0.5\)", caplog.text)) == 2
 
 
 def test_two_bit_pushes_carry_mxnets_quantisation(tmp_path):
@@ -280,7 +281,7 @@ def test_model_split_over_contexts_with_data_parallel_workers(split_run):
     assert stage1.startswith("cpu(1): ") and "@cpu(0)" not in stage1
     assert metrics["optimizer_updates"] == metrics["global_step"]
     names = sorted(u.rsplit("/", 1)[1] for u in storage.list_uris(job.model_prefix))
-    assert names == ["model-0000.params", "model-symbol.json", "model_meta.json"]
+    assert names == ["model-0000.params", "model-symbol.json", "model_meta.json", "preprocessing.json"]
     assert ckpt.step == metrics["global_step"] and ckpt.state["optimizer_state"]
     assert sorted(ckpt.files) == ["params.npz", "trainer-stage0.states", "trainer-stage1.states"]
     assert ckpt.state["optimizer_stages"] == [["0.bias", "0.weight"], ["1.bias", "1.weight"]]

@@ -40,7 +40,7 @@ def test_dist_sync_two_workers_one_server(digits_shards, s3_prefix, tmp_path):
     assert len(metrics["history"]) == 4
     assert metrics["history"][-1]["val_accuracy"] > 0.85
     names = sorted(u.rsplit("/", 1)[1] for u in storage.list_uris(job.model_prefix))
-    assert names == ["model-0000.params", "model-symbol.json", "model_meta.json"]
+    assert names == ["model-0000.params", "model-symbol.json", "model_meta.json", "preprocessing.json"]
     store = CheckpointStore(job.checkpoint_prefix, keep=cfg.checkpoint.keep)
     assert store.committed_steps()[0] == metrics["global_step"]
     assert len(store.committed_steps()) == cfg.checkpoint.keep
