@@ -189,7 +189,7 @@ BENCHES = (
     Bench("G1", "goodput (productive ÷ wall training time) with kill -9 of a random role every T s, through "
           "Airflow; parameters vs an uninterrupted run", "≥ 0.95 at T = 300 s, bit-identical",
           "goodput.py", ("--epochs", "15", "--period-s", "150", "--max-kills", "1"),
-          ("--compare", "25,100,400,auto"), 10800, _g1),
+          ("--compare", "10,100,1000,auto"), 10800, _g1),
     Bench("R4", "network fault on the netns hosts backend: a worker host's link down 5 s and 30 s "
           "(stall timeout 20 s)", "short: rides it out; long: torn down by the stall detector, retry resumes",
           "chaos.py", ("--scenarios", "R4"), ("--scenarios", "R4", "--cut-s", "2,5,10,30,60"), 1500, _r4),

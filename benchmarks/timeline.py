@@ -39,7 +39,8 @@ Pred = Callable[[Event], bool]
 
 TERMS = ("detect", "teardown", "retry", "cluster_start", "restore", "first_step", "total")
 LEAD = "worker-0"
-_MARK = re.compile(r"(?:progress .*?global_step=|first step after resume done: global_step=|epoch \d+ done: step=)(\d+)")
+_MARK = re.compile(r"(?:progress .*?global_step=|first step after resume done: global_step="
+                   r"|epoch \d+ done: step=)(\d+)")
 _RESUMED = re.compile(r"resumed from step (\d+) \(")
 
 
@@ -137,6 +138,13 @@ def attempts(events: Sequence[Event]) -> list[Attempt]:
                 points.append((ev["t"], int(m.group(1))))
         out.append(Attempt(start=chunk[0]["t"], end=chunk[-1]["t"], resumed_from=resumed, points=points))
     return out
+
+
+def cadence_plans(events: Sequence[Event]) -> list[str]:
+    """Rank 0's ``checkpoint cadence (auto)`` choices (``training.checkpoint.cadence``), in order."""
+    mark = "checkpoint cadence (auto)"
+    return [e["text"].split(mark, 1)[1].lstrip(":, ") for e in events
+            if e["event"] == "line" and e["role"] == LEAD and mark in e["text"]]
 
 
 def goodput(events: Sequence[Event], kill_times: Sequence[float]) -> dict[str, Any]:

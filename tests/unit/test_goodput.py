@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.soak_killer import Killer, LiveRole, choose_victim, is_role_command, live_roles
-from benchmarks.timeline import attempts, failure_timeline, goodput
+from benchmarks.timeline import attempts, cadence_plans, failure_timeline, goodput
 from common.procs import GroupSpawner
 
 pytestmark = pytest.mark.unit
@@ -90,6 +90,13 @@ def test_goodput_refuses_a_kill_that_was_not_retried():
 def test_goodput_refuses_a_log_without_steps():
     with pytest.raises(RuntimeError, match="step marks"):
         goodput([{"t": 0.0, "event": "job_start"}], [])
+
+
+def test_cadence_plans_are_rank_0s_auto_choices():
+    plan = "every 120 steps (5.2s of training; Young/Daly with checkpoint cost 0.045s = blocked 0.010s + …)"
+    run = [line(1.0, f"checkpoint cadence (auto): {plan}"), line(1.1, "checkpoint cadence (auto): x", role="worker-1"),
+           line(9.0, f"checkpoint cadence (auto), re-planned (drift > 25%): {plan}")]
+    assert cadence_plans(run) == [plan, f"re-planned (drift > 25%): {plan}"]
 
 
 def test_choose_victim_is_seeded_and_ignores_discovery_order():
