@@ -210,7 +210,7 @@ def max_abs_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 def flip_bytes(job: JobSpec, step: int, name: str = "params.npz") -> None:
     """Corrupt one committed checkpoint in place: its manifest no longer matches its bytes."""
-    uri = storage.join(CheckpointStore(job.checkpoint_prefix).step_uri(step), name)
+    uri = CheckpointStore(job.checkpoint_prefix).file_uri(step, name)
     data = bytearray(storage.get_bytes(uri))
     data[len(data) // 2] ^= 0xFF
     storage.put_bytes(uri, bytes(data))

@@ -1,7 +1,7 @@
 """The real training DAG against a stack of its own, for benchmarks that measure whole runs.
 
-``local_stack`` starts a SeaweedFS S3 server and an MLflow server on free ports under a folder,
-migrates an Airflow database there and yields the environment a run needs; ``run_dag`` runs the
+``local_stack`` starts a SeaweedFS S3 server and an MLflow server on free ports under a folder
+(``benchmarks/dag_services.py``), migrates an Airflow database there and yields the environment a run needs; ``run_dag`` runs the
 ``mxnet_training`` DAG in a child process with ``dag.test()`` (Airflow's own task runner and
 retries, the local cluster backend) and returns the run's state, run id and task tries.
 ``benchmarks/recovery.py`` (P4) and ``benchmarks/goodput.py`` (G1) both run on it.
@@ -16,6 +16,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from benchmarks.dag_services import embedded_services
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,34 +38,19 @@ DIGITS = ("import sys, pandas as pd; from sklearn.datasets import load_digits; f
 
 @contextlib.contextmanager
 def local_stack(root: Path, *, artifact_prefix: str, retry_delay_s: float) -> Iterator[tuple[dict[str, str], str]]:
-    """S3 + MLflow + an Airflow database under ``root``; yields (environment, bucket)."""
-    from infra.s3_service import start_s3, stop_s3
-    from infra.services import start_mlflow
-    from infra.stack_config import StackConfig, load_credentials, stack_env
-
-    cfg = StackConfig.with_free_ports(root / "stack")
-    cfg.save()
-    s3 = start_s3(cfg)
-    mlflow = None
-    try:
-        mlflow = start_mlflow(cfg)
-        creds = load_credentials(cfg.home)
-        env = {**os.environ, **{k: v for k, v in stack_env(cfg.home).items()
-                                if k.startswith("AWS_") or k == "MLFLOW_TRACKING_URI"}}
-        env.update({"AWS_ACCESS_KEY_ID": creds["access_key"], "AWS_SECRET_ACCESS_KEY": creds["secret_key"],
-                    "MXPIPE_HOME": str(root / "home"), "AIRFLOW_HOME": str(root / "airflow"),
+    """S3 + MLflow (``embedded_services``) and an Airflow database under ``root``; yields the
+    environment of a DAG run and the bucket."""
+    with embedded_services(root) as (cfg, services):
+        env = {**os.environ, **services}
+        env.update({"MXPIPE_HOME": str(root / "home"), "AIRFLOW_HOME": str(root / "airflow"),
                     "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
                     "AIRFLOW__CORE__DAGS_FOLDER": os.path.join(REPO, "dags"), "PYTHONPATH": REPO,
                     "MXPIPE_ARTIFACT_ROOT": f"s3://{cfg.bucket}/{artifact_prefix}", "MXPIPE_SCHEDULE": "none",
-                    "MXPIPE_RETRY_DELAY_S": str(retry_delay_s), "MLFLOW_TRACKING_URI": cfg.mlflow_uri})
+                    "MXPIPE_RETRY_DELAY_S": str(retry_delay_s)})
         env.pop("AWS_ENDPOINT_URL", None)
         subprocess.run([os.path.join(os.path.dirname(sys.executable), "airflow"), "db", "migrate"], env=env,
                        check=True, capture_output=True, timeout=600)
         yield env, cfg.bucket
-    finally:
-        if mlflow is not None:
-            mlflow.stop()
-        stop_s3(s3)
 
 
 def run_dag(env: dict[str, str], conf: dict[str, Any], *, timeout_s: float, log: Path | None = None) -> dict[str, Any]:

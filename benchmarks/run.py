@@ -1,4 +1,4 @@
-"""One benchmark report: runs P1–P8 (with D1, C1, N1, C2, G1 and chaos R4) side by side on this machine and
+"""One benchmark report: runs P1–P8 (with D1, C1, Q1–Q3, N1, C2, G1 and chaos R4) side by side on this machine and
 writes the table into benchmarks/README.md (between the report markers) and benchmarks/results.json.
 
     benchmarks/run                 # quick mode (about 25 minutes on 2 cores)
@@ -108,10 +108,24 @@ def _compression(r: dict[str, Any]) -> Row:
             f"throughput ×{r['throughput_ratio']:.2f}", ratio, None)
 
 
+def _reference_row(row: dict[str, Any]) -> str:
+    return (f"{row['metric']} {row['pipeline']:.3f} vs {row['reference']:.3f} ({row['reference_name']}; "
+            f"{row['train_rows']} train / {row['test_rows']} test rows, {row['epochs_run']} epochs)")
+
+
+def _q1(r: dict[str, Any]) -> Row:
+    return (_reference_row(r["wine"]), r["wine"]["ratio"], r["met"]["Q1"])
+
+
 def _q2(r: dict[str, Any]) -> Row:
-    row = r["rows"][0]
-    return (f"R² {row['pipeline_test_r2']:.3f} vs {row['ridge_test_r2']:.3f} ({row['test_rows']} test rows, "
-            f"{row['epochs']} epochs)", row["ratio"], r["met"])
+    return (_reference_row(r["diabetes"]), r["diabetes"]["ratio"], r["met"]["Q2"])
+
+
+def _q3(r: dict[str, Any]) -> Row:
+    row, served = r["cities"], r["cities"]["unseen_rows"]
+    return (f"test accuracy {row['pipeline']:.3f} on {row['test_rows']} raw test rows ({row['test_rows_with_missing']} "
+            f"with a missing value); {served['rows']} raw rows with an unseen city and missing values predicted "
+            f"{served['labels']}", None, r["met"]["Q3"])
 
 
 def _n1(r: dict[str, Any]) -> Row:
@@ -178,8 +192,13 @@ BENCHES = (
           "kvstore_modes.py", ("--epochs", "5"), (), 1800, _p8),
     Bench("C1", "2-bit gradient compression: bytes pushed per step, compressed ÷ plain", "≈ 1/16",
           "compression.py", ("--quick",), (), 1200, _compression),
-    Bench("Q2", "diabetes regression: pipeline test R² ÷ scikit-learn Ridge's, same train/test split",
-          "≥ 1.0", "regression_reference.py", (), ("--seeds", "42,7,1"), 1800, _q2),
+    Bench("Q1", "wine through the DAG: test accuracy ÷ StandardScaler + LogisticRegression's, same train/test split",
+          "≥ 1.0", "table_references.py", (), (), 3600, _q1),
+    Bench("Q2", "diabetes regression through the DAG: test R² ÷ scikit-learn Ridge's, same train/test split",
+          "≥ 1.0", "table_references.py", (), (), 3600, _q2),
+    Bench("Q3", "a table with a text column and missing values (impute) through the DAG; the registered model on "
+          "raw rows with unseen categories and missing values", "trains; predicts those rows",
+          "table_references.py", (), (), 3600, _q3),
     Bench("N1", "step time against link bandwidth (tbf on every netns host link) ÷ the planner's time for "
           "the same bytes (measured comm ÷ planned, mean over the rates)", "reported",
           "constrained_links.py", ("--quick",), (), 1800, _n1),

@@ -13,14 +13,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, JsonValue, ValidationError,
+                      ValidatorFunctionWrapHandler, WrapValidator, model_validator)
+
+from common.task_metrics import TASK_METRICS
 from pydantic.fields import FieldInfo
 
 MODELS = ("mlp", "lenet", "resnet18", "resnet50")
+# Or a network of the user's own: ``package.module:factory`` (training.loop.custom_model).
+IMPORT_PATH_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
+MODEL_NAME_PATTERN = rf"^({'|'.join(MODELS)}|{IMPORT_PATH_PATTERN})$"
+# Where a custom network's code is: an absolute local path or an s3:// URI, of a folder (put on
+# sys.path as it is) or of one .py file (a top-level module).
+CODE_URI_PATTERN = r"^(s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/[^\s]+|/[^\s]*)$"
 # Models that see the features as an image: they need data.input_shape = (C, H, W).
 IMAGE_MODELS = ("lenet", "resnet18", "resnet50")
 # MXNet 1.9 optimizer registry names (mx.optimizer.Optimizer.opt_registry).
@@ -57,10 +66,21 @@ LOSSES = ("auto", *(loss for losses in TASK_LOSSES.values() for loss in losses))
 # Fields added after checkpoints embedded the config's digest: left out of ``digest_dict`` while
 # they hold their default, so a config that does not use them keeps its digest (and its
 # checkpoints still resume).
-_DIGEST_OMITTED_AT_DEFAULT = {"data": ("target_columns", "target_range"),
-                              "model": ("task", "loss", "huber_rho")}
+_DIGEST_OMITTED_AT_DEFAULT = {"data": ("target_columns", "target_range", "standardize", "missing_values",
+                                       "rare_label_action", "rare_label_rows", "rare_label_ratio"),
+                              "model": ("task", "loss", "huber_rho", "options", "code_uri"),
+                              "optim": ("early_stopping_patience", "early_stopping_metric", "early_stopping_min_delta"),
+                              "checkpoint": ("export_epoch", "mtbf_s")}
+# What a missing table value does: fail validation (as non-finite), or take the train split's
+# median (numeric) / most frequent value (categorical) at shard time and in the served model.
+MISSING_VALUES = ("fail", "impute")
+# What a label value that looks accidental (no data.classes declared) does in validation.
+RARE_LABEL_ACTIONS = ("warn", "fail", "off")
 # S3 server-side encryption of checkpoint objects: none, S3-managed keys, KMS.
 SSE_MODES = ("", "AES256", "aws:kms")
+# Which epoch's parameters a job exports (and registers): "best" = the best validation epoch's,
+# "last" = the last trained epoch's, "auto" = "best" exactly when early stopping is on.
+EXPORT_EPOCHS = ("auto", "best", "last")
 
 
 class ConfigError(ValueError):
@@ -150,6 +170,17 @@ class DataConfig(_Strict):
     # (checked by validation, like feature_range).
     target_columns: Strings = ()
     target_range: Numbers = ()
+    # Table preprocessing, fitted on the train split at shard time, recorded in the manifest and
+    # baked into the registered model (data_checks.preprocess): numeric features standardised
+    # with the train mean and std; string columns are categorical (train vocabulary + an unknown
+    # bucket, one-hot); missing values per ``missing_values``.
+    standardize: bool = True
+    missing_values: Literal[MISSING_VALUES] = "fail"
+    # Without data.classes, a class with at most rare_label_rows rows, or fewer than
+    # rare_label_ratio x the median class's rows, looks accidental (a typo, a stray value).
+    rare_label_action: Literal[RARE_LABEL_ACTIONS] = "warn"
+    rare_label_rows: int = Field(5, ge=0)
+    rare_label_ratio: Number = Field(0.01, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _combinations(self) -> DataConfig:
@@ -175,8 +206,36 @@ class DataConfig(_Strict):
         return self
 
 
+def is_custom_model(name: str) -> bool:
+    """Whether ``model.name`` names a factory (``package.module:factory``) rather than the zoo."""
+    return ":" in name
+
+
+def _model_name(name: str) -> str:
+    _check(re.fullmatch(MODEL_NAME_PATTERN, name) is not None,
+           f"model.name must be one of {MODELS} or an import path 'package.module:factory', got {name!r}")
+    return name
+
+
+def _code_uri(uri: str) -> str:
+    _check(uri == "" or re.fullmatch(CODE_URI_PATTERN, uri) is not None,
+           f"model.code_uri must be an absolute path or an s3://bucket/key URI (a folder or a .py file), "
+           f"got {uri!r}")
+    return uri
+
+
 class ModelConfig(_Strict):
-    name: Literal[MODELS] = "mlp"
+    # A network of the zoo (MODELS) or an import path "package.module:factory": the factory is
+    # called as factory(num_outputs=..., input_shape=..., options=...) and returns a HybridBlock
+    # (training.loop.custom_model). The schema's pattern admits both.
+    name: Annotated[str, AfterValidator(_model_name),
+                    Field(json_schema_extra={"pattern": MODEL_NAME_PATTERN})] = "mlp"
+    # The factory's own settings, any JSON object; a zoo network takes none.
+    options: Annotated[dict[str, JsonValue], Field(strict=False)] = Field(default_factory=dict)
+    # The custom network's code, packed and staged with the run (common.model_code); empty: the
+    # module is importable on every role already (installed in the image).
+    code_uri: Annotated[str, AfterValidator(_code_uri),
+                        Field(json_schema_extra={"pattern": CODE_URI_PATTERN.replace("^(", "^$|^(")})] = ""
     hidden: PositiveInts = (128, 64)
     dropout: Number = Field(0.0, ge=0, lt=1)
     # Model parallelism inside a worker: "split" puts contiguous stages of the model's blocks on
@@ -196,6 +255,10 @@ class ModelConfig(_Strict):
         allowed = TASK_LOSSES[self.task]
         _check(self.loss == "auto" or self.loss in allowed,
                f"model.loss={self.loss!r} does not fit model.task={self.task!r}: expected 'auto' or one of {allowed}")
+        if not is_custom_model(self.name):
+            _check(not self.options and not self.code_uri,
+                   f"model.options and model.code_uri are for a custom network (model.name "
+                   f"'package.module:factory'), not for model.name={self.name!r}")
         return self
 
     @property
@@ -233,9 +296,24 @@ class OptimConfig(_Strict):
     # "fp16" runs forward/backward through mxnet.contrib.amp (dynamic loss scaling) and needs
     # GPU contexts; untested here, where there is no GPU.
     precision: Literal[PRECISIONS] = "fp32"
+    # Early stopping (training.loop.early_stop): after every epoch, ``early_stopping_metric``
+    # (a validation metric of the epoch record, e.g. val_accuracy or val_loss; its direction is
+    # training.loop.metrics.higher_is_better) is compared with the best so far; a change of
+    # more than ``early_stopping_min_delta`` in the good direction is a new best, and after
+    # ``early_stopping_patience`` epochs without one the job stops (0 = off: every epoch runs).
+    early_stopping_patience: int = Field(0, ge=0)
+    # (The pattern is for the form's schema; the check below says what is wrong in words.)
+    # "auto": the task's first-ranked metric (val_accuracy; val_rmse for regression).
+    early_stopping_metric: str = Field("auto",
+                                       json_schema_extra={"pattern": r"^(auto|val_[A-Za-z_][A-Za-z0-9_]*)$"})
+    early_stopping_min_delta: Number = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _combinations(self) -> OptimConfig:
+        _check(self.early_stopping_metric == "auto" or (self.early_stopping_metric.startswith("val_")
+                                                         and self.early_stopping_metric[4:].isidentifier()),
+               f"optim.early_stopping_metric must be 'auto' or name a validation metric such as "
+               f"'val_accuracy' or 'val_loss', got {self.early_stopping_metric!r}")
         decay = self.lr_decay_epochs
         _check((self.lr_schedule == "step") == bool(decay),
                "optim.lr_decay_epochs must be given exactly when optim.lr_schedule='step'")
@@ -267,10 +345,11 @@ class ClusterConfig(_Strict):
     num_workers: int = Field(2, ge=1, le=256)
     num_servers: int = Field(1, ge=1, le=64)
     # Bounds of the distributed job (seconds). A worker that logs nothing for stall_timeout_s
-    # is considered hung: ps-lite never recovers from a lost peer by itself.
+    # is considered hung: ps-lite never recovers from a lost peer by itself. job_timeout_s 0 is
+    # no limit (a multi-day run); stall detection still ends a hung job.
     start_timeout_s: Number = Field(120.0, gt=0)
     stall_timeout_s: Number = Field(120.0, gt=0)
-    job_timeout_s: Number = Field(3600.0, gt=0)
+    job_timeout_s: Number = Field(0.0, ge=0)
     # Threads per role process; on a small machine several roles share the cores.
     threads_per_role: int = Field(1, ge=1)
     # "workers" keeps the optimizer state on every worker (Trainer.save_states works: exact
@@ -331,8 +410,12 @@ class CheckpointConfig(_Strict):
     """
 
     # Cadence: every N global steps and/or every T seconds (0 = off), and always at epoch end.
-    every_n_steps: int = Field(50, ge=1)
+    # "auto": N from the measured cost of a checkpoint and ``mtbf_s`` (Young/Daly,
+    # training.checkpoint.cadence).
+    every_n_steps: Annotated[int, Field(ge=1)] | Literal["auto"] = 50
     every_n_seconds: Number = Field(0.0, ge=0)
+    # Mean time between failures of the whole job, in seconds (used by every_n_steps="auto").
+    mtbf_s: Number = Field(86400.0, gt=0)
     # Retention: the newest ``keep`` committed (at least 2: a torn newest one needs a fallback),
     # plus (if > 0) the oldest committed checkpoint of every window of ``keep_every_n_steps``
     # steps, forever.
@@ -361,6 +444,10 @@ class CheckpointConfig(_Strict):
     # records up to a checkpoint live in its train state.
     step_metrics_every_n: int = Field(1, ge=1)
     max_step_metrics: int = Field(2000, ge=2, le=100_000)
+    # Which parameters the job exports and register registers (EXPORT_EPOCHS): with "best" (or
+    # "auto" and early stopping on) the best validation epoch's, from its epoch-end checkpoint,
+    # which retention then never deletes while it is the best.
+    export_epoch: Literal[EXPORT_EPOCHS] = "auto"
 
     @model_validator(mode="after")
     def _combinations(self) -> CheckpointConfig:
@@ -391,6 +478,9 @@ class TrainConfig(_Strict):
                "optim.precision='fp16' needs cluster.device='gpu': mxnet.contrib.amp runs float16 on GPU "
                "contexts only; on CPU use precision='fp32'")
         if self.model.placement == "split":
+            _check(not is_custom_model(self.model.name),
+                   "model.placement='split' needs a network of the zoo: a custom block's children are not "
+                   "known to run one after another")
             _check(self.cluster.devices_per_worker >= 2,
                    "model.placement='split' needs cluster.devices_per_worker >= 2 (one stage per context)")
             _check(self.cluster.optimizer_placement == "workers",
@@ -404,6 +494,10 @@ class TrainConfig(_Strict):
             for name in ("target_columns", "target_range"):
                 _check(not getattr(self.data, name), f"data.{name} is for model.task='regression', "
                                                      f"but model.task={self.model.task!r}")
+        watched, reported = self.early_stopping_metric, TASK_METRICS[self.model.task]
+        _check(watched[len("val_"):] in reported,
+               f"optim.early_stopping_metric={watched!r} is not reported for model.task={self.model.task!r}; "
+               f"choose one of {['auto', *(f'val_{m}' for m in reported)]}")
         workers = self.cluster.num_workers
         _check(self.num_train_shards >= workers,
                f"data.num_shards={self.num_train_shards} cannot be spread over cluster.num_workers={workers}: "
@@ -434,8 +528,23 @@ class TrainConfig(_Strict):
         return o.learning_rate
 
     def to_dict(self) -> dict[str, Any]:
-        """Sections as dicts in field order, arrays as tuples (what ``digest`` hashes)."""
+        """Sections as dicts in field order, arrays as tuples (``digest_dict`` is what digests hash)."""
         return self.model_dump()
+
+    @property
+    def early_stopping_metric(self) -> str:
+        """The validation metric early stopping watches (``optim.early_stopping_metric``, "auto"
+        resolved by the task)."""
+        name = self.optim.early_stopping_metric
+        if name != "auto":
+            return name
+        return "val_rmse" if self.model.task == "regression" else "val_accuracy"
+
+    @property
+    def exports_best(self) -> bool:
+        """Whether the job exports the best validation epoch's parameters (``checkpoint.export_epoch``)."""
+        choice = self.checkpoint.export_epoch
+        return choice == "best" or (choice == "auto" and self.optim.early_stopping_patience > 0)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)
@@ -492,6 +601,7 @@ class TrainConfig(_Strict):
         return TrainConfig.from_dict(overlay(self.to_dict(), sections))
 
 
+# Fields added after the pinned digests (tests/unit/test_config_types.py), with their defaults.
 def overlay(raw: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
     """``raw`` (a config as a dict) with ``layer``'s values on top, field by field within a
     section (``seed`` replaced). Nothing is validated but the shape: build the result with
@@ -527,7 +637,7 @@ def recipe(name: str, source_uri: str = "") -> TrainConfig:
 
 # What a strict type check expected.
 _EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
-             "string_type": "a string", "tuple_type": "a list"}
+             "string_type": "a string", "tuple_type": "a list", "dict_type": "a JSON object"}
 _BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 _OPERATORS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
 
@@ -578,6 +688,9 @@ def _line(model: type[BaseModel], prefix: str, errors: list[dict[str, Any]]) -> 
     path = _path(prefix, loc)
     field = model.model_fields.get(str(loc[0])) if len(loc) == 1 else None
     expected = [_EXPECTED[e["type"]] for e in errors if e["type"] in _EXPECTED]
+    if len(errors) > 1:  # a union's members: one out of its bounds or a literal expects those too
+        expected = ([_bounds(None, e["ctx"]) for e in errors if e["type"] in _BOUND_ERRORS] + expected
+                    + [e["ctx"]["expected"] for e in errors if e["type"] == "literal_error"])
     if kind == "value_error":  # a combination check or a section's own errors: they name their fields
         return str(err["ctx"]["error"])
     if expected:

@@ -15,7 +15,7 @@ from common.storage import join
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
 
-STAGES = ("shards", "validation", "checkpoints", "model", "metrics", "config")
+STAGES = ("shards", "validation", "checkpoints", "model", "metrics", "config", "code")
 
 
 def safe_component(value: str) -> str:
@@ -64,6 +64,15 @@ class RunPaths:
     @property
     def config(self) -> str:
         return self.stage("config")
+
+    @property
+    def code(self) -> str:
+        """A custom network's code, staged by the first task (``common.model_code``)."""
+        return self.stage("code")
+
+    def job_status(self) -> str:
+        """The training job's status record (``training.launch.status``), beside its job document."""
+        return join(self.config, "job_status.json")
 
 
 DATASETS_DIR = "datasets"

@@ -225,6 +225,23 @@ def scan_fixed_layout(idx_path: str, rec_path: str, num_features: int, block_byt
     return labels
 
 
+def iter_blocks(idx_path: str, rec_path: str, num_features: int, rows: int) -> Any:
+    """A shard's records in key order as ``Shard`` blocks of at most ``rows`` records (memory: one
+    block); a shard without the fixed-size layout (rare: an escaped record) comes as one block."""
+    try:
+        scan_fixed_layout(idx_path, rec_path, num_features)
+    except LayoutError:
+        yield read_shard(idx_path, rec_path, num_features)
+        return
+    dtype = record_dtype(num_features)
+    n = os.path.getsize(rec_path) // dtype.itemsize
+    with open(rec_path, "rb") as fh:
+        for start in range(0, n, rows):
+            block = np.fromfile(fh, dtype=dtype, count=min(rows, n - start))
+            yield Shard(block["features"], block["label"].astype(np.int32), block["id"].astype(np.int64),
+                        block["id2"].copy())
+
+
 def _read_shard_mxnet(idx_path: str, rec_path: str, num_features: int) -> Shard:
     """Any valid RecordIO pair (escaped records, other writers), one record at a time."""
     rio = _recordio().MXIndexedRecordIO(idx_path, rec_path, "r")

@@ -142,6 +142,10 @@ def role_env(launch: JobLaunch, kind: str, *, node_host: str, root_uri: str, roo
     return env
 
 
+# MLflow's credentials: the supervisor's live run uses them; a role never gets them.
+TRACKING_SECRETS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+
+
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The part of the launching process's environment a role on another host should get."""
     return {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}

@@ -77,6 +77,10 @@ class Settings(BaseSettings):
                                 group="dags")
     retry_delay_s: float = _var(30.0, "MXPIPE_RETRY_DELAY_S", "First retry delay of `train` and "
                                 "`register` (exponential backoff after it)", group="dags")
+    train_timeout_s: float = _var(0.0, "MXPIPE_TRAIN_TIMEOUT_S", "The `train` task's "
+                                  "`execution_timeout` in seconds, counted from its job's start: past it the "
+                                  "job is stopped (emergency checkpoint first) and the task fails without a "
+                                  "retry (0: none)", group="dags")
     reaper_schedule: str = _var("*/15 * * * *", "MXPIPE_REAPER_SCHEDULE", "Cron schedule (UTC) of "
                                 "the `cluster_reaper` DAG (`none`: triggered only)", group="dags")
     dataset_uri: str = _var(DEFAULT_DATASET_URI, "MXPIPE_DATASET_URI", "The dataset the "

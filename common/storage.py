@@ -203,13 +203,19 @@ def exists(uri: str) -> bool:
 
 def list_uris(prefix: str) -> Iterator[str]:
     """Every object URI under ``prefix`` (recursive), in lexicographic order."""
+    return (uri for uri, _ in list_objects(prefix))
+
+
+def list_objects(prefix: str) -> Iterator[tuple[str, float]]:
+    """Every object under ``prefix`` (recursive) with its modification time (epoch seconds: the
+    S3 server's clock, or the file's mtime), in lexicographic order of the URI."""
     if is_s3(prefix):
         bucket, key = split_s3(prefix)
         key = key.rstrip("/") + "/" if key else ""
         paginator = s3_client().get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=bucket, Prefix=key):
             for obj in page.get("Contents", []):
-                yield f"s3://{bucket}/{obj['Key']}"
+                yield f"s3://{bucket}/{obj['Key']}", obj["LastModified"].timestamp()
         return
     root = _local(prefix)
     if not os.path.isdir(root):
@@ -217,18 +223,34 @@ def list_uris(prefix: str) -> Iterator[str]:
     found = []
     for dirpath, _, files in os.walk(root):
         found.extend(os.path.join(dirpath, f) for f in files)
-    yield from sorted(found)
+    for path in sorted(found):
+        try:
+            yield path, os.stat(path).st_mtime
+        except FileNotFoundError:  # deleted since the walk
+            continue
+
+
+def delete_uris(uris: list[str]) -> None:
+    """Delete these objects (full URIs, of one bucket); a missing one is no error."""
+    s3 = [u for u in uris if is_s3(u)]
+    for i in range(0, len(s3), 1000):
+        batch = s3[i:i + 1000]
+        bucket = split_s3(batch[0])[0]
+        s3_client().delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": split_s3(u)[1]} for u in batch],
+                                                          "Quiet": True})
+    for uri in uris:
+        if not is_s3(uri):
+            try:
+                os.remove(_local(uri))
+            except FileNotFoundError:
+                pass
 
 
 def delete_prefix(prefix: str) -> int:
     """Delete every object under ``prefix``; returns how many were deleted."""
     uris = list(list_uris(prefix))
     if is_s3(prefix):
-        bucket, _ = split_s3(prefix)
-        client = s3_client()
-        for i in range(0, len(uris), 1000):
-            batch = [{"Key": split_s3(u)[1]} for u in uris[i:i + 1000]]
-            client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+        delete_uris(uris)
     else:
         shutil.rmtree(_local(prefix), ignore_errors=True)
     return len(uris)

@@ -2,7 +2,8 @@
 
 shard → validate (one mapped task per shard, then cross-shard checks) → provision (setup) →
 train (dist_sync, checkpoints, retry = resume) → register, with teardown (runs on success and
-failure) releasing the cluster.
+failure) releasing the cluster. ``train`` is ``plugins.train_operator.TrainJobOperator``: it
+starts the job's supervisor detached on the cluster and defers while the job runs.
 
 This file reads like a config: Airflow's SDK and the project's light task module, nothing heavy,
 no I/O at parse time. The schedule comes from ``MXPIPE_SCHEDULE`` (a cron expression; ``none``
@@ -29,12 +30,16 @@ from plugins.connections import with_connections
 from plugins import pipeline_tasks as tasks
 from plugins.params import training_params
 from plugins.review import model_asset
+from plugins.train_operator import TrainJobOperator
 
 _SETTINGS = settings()
 SCHEDULE = _SETTINGS.schedule
 # One active run unless configured: runs of one DAG share the dataset's shard cache.
 MAX_ACTIVE_RUNS = _SETTINGS.max_active_runs
 RETRY_DELAY = timedelta(seconds=_SETTINGS.retry_delay_s)
+# The train task's limit, counted from its job's start (MXPIPE_TRAIN_TIMEOUT_S; 0: none). The job's
+# own limit is the cluster.job_timeout_s Param; a hung job is caught by stall detection.
+TRAIN_TIMEOUT = timedelta(seconds=_SETTINGS.train_timeout_s) if _SETTINGS.train_timeout_s else None
 
 PARAMS = training_params()
 # The model name is a run-time Param, so the "new version of <name>" Asset the review DAG waits
@@ -108,15 +113,6 @@ def mxnet_training() -> None:
         dag_id, run_id, _ = _ids()
         return tasks.provision(config, params, dag_id, run_id)
 
-    @task(retries=2, retry_delay=RETRY_DELAY, retry_exponential_backoff=True)
-    @with_connections
-    def train(cluster: dict, shards: dict, config: dict, params: dict | None = None) -> dict:
-        dag_id, run_id, try_number = _ids()
-        ti = get_current_context()["ti"]
-        # The "MLflow run" link reads it while the job trains (plugins.links).
-        return tasks.train(config, params, cluster, shards, dag_id, run_id, try_number,
-                           on_run=lambda url: ti.xcom_push(key=tasks.LIVE_RUN_XCOM_KEY, value=url))
-
     @teardown
     @with_connections
     def release(cluster: dict) -> dict:
@@ -142,7 +138,9 @@ def mxnet_training() -> None:
     per_shard >> checked
     cluster = provision(config)
     checked >> cluster
-    trained = train(cluster, shards, config)
+    trained = TrainJobOperator(task_id="train", cluster=cluster, shards=shards, config=config, retries=2,
+                               retry_delay=RETRY_DELAY, retry_exponential_backoff=True,
+                               execution_timeout=TRAIN_TIMEOUT).output
     trained >> release(cluster)
     register(shards, trained, checked, config)
 

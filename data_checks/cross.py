@@ -4,6 +4,8 @@
 * train shard sizes are balanced, and so are their label distributions;
 * the manifest has the train shards the config asks for;
 * declared classes that have no rows (a warning);
+* without declared classes, label values that look accidental: a class with a handful of rows,
+  or one far rarer than the median class (``data.rare_label_action``: a warning, or a failure);
 * no id appears twice across shards (from the id hashes of the per-shard runs);
 * label distribution drift and schema change against the dataset's previous validated manifest
   (``data.drift_action``: "warn" reports, "fail" fails, "off" skips).
@@ -42,7 +44,7 @@ def cross_shard_checks(manifest: dict[str, Any], results: dict[str, dict[str, An
     classification = not is_regression(manifest)
     checks = [_all_validated(manifest, results), _balanced(manifest, cfg),
               *([_label_skew(manifest, cfg)] if classification else []), _layout(manifest, cfg),
-              *([_declared_present(manifest)] if classification else [])]
+              *([_declared_present(manifest), _rare_labels(manifest, results, cfg)] if classification else [])]
     if manifest.get("id_column"):
         checks.append(_unique_ids(ids, manifest))
     checks += _drift(manifest, cfg, previous_manifest_uri)
@@ -133,6 +135,41 @@ def _declared_present(manifest: dict[str, Any]) -> dict[str, Any]:
     failures = [{"column": "label", "unexpected_count": len(absent), "examples": absent[:_EXAMPLES],
                  "message": f"{len(absent)} declared classes have no rows: {absent[:_EXAMPLES]}"}] if absent else []
     return _check("declared_classes_present", "every declared class has rows", failures, severity="warn")
+
+
+def _rare_labels(manifest: dict[str, Any], results: dict[str, dict[str, Any] | None],
+                 cfg: "TrainConfig") -> dict[str, Any]:
+    """Classes with at most ``rare_label_rows`` rows, or fewer than ``rare_label_ratio`` × the
+    median class's, when no label set is declared: likely a typo or a stray value, not a class."""
+    d = cfg.data
+    name, description = "labels_look_intended", "no class is a handful of rows or far rarer than the rest"
+    if d.rare_label_action == "off" or manifest.get("declared_classes"):
+        why = "data.rare_label_action is 'off'" if d.rare_label_action == "off" else "data.classes is declared"
+        return _check(name, description, [], severity="warn", skipped=why)
+    counts: dict[int, int] = {}
+    for s in manifest["shards"]:
+        for k, n in s["label_histogram"].items():
+            counts[int(k)] = counts.get(int(k), 0) + n
+    median = float(np.median(list(counts.values()))) if counts else 0.0
+    rare = sorted((k for k, n in counts.items() if n <= d.rare_label_rows or n < d.rare_label_ratio * median),
+                  key=lambda k: counts[k])
+    rows: dict[int, int] = {}
+    for result in results.values():
+        for k, row in ((result or {}).get("label_rows") or {}).items():
+            rows.setdefault(int(k), row)
+    classes = manifest["classes"]
+
+    def value(k: int) -> Any:  # a class index outside the manifest's classes fails its own check
+        return classes[k] if k < len(classes) else f"#{k}"
+
+    examples = [f"{value(k)!r}: {counts[k]} rows (median class {median:g})"
+                + (f", e.g. source row {rows[k]}" if k in rows else "") for k in rare[:_EXAMPLES]]
+    failures = [{"column": "label", "unexpected_count": len(rare), "examples": examples,
+                 "message": f"{len(rare)} label value(s) look accidental (at most {d.rare_label_rows} rows, or fewer "
+                            f"than {d.rare_label_ratio:g} × the median class's {median:g}): {'; '.join(examples)}; "
+                            "fix the labels, or declare data.classes if they are intended"}] if rare else []
+    return _check(name, description, failures, severity="fail" if d.rare_label_action == "fail" else "warn",
+                  counts={str(value(k)): counts[k] for k in rare})
 
 
 def _unique_ids(ids: dict[str, np.ndarray], manifest: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,8 @@ Memory follows ``data.chunk_rows`` (and pyarrow's CSV block, sized from it), nev
 dataset: CSV is parsed by pyarrow's streaming reader straight from the byte stream (an fsspec
 file read in blocks); Parquet is read row group by row group from a local copy. Every problem that
 stops rows from being decoded at all is a ``DataError`` naming the file and, where known, the
-column and the value: a missing label column, a non-numeric feature column, a truncated gzip
+column and the value: a missing label column, a feature column that is neither numeric nor
+text (text columns are categorical: their values are read as codes), a truncated gzip
 or Parquet file, bytes that are not UTF-8, a file whose columns differ from the first file's.
 Problems *in* decodable values (NaN, inf, out-of-range, labels outside the declared set,
 duplicate ids) are left for validation to report.
@@ -40,7 +41,8 @@ _PANDAS_INDEX = re.compile(r"__index_level_\d+__")
 
 @dataclass
 class Chunk:
-    features: np.ndarray  # [n, num_features] float32 (NaN/inf kept for validation to report)
+    features: np.ndarray  # [n, num_features] float32 (NaN/inf kept for validation to report);
+    # a categorical column holds the code of its value in TableReader.categories, NaN if missing
     label_codes: np.ndarray  # [n] int64 indices into label_values
     label_values: list[Any]  # canonical class values (see canonical_label)
     row_ids: np.ndarray  # [n] int64 row numbers over the whole source
@@ -62,12 +64,13 @@ class Layout:
     feature_columns: list[str]
     source_columns: list[dict[str, str]] = field(default_factory=list)  # name + type, as read
     target_columns: list[str] = field(default_factory=list)  # regression: the float targets, in order
+    categorical: list[str] = field(default_factory=list)  # text feature columns, read as codes
 
     def schema(self) -> dict[str, Any]:
         targets = {"target_columns": self.target_columns, "target_dtype": "float32"} if self.target_columns else {}
         return {"label_column": self.label_column, "id_column": self.id_column or None,
                 "feature_columns": self.feature_columns, "feature_dtype": "float32", **targets,
-                "source_columns": self.source_columns}
+                "source_columns": self.source_columns, "categorical_columns": self.categorical}
 
     @property
     def role_columns(self) -> list[str]:
@@ -125,6 +128,9 @@ class TableReader:
         self.layout: Layout | None = None
         self.files_read: list[dict[str, Any]] = []  # uri, bytes, sha256 (+ etag) per file read
         self.rows = 0
+        # Per categorical column: its values in order of first appearance (a value's code is its
+        # position), over every split; preprocessing keeps the train split's.
+        self.categories: dict[str, dict[str, int]] = {}
 
     def chunks(self) -> Iterator[Chunk]:
         for source in self.plan.files:
@@ -141,7 +147,7 @@ class TableReader:
     # -- layout ---------------------------------------------------------------------------------
 
     def _layout(self, uri: str, names: list[str], types: dict[str, str], numeric: dict[str, bool],
-                example: Callable[[str], Any]) -> Layout:
+                example: Callable[[str], Any], text: dict[str, bool]) -> Layout:
         d = self.data
         missing_targets = [c for c in self.targets if c not in names]
         if missing_targets:
@@ -175,18 +181,24 @@ class TableReader:
             shown = "; ".join(f"{c!r} ({types[c]}, e.g. {example(c)!r})" for c in bad_targets)
             raise DataError(f"non-numeric target columns in {uri}: {shown}; model.task='regression' needs float "
                             "targets")
-        bad = [c for c in features if not numeric[c]]
+        bad = [c for c in features if not (numeric[c] or text[c])]
         if bad:
             shown = "; ".join(f"{c!r} ({types[c]}, e.g. {example(c)!r})" for c in bad[:10])
-            raise DataError(f"non-numeric feature columns in {uri}: {shown}{' …' if len(bad) > 10 else ''}; "
-                            f"every column except the label {d.label_column!r}"
-                            f"{f' and the id {d.id_column!r}' if d.id_column else ''} must be numeric")
+            raise DataError(f"feature columns in {uri} are neither numbers nor text: {shown}"
+                            f"{' …' if len(bad) > 10 else ''}; every column except the label {d.label_column!r}"
+                            f"{f' and the id {d.id_column!r}' if d.id_column else ''} must be numeric or "
+                            "categorical text")
+        categorical = [c for c in features if text[c]]
+        if categorical and d.input_shape:
+            raise DataError(f"data.input_shape is set but {uri} has text (categorical) feature columns "
+                            f"{categorical[:10]}: an image-shaped input must be numeric")
+        self.categories = {c: {} for c in categorical}
         shape = d.input_shape
         if shape and math.prod(shape) != len(features):
             raise DataError(f"data.input_shape {tuple(shape)} holds {math.prod(shape)} values but {uri} has "
                             f"{len(features)} feature columns")
         return Layout("" if self.targets else d.label_column, d.id_column, features,
-                      [{"name": n, "type": types[n]} for n in names], list(self.targets))
+                      [{"name": n, "type": types[n]} for n in names], list(self.targets), categorical)
 
     # -- CSV ------------------------------------------------------------------------------------
 
@@ -203,10 +215,12 @@ class TableReader:
         names = sample.column_names
         numeric = {n: _numeric_type(sample.schema.field(n).type) for n in names}
         self.layout = self._layout(source.uri, names, {n: str(sample.schema.field(n).type) for n in names},
-                                   numeric, lambda c: _first_non_numeric(sample.column(c)))
+                                   numeric, lambda c: _first_non_numeric(sample.column(c)),
+                                   {n: _text_type(sample.schema.field(n).type) for n in names})
         lay = self.layout
         # Parsed straight to float32 (what the records hold; half the memory of float64).
-        types = {c: pa.bool_() if pa.types.is_boolean(sample.schema.field(c).type) else pa.float32()
+        types = {c: pa.string() if c in lay.categorical else
+                 pa.bool_() if pa.types.is_boolean(sample.schema.field(c).type) else pa.float32()
                  for c in [*lay.feature_columns, *lay.target_columns]}
         if not lay.target_columns:
             types[lay.label_column] = pa.string()
@@ -255,7 +269,8 @@ class TableReader:
                 return values[0].as_py() if len(values) else None
 
             self.layout = self._layout(source.uri, names, {n: str(schema.field(n).type) for n in names},
-                                       {n: _numeric_type(schema.field(n).type) for n in names}, example)
+                                       {n: _numeric_type(schema.field(n).type) for n in names}, example,
+                                       {n: _text_type(schema.field(n).type) for n in names})
             lay = self.layout
             columns = [*lay.role_columns, *lay.feature_columns]
             try:
@@ -293,7 +308,13 @@ class TableReader:
         lay = self.layout
         assert lay is not None
         n = batch.num_rows
-        X = _float32_columns(batch, lay.feature_columns)
+        X = np.empty((n, len(lay.feature_columns)), dtype=np.float32)
+        for j, name in enumerate(lay.feature_columns):
+            column = batch.column(name).combine_chunks()
+            if name in self.categories:
+                X[:, j] = _codes(column, self.categories[name])
+                continue
+            X[:, j] = _float32_column(column)
         if lay.target_columns:  # regression: float targets, no classes (one stratum for the split)
             targets = _float32_columns(batch, lay.target_columns)
             return self._counted(Chunk(X, np.zeros(n, np.int64), [0], self._row_ids(n),
@@ -336,16 +357,20 @@ class TableReader:
                                 **({"etag": source.etag} if source.etag else {})})
 
 
-def _float32_columns(batch: "pa.Table", columns: list[str]) -> np.ndarray:
-    """``columns`` of ``batch`` as float32 ``[n, len(columns)]``; a missing value becomes NaN."""
+def _float32_column(column: "pa.Array") -> np.ndarray:
+    """A numeric column as float32; a missing value becomes NaN."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    # safe=False: an int64 or float64 beyond float32's precision is rounded, as the records need.
+    return pc.cast(column, pa.float32(), safe=False).to_numpy(zero_copy_only=False)
+
+
+def _float32_columns(batch: "pa.Table", columns: list[str]) -> np.ndarray:
+    """``columns`` of ``batch`` as float32 ``[n, len(columns)]``; a missing value becomes NaN."""
     X = np.empty((batch.num_rows, len(columns)), dtype=np.float32)
     for j, name in enumerate(columns):
-        # safe=False: an int64 or float64 beyond float32's precision is rounded, as the records need.
-        X[:, j] = pc.cast(batch.column(name).combine_chunks(), pa.float32(), safe=False).to_numpy(
-            zero_copy_only=False)
+        X[:, j] = _float32_column(batch.column(name).combine_chunks())
     return X
 
 
@@ -354,6 +379,26 @@ def _numeric_type(t: "pa.DataType") -> bool:
 
     return bool(pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
                 or pa.types.is_decimal(t) or pa.types.is_null(t))
+
+
+def _text_type(t: "pa.DataType") -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t))
+
+
+def _codes(column: Any, codes: dict[str, int]) -> np.ndarray:
+    """A text column's values as their codes in ``codes`` (new values are added), NaN if missing."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    encoded = pc.dictionary_encode(pc.cast(column, pa.string()))
+    table = np.array([codes.setdefault(v, len(codes)) for v in encoded.dictionary.to_pylist()] + [np.nan],
+                     dtype=np.float32)
+    indices = encoded.indices.fill_null(len(table) - 1).to_numpy(zero_copy_only=False)
+    return table[indices]
 
 
 def _first_non_numeric(column: Any) -> Any:

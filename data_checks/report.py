@@ -51,6 +51,8 @@ def build(manifest: dict[str, Any], prefix: str, outcomes: dict[str, Any], check
         "drift": {k: drift.get(k) for k in ("distance", "threshold", "severity", "skipped", "previous_manifest_uri",
                                             "new_classes", "missing_classes") if k in drift} if drift else None,
         "shards": shards,
+        # Missing values replaced at shard time (data.missing_values='impute'), per split and column.
+        "imputed": (manifest.get("preprocessing") or {}).get("imputed") or {},
     }
 
 
@@ -150,6 +152,8 @@ def render_html(report: dict[str, Any]) -> str:
                   esc(f.get("message") or short(f.get("values") or f.get("examples") or ""))]
                  for f in report["failures"]]
     warn_rows = [[esc(w["expectation"]), esc(w.get("message", ""))] for w in report["warnings"]]
+    imputed_rows = [[esc(split), esc(column), n] for split, columns in report.get("imputed", {}).items()
+                    for column, n in columns.items()]
     check_rows = [[esc(c["check"]), "pass" if c["success"] else c["severity"], esc(c["description"]),
                    esc(c.get("skipped", ""))] for c in report["checks"]]
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>Shard validation</title>
@@ -162,6 +166,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left;vertical-align:top}
 <h2>Failures ({len(report['failures'])})</h2>{_table(['shard', 'expectation', 'column', 'count', 'details / examples'], fail_rows)}
 <h2>Warnings ({len(report['warnings'])})</h2>{_table(['check', 'details'], warn_rows)}
 <h2>Shards</h2>{_table(['shard', 'split', 'rows', 'result', 'seconds', 'rows/s', 'Data Docs'], shard_rows)}
+<h2>Imputed values ({sum(r[2] for r in imputed_rows)})</h2>{_table(['split', 'column', 'values'], imputed_rows)}
 <h2>Cross-shard checks</h2>{_table(['check', 'result', 'description', 'skipped'], check_rows)}
 <h2>Label drift</h2><pre>{esc(json.dumps(jsonable(report.get('drift')), indent=2))}</pre>
 </body></html>"""

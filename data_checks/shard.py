@@ -30,7 +30,7 @@ import numpy as np
 
 from common import records, storage
 from common.manifest import FORMAT_VERSION, download_shard, load_manifest, manifest_digest, manifest_uri, to_json_bytes
-from data_checks import sources
+from data_checks import preprocess, sources
 from data_checks.assign import SPLITS, TRAIN, Assigner, SplitBlock, split_summary
 from data_checks.errors import DataError
 from data_checks.readers import Chunk, TableReader, canonical_label
@@ -54,7 +54,8 @@ def sharding_params(cfg: TrainConfig) -> dict[str, Any]:
     params = {"format_version": FORMAT_VERSION, "assignment": "blocked-v1", "label_column": d.label_column,
               "id_column": d.id_column, "classes": list(d.classes), "feature_columns": list(d.feature_columns),
               "num_train_shards": cfg.num_train_shards, "val_fraction": d.val_fraction,
-              "test_fraction": d.test_fraction, "input_shape": list(d.input_shape), "seed": cfg.seed}
+              "test_fraction": d.test_fraction, "input_shape": list(d.input_shape), "seed": cfg.seed,
+              "preprocessing": {"version": 1, "standardize": d.standardize, "missing_values": d.missing_values}}
     if cfg.model.task == "regression":  # only then: classification fingerprints stay what they were
         params.update(task="regression", target_columns=list(cfg.target_columns))
     return params
@@ -245,8 +246,13 @@ def _shard(plan: sources.SourcePlan, cfg: TrainConfig, params: dict[str, Any], f
         if not np.array_equal(mapping, np.arange(len(mapping))):
             for idx, rec in shards.paths:
                 records.rewrite_labels(idx, rec, mapping)
+        lay = reader.layout
+        prep = None
+        if plan.kind == "table" and preprocess.needed(cfg.data, lay):
+            splits = ["train"] * n_train + ["val", "test"]
+            prep = preprocess.rewrite(shards.paths, splits, n_train, lay, reader.categories, cfg.data)
         entries = _upload(shards, mapping, out_prefix)
-    lay = reader.layout
+    features = prep["output_columns"] if prep else lay.feature_columns
     input_shape = list(cfg.data.input_shape) or list(getattr(reader, "shape", ()) or ())
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
@@ -260,10 +266,12 @@ def _shard(plan: sources.SourcePlan, cfg: TrainConfig, params: dict[str, Any], f
         "schema": lay.schema(),
         "label_column": cfg.data.label_column,
         "id_column": getattr(reader, "id_column", "") or cfg.data.id_column or None,
-        "feature_columns": lay.feature_columns,
-        "num_features": len(lay.feature_columns),
+        "feature_columns": features,
+        "num_features": len(features),
         "input_shape": input_shape,
         "feature_scaling": "pixel / 255" if plan.kind == "images" else None,
+        # Fitted on the train split, applied to every split and by the registered model.
+        "preprocessing": prep,
         "classes": ordered,
         "num_classes": len(ordered),
         "declared_classes": [canonical_label(v) for v in cfg.data.classes] or None,

@@ -27,6 +27,7 @@ import numpy as np
 
 from common import storage
 from common.manifest import download_shard, is_regression, load_manifest, record_width, shards_prefix
+from common.preprocessing import numeric_bounds, raw_numbers
 from data_checks import report as reporting
 from data_checks.cross import cross_shard_checks
 from data_checks.errors import DataError, DataValidationError
@@ -81,10 +82,12 @@ def validate_shard(manifest_prefix: str, shard_name: str, cfg: "TrainConfig", *,
     failures = ge_failures(ge_result, counts, manifest["classes"])
     hist_check = _histogram_check(entry, shard.labels)
     failures += hist_check["failures"]
-    labels, label_counts = np.unique(shard.labels, return_counts=True)
+    labels, first, label_counts = np.unique(shard.labels, return_index=True, return_counts=True)
     result.update(success=not failures, rows=len(shard.labels), failures=failures,
                   evaluated=len(ge_result["results"]) + 2, checks=[_integrity(True, []), hist_check],
                   label_histogram={str(int(k)): int(c) for k, c in zip(labels, label_counts)},
+                  # a source row of each class, for examples of labels that look accidental
+                  label_rows={str(int(k)): int(shard.row_ids[i]) for k, i in zip(labels, first)},
                   great_expectations=ge_result)
     if html is not None:
         result["_html"] = html
@@ -134,12 +137,19 @@ def _frame(manifest: dict[str, Any], entry: dict[str, Any], shard: Any,
     has_ids = bool(manifest.get("id_column"))
     kind = manifest.get("source_kind", "table")
     value_range = tuple(cfg.data.feature_range) or ((0.0, 1.0) if kind == "images" else None)
+    prep = manifest.get("preprocessing")
     # Regression: the float targets replace the class label (always 0 in their records' headers).
     label = {} if regression else {"label": shard.labels}
     parts = [pd.DataFrame({**label, "row_id": ids, **({"id_hash": shard.id_hashes} if has_ids else {})}),
              pd.DataFrame(X, columns=features, copy=False)]
     counts: dict[str, dict[str, int]] = {}
-    _derived(parts, counts, X, ids, names, value_range, NONFINITE_COLUMN, RANGE_COLUMN)
+    bounds, shown = value_range, X
+    if prep and value_range is not None:
+        # The range is of raw values: compared as the transform maps them (float32, as X), and
+        # reported as the raw values it is of.
+        bounds = tuple(b.astype(np.float32) for b in numeric_bounds(prep, *value_range))
+        shown = raw_numbers(prep, X).astype(np.float32)
+    _derived(parts, counts, X, ids, names, bounds, NONFINITE_COLUMN, RANGE_COLUMN, shown=shown)
     target_range = tuple(cfg.data.target_range) or None
     if regression:
         _derived(parts, counts, shard.features[:, manifest["num_features"]:], ids, manifest["target_columns"],
@@ -155,10 +165,11 @@ def _frame(manifest: dict[str, Any], entry: dict[str, Any], shard: Any,
 
 
 def _derived(parts: list["pd.DataFrame"], counts: dict[str, dict[str, int]], X: np.ndarray, ids: np.ndarray,
-             names: list[str], value_range: tuple[float, float] | None, nonfinite_column: str,
-             range_column: str) -> None:
+             names: list[str], value_range: tuple[Any, Any] | None, nonfinite_column: str,
+             range_column: str, shown: np.ndarray | None = None) -> None:
     """The derived columns of ``X`` (``suites``' docstring says why): its non-finite values and, if a
-    range is declared, its values outside it; each with per-column counts for the report."""
+    range is declared, its values outside it (reported as ``shown``'s, default ``X``'s); each with
+    per-column counts for the report."""
     import pandas as pd
 
     nonfinite = ~np.isfinite(X)
@@ -167,7 +178,8 @@ def _derived(parts: list["pd.DataFrame"], counts: dict[str, dict[str, int]], X: 
     if value_range is not None:
         with np.errstate(invalid="ignore"):
             outside = np.isfinite(X) & ((X < value_range[0]) | (X > value_range[1]))
-        parts.append(pd.DataFrame({range_column: describe_rows(outside, X, ids, names, "out of range")}))
+        parts.append(pd.DataFrame({range_column: describe_rows(outside, X if shown is None else shown, ids, names,
+                                                               "out of range")}))
         counts[range_column] = _per_column(outside, names)
 
 
@@ -232,7 +244,7 @@ def finish_validation(manifest_prefix: str, cfg: "TrainConfig", outcomes: dict[s
                "warnings": [w.get("message") or w["expectation"] for w in report["warnings"]],
                "report_uri": uris.get("json"), "html_uri": uris.get("html"),
                "manifest_digest": report["manifest_digest"], "seconds": report["seconds"],
-               "rows_per_s": report["rows_per_s"], "drift": report.get("drift")}
+               "rows_per_s": report["rows_per_s"], "drift": report.get("drift"), "imputed": report["imputed"]}
     if report["failures"]:
         raise DataValidationError(reporting.message(report, uris.get("json")), report["failures"], uris.get("json"))
     for warning in summary["warnings"]:
@@ -247,7 +259,7 @@ def validate_shards(manifest_prefix: str, cfg: "TrainConfig", *, report_prefix: 
     """Every shard, then the cross-shard checks, in this process (CLI, tests).
 
     Returns ``{success, evaluated, failed, warnings, report_uri, html_uri, manifest_digest,
-    seconds, rows_per_s, drift}``; raises ``DataValidationError`` listing every failure (after
+    seconds, rows_per_s, drift, imputed}``; raises ``DataValidationError`` listing every failure (after
     writing the report).
     """
     started = time.monotonic()

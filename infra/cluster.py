@@ -3,6 +3,8 @@
     cluster = provision(spec)                # idempotent: a retry finds the run's cluster
     handles = cluster.start_roles(launch)    # one attempt's scheduler, servers and workers
     cluster.stop_roles(handles)              # the supervisor, when the attempt ends
+    job = cluster.start_supervisor(job_uri, job_id=..., attempt=..., env=...)   # detached
+    cluster.stop_job(grace_s=...)            # SIGTERM to the supervisor, then whatever is left
     cluster.teardown()                       # the Airflow teardown task: always
     find_leaked(older_than_s=...)            # the reaper: whatever outlived its TTL
 
@@ -15,6 +17,15 @@ Every backend writes a record under ``$MXPIPE_HOME/clusters/<id>/cluster.json`` 
 expiry time, so a reaper finds an escaped cluster of any backend; EC2 instances carry the run
 id and expiry as tags as well, so the reaper finds them even if this record is lost. The
 scheduler's address comes from the cluster (``scheduler_address``), chosen for each attempt.
+
+The supervisor (``python -m training supervise``) runs detached where the cluster says: on the
+local backend as a session of its own on this host, on ``hosts`` on the first host, on ``ec2``
+on the rank-0 instance through SSM. It is started through ``python -m common.procs exec-role``
+(it leads a recorded process group, output to a log file) under a ``jobs`` folder kept apart
+from the roles' records, so the supervisor's own ``stop_roles`` never signals it; ``stop_job``
+sends it SIGTERM (``kill-records`` with a grace long enough for rank 0's emergency checkpoint),
+then stops any role it left. ``job_cluster()`` is what a job document carries so the supervisor
+can attach to this cluster (``training.launch.supervise``).
 """
 from __future__ import annotations
 
@@ -39,6 +50,17 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 6 * 3600.0
 UNREADABLE_GRACE_S = 600.0
+# How a job document names the cluster its supervisor attaches to (training.launch.supervise).
+CLUSTER_FACTORY = "infra.cluster:attach"
+# stop_job's default grace: the default checkpoint.preempt_grace_s (30 s) for rank 0's emergency
+# checkpoint, the supervisor's own stop of the other roles, and a margin. Waiting ends as soon
+# as the supervisor has exited, so a generous bound costs nothing.
+STOP_JOB_GRACE_S = 90.0
+
+
+def supervise_argv(python: str, job_uri: str, job_id: str, attempt: int) -> list[str]:
+    """The supervisor's command line (``python -m training supervise``)."""
+    return [python, "-m", "training", "supervise", job_uri, "--job-id", job_id, "--attempt", str(attempt)]
 
 
 class ProvisionError(RuntimeError):
@@ -142,6 +164,21 @@ class Cluster(ABC):
     @abstractmethod
     def stop_roles(self, handles: Sequence[Any], *, grace_s: float = 5.0) -> int:
         """Stop an attempt's roles (whole process groups, on every host); returns how many lived."""
+
+    def job_cluster(self) -> dict[str, Any]:
+        """What a job document names as its cluster: the factory and this cluster's description."""
+        return {"factory": CLUSTER_FACTORY, "description": self.describe()}
+
+    @abstractmethod
+    def start_supervisor(self, job_uri: str, *, job_id: str, attempt: int, env: dict[str, str]) -> dict[str, Any]:
+        """Start the job's supervisor detached (it outlives the caller); returns where it runs
+        (``job_id``, ``host``, ``log``)."""
+
+    @abstractmethod
+    def stop_job(self, *, grace_s: float = STOP_JOB_GRACE_S) -> list[str]:
+        """SIGTERM to the running supervisor (an orderly stop: rank 0's emergency checkpoint,
+        then every role), SIGKILL after ``grace_s``, then any role still alive. Idempotent;
+        returns the names of the process groups that were alive."""
 
     @abstractmethod
     def teardown(self) -> dict[str, Any]:

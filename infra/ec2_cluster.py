@@ -20,6 +20,15 @@ CloudWatch Logs, configured on the command), so stall detection on EC2 has the g
 that poll. The scheduler's port comes from the options (``scheduler_port``): the instances are
 the cluster's own and the security group admits ps-lite traffic only from its members.
 
+The detached supervisor runs on the rank-0 instance (``start_supervisor``): one SSM command
+writes its environment to a 0600 file and starts ``setsid nohup python -m common.procs exec-role
+… -- python -m training supervise …`` in the background under ``<state_dir>/jobs/<cluster>/``,
+so the command itself ends at once and the supervisor outlives it. The instance profile must
+allow the supervisor's own SSM calls (``ssm:SendCommand``, ``ssm:GetCommandInvocation``,
+``ssm:CancelCommand`` on the cluster's instances). ``stop_job`` sends ``kill-records`` for that
+folder (SIGTERM, then SIGKILL after the grace) and waits, bounded, for the command to end. moto
+cannot run commands, so the scripts are unit-tested as text (``supervisor_script``).
+
 Teardown terminates every instance tagged with the cluster and waits, bounded (boto3's
 ``instance_terminated`` waiter), until they are gone; ``reap_expired`` terminates any instance
 whose ``mxpipe:expires-at`` has passed.
@@ -39,7 +48,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from common.roles import JobLaunch, Role, role_argv, role_env
-from infra.cluster import Cluster, ClusterSpec, ProvisionError, cluster_id_for
+from infra.cluster import (STOP_JOB_GRACE_S, Cluster, ClusterSpec, ProvisionError, cluster_id_for,
+                           supervise_argv)
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +186,13 @@ class Ec2Cluster(Cluster):
     def instance_count(self) -> int:
         """One worker (and at most one server) per instance, as MXNet's launcher places them."""
         return max(self.spec.workers, self.spec.servers)
+
+    def cost(self) -> dict[str, float]:
+        """Instance-hours and their price so far (``infra.cost``): what a live run adds to the
+        role core-seconds (the supervisor calls it through the observer's ``cost_extras``)."""
+        from infra.cost import cluster_cost
+
+        return cluster_cost(self)
 
     def live_instances(self) -> list[dict[str, Any]]:
         """The cluster's instances not terminated yet, as DescribeInstances returns them."""
@@ -322,10 +339,62 @@ class Ec2Cluster(Cluster):
             h.closed = True
         return len(alive)
 
+    # -- the detached supervisor --------------------------------------------------------------
+
+    @property
+    def jobs_dir(self) -> str:
+        return posixpath.join(self.opts.state_dir, "jobs", self.cluster_id)
+
+    def supervisor_script(self, job_uri: str, job_id: str, attempt: int, env: dict[str, str]) -> list[str]:
+        """The SSM commands that start the supervisor detached on the rank-0 instance."""
+        env_file = posixpath.join(self.jobs_dir, "env")
+        argv = [self.opts.python, "-m", "common.procs", "exec-role",
+                "--record", posixpath.join(self.jobs_dir, "procs", f"{job_id}.json"),
+                "--env-file", env_file, "--env-key", job_id, "--",
+                *supervise_argv(self.opts.python, job_uri, job_id, attempt)]
+        log_path = shlex.quote(posixpath.join(self.jobs_dir, f"{job_id}.log"))
+        return [f"umask 077 && mkdir -p {shlex.quote(self.jobs_dir)}",
+                f"cat > {shlex.quote(env_file)} <<'MXPIPE_ENV'\n{json.dumps({job_id: env})}\nMXPIPE_ENV",
+                f"cd {shlex.quote(self.opts.workdir)} && "
+                f"(setsid nohup {shlex.join(argv)} > {log_path} 2>&1 < /dev/null &)"]
+
+    def start_supervisor(self, job_uri: str, *, job_id: str, attempt: int, env: dict[str, str]) -> dict[str, Any]:
+        # Instance profile credentials, never the launching process's keys.
+        base = {"PATH": "/usr/local/bin:/usr/bin:/bin", "MXPIPE_CLUSTER": self.cluster_id,
+                **{k: v for k, v in env.items() if not k.startswith("AWS_")}}
+        self.ssm.send_command(InstanceIds=[self.instance_ids[0]], DocumentName="AWS-RunShellScript",
+                              Comment=f"mxpipe {self.cluster_id} supervise {job_id}"[:100], TimeoutSeconds=60,
+                              Parameters={"commands": self.supervisor_script(job_uri, job_id, attempt, base)})
+        log.info("started supervisor of job %s on %s", job_id, self.instance_ids[0])
+        return {"job_id": job_id, "host": self.addresses[0],
+                "log": posixpath.join(self.jobs_dir, f"{job_id}.log")}
+
+    def stop_job(self, *, grace_s: float = STOP_JOB_GRACE_S) -> list[str]:
+        if not self.instance_ids:
+            return []
+        resp = self.ssm.send_command(
+            InstanceIds=[self.instance_ids[0]], DocumentName="AWS-RunShellScript",
+            Comment=f"mxpipe {self.cluster_id} stop job"[:100], TimeoutSeconds=60,
+            Parameters={"commands": [f"cd {shlex.quote(self.opts.workdir)} && {shlex.quote(self.opts.python)} -m "
+                                     f"common.procs kill-records {shlex.quote(self.jobs_dir)} --grace-s {grace_s}"],
+                        "executionTimeout": [str(int(grace_s) + 60)]})
+        waiter = SsmRole("supervisor", "supervisor", self.addresses[0], self.instance_ids[0],
+                         resp["Command"]["CommandId"], self.ssm, self.opts.status_poll_s)
+        deadline = time.monotonic() + grace_s + 60
+        while waiter.poll() is None and time.monotonic() < deadline:
+            time.sleep(self.opts.status_poll_s)
+        self.stop_roles([], grace_s=5.0)
+        return ["supervisor"] if waiter.returncode == 0 else []
+
     # -- teardown ---------------------------------------------------------------------------
 
     def teardown(self) -> dict[str, Any]:
         ids = [i["InstanceId"] for i in self._own(NOT_TERMINATED)]
+        if ids and self.instance_ids:
+            try:  # an orderly stop first: rank 0's emergency checkpoint before the instances go
+                self.stop_job()
+            except Exception as exc:  # noqa: BLE001 - terminating the instances stops everything anyway
+                log.warning("could not stop the job of %s before terminating it: %s", self.cluster_id, exc)
         if ids:
             self.ec2.terminate_instances(InstanceIds=ids)
             _wait(self.ec2, "instances terminated", ["instance_terminated"], ids, self.opts.terminate_timeout_s,

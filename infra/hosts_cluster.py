@@ -19,6 +19,13 @@ it leads its own process group on the host and records it, so stopping an attemp
 the cluster down runs ``python -m common.procs kill-records`` on every host and no role
 survives its ssh client. The job document and shards must be readable from every host: an
 ``s3://`` URI every host can reach, or a folder every host mounts at the same path.
+
+The detached supervisor runs on the first host (``start_supervisor``): started through the
+transport as ``setsid nohup python -m common.procs exec-role … -- python -m training supervise
+…`` under ``<state_dir>/jobs/<cluster>/`` (apart from the roles' records, which the
+supervisor's own stops clear), its output in ``<job_id>.log`` there. From there it reaches every
+host through the same transports, so the first host needs the others' SSH access, as the
+Airflow worker has today.
 """
 from __future__ import annotations
 
@@ -33,7 +40,8 @@ from typing import Any
 
 from common.procs import GroupSpawner, ProcessRole, kill_groups, kill_recorded
 from common.roles import JobLaunch, Role, role_argv, role_env
-from infra.cluster import Cluster, ClusterSpec, ProvisionError, cluster_id_for
+from infra.cluster import (STOP_JOB_GRACE_S, Cluster, ClusterSpec, ProvisionError, cluster_id_for,
+                           supervise_argv)
 from infra.transport import HostSpec, exit_status, host_argv, in_workdir, role_command, run_on
 
 log = logging.getLogger(__name__)
@@ -191,8 +199,47 @@ class HostsCluster(Cluster):
         with ThreadPoolExecutor(max_workers=len(self.hosts)) as pool:
             return [name for names in pool.map(kill, self.hosts) for name in names]
 
+    def _jobs_dir(self, host: HostSpec) -> str:
+        return posixpath.join(host.state_dir, "jobs", self.cluster_id)
+
+    def supervisor_command(self, job_uri: str, job_id: str, attempt: int) -> str:
+        """The shell line that starts the supervisor detached on the first host (its environment
+        comes from the 0600 file ``start_supervisor`` writes first)."""
+        host = self.hosts[0]
+        folder = self._jobs_dir(host)
+        argv = [host.python, "-m", "common.procs", "exec-role", "--record",
+                posixpath.join(folder, "procs", f"{job_id}.json"), "--env-file", posixpath.join(folder, "env"),
+                "--env-key", job_id, "--", *supervise_argv(host.python, job_uri, job_id, attempt)]
+        log_path = shlex.quote(posixpath.join(folder, f"{job_id}.log"))
+        return (f"cd {shlex.quote(host.workdir)} && "
+                f"(setsid nohup {shlex.join(argv)} > {log_path} 2>&1 < /dev/null &)")
+
+    def start_supervisor(self, job_uri: str, *, job_id: str, attempt: int, env: dict[str, str]) -> dict[str, Any]:
+        host = self.hosts[0]
+        folder = self._jobs_dir(host)
+        base = {**REMOTE_BASE_ENV, "HOME": host.state_dir, "MXPIPE_CLUSTER": self.cluster_id, **env}
+        run_on(host, f"umask 077 && mkdir -p {shlex.quote(folder)} && cat > {shlex.quote(posixpath.join(folder, 'env'))}",
+               timeout_s=REMOTE_CMD_TIMEOUT_S, input_text=json.dumps({job_id: base}))
+        run_on(host, self.supervisor_command(job_uri, job_id, attempt), timeout_s=REMOTE_CMD_TIMEOUT_S)
+        log.info("started supervisor of job %s on %s", job_id, host.name)
+        return {"job_id": job_id, "host": host.address, "log": posixpath.join(folder, f"{job_id}.log")}
+
+    def stop_job(self, *, grace_s: float = STOP_JOB_GRACE_S) -> list[str]:
+        host = self.hosts[0]
+        cmd = in_workdir(host, host.python, "-m", "common.procs", "kill-records",
+                         posixpath.join(self._jobs_dir(host), "procs"), "--grace-s", str(grace_s))
+        stopped: list[str] = []
+        try:
+            out = run_on(host, f"mkdir -p {shlex.quote(self._jobs_dir(host))} && {cmd}",
+                         timeout_s=REMOTE_CMD_TIMEOUT_S + grace_s)
+            stopped = list(json.loads(out.stdout.strip().splitlines()[-1])["stopped"])
+        except (OSError, RuntimeError, TimeoutError, ValueError, KeyError, IndexError) as exc:
+            log.error("could not stop the supervisor on %s: %s", host.name, exc)
+        return stopped + [r for r in self._kill_on_hosts(5.0) if not r.endswith(": unreachable")]
+
     def teardown(self) -> dict[str, Any]:
-        """Stop every role on every host, remove the hosts' state folders and the record."""
+        """Stop the job and every role on every host, remove the hosts' state folders and the record."""
+        self.stop_job()
         local: list[str] = []
         procs = os.path.join(self.state_dir, "procs")
         if os.path.isdir(procs):

@@ -3,7 +3,10 @@
 ``provision`` checks that this host can run the roles (mxnet with the distributed kvstore) and
 writes the cluster's record. Each attempt's roles are started in process groups of their own
 and recorded under ``<record>/procs/<attempt>/``, so ``teardown`` (from any process, e.g. an
-Airflow teardown task after the training task was killed) stops every group still alive.
+Airflow teardown task after the training task was killed) stops every group still alive. The
+detached supervisor is recorded under ``$MXPIPE_HOME/jobs/<cluster>/procs/`` and logs to
+``$MXPIPE_HOME/jobs/<cluster>/<job_id>.log``, outside the cluster's record, so its log outlives
+the teardown.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from typing import Any
 
 from common.procs import GroupSpawner, ProcessRole, free_port, kill_groups, kill_recorded
 from common.roles import JobLaunch, role_argv, role_env
-from infra.cluster import Cluster, ClusterSpec, ProvisionError, cluster_id_for
+from infra.cluster import (STOP_JOB_GRACE_S, Cluster, ClusterSpec, ProvisionError, cluster_id_for,
+                           supervise_argv)
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +95,40 @@ class LocalCluster(Cluster):
     def stop_roles(self, handles: Sequence[Any], *, grace_s: float = 5.0) -> int:
         return kill_groups((h.proc.pid for h in handles), grace_s=grace_s)
 
-    def teardown(self) -> dict[str, Any]:
-        """Stop every role process still alive and remove the cluster record. Idempotent."""
+    @property
+    def jobs_dir(self) -> str:
+        return os.path.join(self.home, "jobs", self.cluster_id)
+
+    def start_supervisor(self, job_uri: str, *, job_id: str, attempt: int, env: dict[str, str]) -> dict[str, Any]:
+        """``python -m training supervise`` in a session of its own on this host, output to a log."""
+        os.makedirs(self.jobs_dir, exist_ok=True)
+        log_path = os.path.join(self.jobs_dir, f"{job_id}.log")
+        with open(log_path, "ab") as out:
+            proc = GroupSpawner(os.path.join(self.jobs_dir, "procs")).spawn(
+                job_id, supervise_argv(self.python, job_uri, job_id, attempt),
+                {**env, "MXPIPE_CLUSTER": self.cluster_id}, cwd=REPO_ROOT, stdout=out)
+        log.info("started supervisor of job %s: pid %d, log %s", job_id, proc.pid, log_path)
+        return {"job_id": job_id, "host": self.host, "pid": proc.pid, "log": log_path}
+
+    def _stop_roles_recorded(self, grace_s: float) -> list[str]:
         stopped: list[str] = []
         procs = os.path.join(self.state_dir, "procs")
         if os.path.isdir(procs):
             for attempt in sorted(os.listdir(procs)):
-                stopped += kill_recorded(os.path.join(procs, attempt))
+                stopped += kill_recorded(os.path.join(procs, attempt), grace_s=grace_s)
+        return stopped
+
+    def stop_job(self, *, grace_s: float = STOP_JOB_GRACE_S) -> list[str]:
+        supervisors = os.path.join(self.jobs_dir, "procs")
+        stopped = kill_recorded(supervisors, grace_s=grace_s) if os.path.isdir(supervisors) else []
+        stopped += self._stop_roles_recorded(5.0)
+        if stopped:
+            log.info("stopped job of cluster %s: %s", self.cluster_id, stopped)
+        return stopped
+
+    def teardown(self) -> dict[str, Any]:
+        """Stop the job and every role process still alive, remove the cluster record. Idempotent."""
+        stopped = self.stop_job()
         self.remove_record()
         log.info("tore down cluster %s (%d leftover role group(s) stopped)", self.cluster_id, len(stopped))
         return {"stopped": stopped}

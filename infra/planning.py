@@ -3,6 +3,8 @@
     python -m infra.planning --params 10e9 --optimizer adam --batch-size 32   # a count, no model
     python scripts/plan.py --model resnet50 --input-shape 3,224,224 --classes 1000 \\
         --batch-size 256 --optimizer sgd --momentum 0.9 --precision fp32      # a model of the zoo
+    python scripts/plan.py --model mynet.arch:build --model-code /src/nets --model-options '{"width": 256}' \\
+        --input-shape 3,32,32 --classes 10                                    # a network of your own
 
 The estimate (per device of a data-parallel worker; every device holds a full replica):
 
@@ -31,12 +33,16 @@ TFLOP of the devices the plan uses (unused GPUs are still paid for). Speed is no
 No Airflow and no mxnet here: a model comes in as its counts (``ModelShape``). Counting a model of
 the zoo by name needs the trainer (``training.loop.model.count_model``, mxnet shape inference) and
 infra does not import training, so ``main`` takes the counting function from its caller:
-``scripts/plan.py`` (which may import both) passes it for ``--model``.
+``scripts/plan.py`` (which may import both) passes it for ``--model``. A custom network
+(``--model package.module:factory``) is counted the same way, its code (``--model-code``, what
+``model.code_uri`` would name) packed and put on the path as a run's roles get it.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import logging
 import math
 import sys
@@ -46,7 +52,8 @@ from typing import Any, Sequence
 
 from common.cli import parser as cli_parser
 from common.cli import usage_errors
-from common.config import MODELS
+from common import model_code
+from common.config import IMPORT_PATH_PATTERN, MODELS
 from infra.catalogue import CATALOGUE, InstanceType
 
 log = logging.getLogger(__name__)
@@ -230,12 +237,14 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-ModelCounter = Callable[[str, Sequence[int], int], Mapping[str, int]]
+# count_model(name, input_shape, classes, options=...) → {"params", "aux", "activations_per_sample"}
+ModelCounter = Callable[..., Mapping[str, int]]
 
 EXAMPLES = """
 python -m infra.planning --params 10e9 --optimizer adam --batch-size 32      # a parameter count
 scripts/plan.py --model resnet50 --input-shape 3,224,224 --classes 1000 \\
     --batch-size 256 --optimizer sgd --momentum 0.9 --precision fp32           # a model of the zoo
+scripts/plan.py --model mynet.arch:build --model-code /src/nets --input-shape 3,32,32 --classes 10
 """
 
 
@@ -251,8 +260,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--classes must be >= 1, got {args.classes}")
     if not 0 <= args.momentum < 1:
         raise ValueError(f"--momentum must be in [0, 1), got {args.momentum}")
-    if args.model is not None and args.model not in MODELS:
-        raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {args.model!r}")
+    if args.model is not None and args.model not in MODELS and not re.fullmatch(IMPORT_PATH_PATTERN, args.model):
+        raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {args.model!r} (or a network of your "
+                         "own: package.module:factory)")
 
 
 def _dims(text: str) -> list[int]:
@@ -267,8 +277,11 @@ def main(argv: Sequence[str] | None = None, *, count_model: ModelCounter | None 
     """The planning CLI; ``count_model(name, input_shape, classes)`` serves ``--model``."""
     ap = cli_parser(__doc__.split("\n")[0] + " Exit status 1 when no instance type fits.", EXAMPLES, prog=prog)
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help=f"a model of the zoo: {', '.join(MODELS)}")
+    src.add_argument("--model", help=f"a model of the zoo ({', '.join(MODELS)}) or package.module:factory")
     src.add_argument("--params", type=float, help="trainable parameter count instead of a model (e.g. 10e9)")
+    ap.add_argument("--model-code", default="", help="with a custom --model: the folder or .py file holding it "
+                                                      "(local or s3://; model.code_uri)")
+    ap.add_argument("--model-options", default="{}", help="with a custom --model: model.options as a JSON object")
     ap.add_argument("--input-shape", default="3,224,224", help="C,H,W of one example (or F for an MLP)")
     ap.add_argument("--classes", type=int, default=1000)
     ap.add_argument("--activations-per-sample", type=float, default=0, help="with --params")
@@ -287,7 +300,9 @@ def main(argv: Sequence[str] | None = None, *, count_model: ModelCounter | None 
             if count_model is None:
                 raise ValueError("--model counts a network of the trainer's model zoo, which infra does not "
                                  "import: run scripts/plan.py with the same flags, or give --params")
-            shape = ModelShape(**count_model(args.model, _dims(args.input_shape), args.classes))
+            options = json.loads(args.model_options)
+            with model_code.on_path(args.model_code) if args.model_code else contextlib.nullcontext():
+                shape = ModelShape(**count_model(args.model, _dims(args.input_shape), args.classes, options=options))
         else:
             shape = ModelShape(params=int(args.params), activations_per_sample=int(args.activations_per_sample))
     result = plan(shape, optimizer=args.optimizer, momentum=args.momentum, centered=args.centered,

@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from common.roles import TRACKING_SECRETS
+
 if TYPE_CHECKING:
     from airflow.sdk import Connection
 
@@ -48,7 +50,7 @@ MLFLOW_DEFAULT_CONN_ID = "mlflow_default"
 AWS_CONN_PARAM, MLFLOW_CONN_PARAM = "aws_conn_id", "mlflow_conn_id"
 CLUSTER_VARIABLES = {"hosts": "mxpipe_hosts", "ec2": "mxpipe_ec2"}
 
-MLFLOW_AUTH = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+MLFLOW_AUTH = TRACKING_SECRETS
 
 # The value None in an environment change means "unset this variable".
 EnvChanges = dict[str, "str | None"]
@@ -153,6 +155,17 @@ def connection_env(params: Mapping[str, Any] | None = None) -> EnvChanges:
     return env
 
 
+def aws_conn_id(params: Mapping[str, Any] | None) -> str:
+    """The AWS connection id of a run: its ``aws_conn_id`` Param's, else the default id."""
+    return _conn_id(params or {}, AWS_CONN_PARAM, AWS_DEFAULT_CONN_ID)[0]
+
+
+def storage_env(conn_id: str) -> EnvChanges:
+    """The AWS environment of ``conn_id`` where it is defined, else nothing (the process's own):
+    for code that reads S3 outside a task (a trigger in the triggerer)."""
+    return aws_env(conn_id) if _connection(conn_id, required=False) is not None else {}
+
+
 def _apply(changes: EnvChanges) -> None:
     """Set (or, for None, unset) each variable in this process's environment."""
     for key, value in changes.items():
@@ -210,6 +223,12 @@ def role_base_env(environ: Mapping[str, str]) -> dict[str, str]:
     tracking side use (Airflow's config and connections, MLflow credentials); the roles read S3
     and nothing else of it."""
     return {k: v for k, v in environ.items() if not k.startswith("AIRFLOW") and k not in MLFLOW_AUTH}
+
+
+def supervisor_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment a job's supervisor starts from: the roles' plus the MLflow credentials
+    its live run uses (it keeps them from the roles: ``training.launch.supervise``)."""
+    return {**role_base_env(environ), **{k: v for k, v in environ.items() if k in MLFLOW_AUTH}}
 
 
 def cluster_settings(backend: str) -> SettingsSource | None:

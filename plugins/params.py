@@ -17,7 +17,7 @@ from typing import Any
 
 from airflow.sdk import Param
 
-from common.config import KVSTORES, TrainConfig, recipe
+from common.config import KVSTORES, MODELS, TrainConfig, recipe
 from common.settings import DEFAULT_MODEL_NAME, settings
 from plugins.connections import AWS_CONN_PARAM, MLFLOW_CONN_PARAM
 from training.tracking.warm_start import MODEL_URI_PATTERN
@@ -125,7 +125,11 @@ def training_params() -> dict[str, Param]:
                                           "data section."),
         "label_column": _shortcut(base, "label_column", maxLength=200,
                                   description="Name of the label column (data.label_column)."),
-        "model": _shortcut(base, "model", description="Network architecture (model.name)."),
+        # The zoo only: a custom network ("package.module:factory") comes with its code, through
+        # config / config_uri (model.name, model.code_uri, model.options).
+        "model": _shortcut(base, "model", enum=list(MODELS),
+                           description="Network architecture of the zoo (model.name); for a network of your "
+                                       "own set model.name, model.code_uri and model.options in config."),
         "dropout": _shortcut(base, "dropout", description="Dropout rate (model.dropout), in [0, 1)."),
         "epochs": _shortcut(base, "epochs", maximum=1000, description="Training epochs (optim.epochs)."),
         "batch_size": _shortcut(base, "batch_size", maximum=4096,
@@ -154,10 +158,13 @@ def training_params() -> dict[str, Param]:
                                         description="Contexts per worker (cluster.devices_per_worker); the batch "
                                                     "is split evenly over them."),
         "job_timeout_s": _shortcut(base, "job_timeout_s",
-                                   description="The training job's time limit in seconds (cluster.job_timeout_s)."),
-        "checkpoint_every_n_steps": _shortcut(base, "checkpoint_every_n_steps", maximum=1_000_000,
+                                   description="The training job's time limit in seconds, 0 for none (cluster.job_timeout_s); "
+                                               "stall detection guards a hung job either way."),
+        # An integer here; "auto" (Young/Daly) is set through config or config_uri.
+        "checkpoint_every_n_steps": _shortcut(base, "checkpoint_every_n_steps", type="integer", minimum=1,
+                                              maximum=1_000_000,
                                               description="Checkpoint to S3 every N steps, and at each epoch end "
-                                                          "(checkpoint.every_n_steps)."),
+                                                          "(checkpoint.every_n_steps; \"auto\" through config)."),
         "registered_model_name": Param(DEFAULT_MODEL_NAME, type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",
                                        description="MLflow registered model to add a version to."),
         "instance_type": Param("", type="string", pattern=r"^$|^[a-z][a-z0-9-]*\.[a-z0-9]+$",

@@ -32,6 +32,7 @@ and the retry resumes from the latest committed checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -39,11 +40,13 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from common.config import ConfigError, TrainConfig
+from common import model_code
+from common.config import ConfigError, TrainConfig, is_custom_model
+from common.model_code import StagedCode
 from common.paths import DatasetPaths, RunPaths
 from common.settings import settings
 from plugins import run_config
-from plugins.connections import cluster_settings, role_base_env
+from plugins.connections import cluster_settings
 from training.tracking.server import tracking_uri as mlflow_server
 
 if TYPE_CHECKING:
@@ -94,9 +97,10 @@ def load_config(config: Mapping[str, Any]) -> TrainConfig:
 def shard(params: Mapping[str, Any], dag_id: str, run_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Resolve the config and shard the source: ``(config XCom, shard pointers)``."""
     from common import storage
-    from common.manifest import read_pointer
+    from common.manifest import num_outputs, read_pointer
     from data_checks.errors import DataError
     from data_checks.shard import manifest_digest, shard_content_addressed
+    from training.loop.model import check_custom_model
 
     cfg = resolve_config(params)
     paths = run_paths(dag_id, run_id)
@@ -104,11 +108,14 @@ def shard(params: Mapping[str, Any], dag_id: str, run_id: str) -> tuple[dict[str
     # once; train resolves it again for the job it starts.
     warm_start_checkpoint(params, dag_id, run_id, cfg)
     storage.put_bytes(storage.join(paths.config, "train_config.json"), cfg.to_json().encode())
+    code = stage_model_code(cfg, paths)
     dataset = DatasetPaths.for_source(paths.root, cfg.data.source_uri)
     try:
         prefix, manifest, reused = shard_content_addressed(cfg, dataset.shards)
     except DataError as exc:
         raise _fail(f"shard: {exc}") from exc
+    if is_custom_model(cfg.model.name):
+        _refuse_bad_config(check_custom_model, cfg, code, num_outputs(manifest), manifest["num_features"])
     pointer = read_pointer(dataset.latest_validated)
     splits = manifest["splits"]
     log.info("%s %s: %s train / %s val / %s test rows in %d train shards under %s",
@@ -120,7 +127,31 @@ def shard(params: Mapping[str, Any], dag_id: str, run_id: str) -> tuple[dict[str
         "rows": {k: v["count"] for k, v in splits.items()},
         "shard_names": [s["name"] for s in manifest["shards"]],
         "fingerprint": manifest["source_fingerprint"], "reused": reused, "dataset_root": dataset.base,
-        "previous_manifest_uri": pointer["manifest_uri"] if pointer else None}
+        "previous_manifest_uri": pointer["manifest_uri"] if pointer else None,
+        "model_code": dataclasses.asdict(code) if code else None}
+
+
+def stage_model_code(cfg: TrainConfig, paths: RunPaths) -> StagedCode | None:
+    """A custom network's ``model.code_uri``, packed and staged under the run's ``code/`` with its
+    sha256 (None without one), and its factory imported from the staged copy: a bad import
+    path, code location or module fails here, before the data is read, without a retry."""
+    from training.loop.model import check_factory
+
+    if not is_custom_model(cfg.model.name):
+        return None
+    code = _refuse_bad_config(model_code.stage, cfg.model.code_uri, paths.code) if cfg.model.code_uri else None
+    _refuse_bad_config(check_factory, cfg, code)
+    if code:
+        log.info("staged the code of %s from %s: %s (sha256 %s)", cfg.model.name, cfg.model.code_uri, code.uri,
+                 code.sha256)
+    return code
+
+
+def _refuse_bad_config(check: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return check(*args)
+    except ConfigError as exc:
+        raise _fail(f"invalid model: {exc}") from exc
 
 
 def warm_start_checkpoint(params: Mapping[str, Any], dag_id: str, run_id: str,
@@ -217,7 +248,9 @@ def provision(config: Mapping[str, Any], params: Mapping[str, Any], dag_id: str,
 
 
 def teardown(cluster: dict[str, Any] | None) -> dict[str, Any]:
-    """Release the cluster (runs on success, failure and manual fail). Idempotent."""
+    """Release the cluster (runs on success, failure and manual fail). Idempotent. A training job
+    still running (the run was marked failed, the train task timed out) is stopped first, in
+    order: SIGTERM to its supervisor, rank 0's emergency checkpoint, then every role."""
     from infra.cluster import attach
 
     if not cluster:
@@ -237,68 +270,84 @@ def reap(older_than_s: float = 0.0) -> dict[str, Any]:
         raise _fail(f"reap: {exc}") from exc
 
 
-def live_run(cfg: TrainConfig, backend: Any, dag_id: str, run_id: str, try_number: int,
-             on_run: Callable[[str], None] | None) -> Any:
-    """The DAG run's live MLflow run for this attempt (``training.tracking.live``), or None when
-    ``MXPIPE_LIVE_TRACKING`` is off. On ``ec2`` its cost adds the instance-hours and their price."""
+def live_tracking(cfg: TrainConfig, dag_id: str, run_id: str, try_number: int) -> dict[str, Any]:
+    """What the job's supervisor needs to keep the DAG run's MLflow run live while it trains
+    (``training.tracking.live``), or {} when ``MXPIPE_LIVE_TRACKING`` is off."""
     from common.version import git_sha
-    from infra.cost import cluster_cost
-    from training.tracking.live import LiveRun
 
     if not settings().live_tracking:
-        return None
-    c = cfg.cluster
-    return LiveRun(tracking_uri=mlflow_server(), experiment=EXPERIMENT, run_name=f"{dag_id}/{run_id}",
-                   find_tags={"airflow.dag_id": dag_id, "airflow.run_id": run_id},
-                   tags={"airflow.try_number": str(try_number), "mlflow.source.git.commit": git_sha()},
-                   sync_s=settings().live_sync_s, gpus_per_worker=c.devices_per_worker if c.device == "gpu" else 0,
-                   on_run=on_run, cost_extras=(lambda: cluster_cost(backend)) if c.backend == "ec2" else None)
+        return {}
+    return {"tracking_uri": mlflow_server(), "experiment": EXPERIMENT, "run_name": f"{dag_id}/{run_id}",
+            "find_tags": {"airflow.dag_id": dag_id, "airflow.run_id": run_id},
+            "tags": {"airflow.try_number": str(try_number), "mlflow.source.git.commit": git_sha()},
+            "sync_s": settings().live_sync_s}
 
 
-def train(config: Mapping[str, Any], params: Mapping[str, Any], cluster: dict[str, Any], shards: dict[str, Any],
-          dag_id: str, run_id: str, try_number: int,
-          on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the distributed job on the provisioned cluster; a retry resumes from its checkpoints.
-    ``on_run`` gets the URL of the live MLflow run once it exists."""
+def open_live_run(job: Mapping[str, Any]) -> str:
+    """Create (or find) the DAG run's MLflow run as training starts, so its link works at once;
+    the supervisor's live run finds it by the same tags. '' when tracking is off or unreachable:
+    MLflow never stops a training."""
+    from training.tracking.live import open_run_url
+
+    tracking = job.get("tracking") or {}
+    if not tracking:
+        return ""
+    try:
+        return open_run_url(tracking)
+    except Exception as exc:  # noqa: BLE001 - tracking must not fail the training
+        log.warning("could not open the MLflow run at %s: %s", tracking.get("tracking_uri"), exc)
+        return ""
+
+
+def prepare_job(config: Mapping[str, Any], params: Mapping[str, Any], cluster: dict[str, Any],
+                shards: dict[str, Any], dag_id: str, run_id: str, try_number: int) -> dict[str, Any]:
+    """Write the attempt's job document (config, where to read and write, its status record, the
+    cluster its supervisor attaches to); returns the pointers the training operator keeps."""
     from common import storage
     from infra.cluster import attach
     from training.checkpoint.store import CheckpointStore
     from training.launch.job import JobSpec
-    from training.launch.launcher import JobFailed, Supervisor
 
     cfg = load_config(config)
     paths = run_paths(dag_id, run_id)
     # The job loads it only while this run has no checkpoint of its own (training.loop.worker).
     warm = warm_start_checkpoint(params, dag_id, run_id, cfg)
-    job = JobSpec(config=cfg, shards_prefix=shards["shards_prefix"], checkpoint_prefix=paths.checkpoints,
-                  model_prefix=paths.model, metrics_uri=storage.join(paths.metrics, "train.json"),
-                  run_name=f"{dag_id}/{run_id}",
-                  warm_start_prefix=warm["prefix"] if warm else "")
-    job_uri = storage.join(paths.config, "job.json")
-    job.save(job_uri)
-    committed = CheckpointStore(paths.checkpoints, keep=cfg.checkpoint.keep).committed_steps()
-    resume_step = committed[0] if committed else 0
-    log.info("attempt %d: %s", try_number,
-             f"resuming from checkpoint step {resume_step}" if committed else "starting from scratch")
     # The cluster places the roles and picks the scheduler's address for this attempt. A retry
     # provisions again first: idempotent, it reuses what is healthy and replaces what was lost
     # (a reclaimed spot instance), where the previous attempt's failure may have come from.
     backend = attach(cluster)
     if try_number > 1:
         backend = type(backend).provision(backend.spec, backend.home)
-    # The roles get the S3 settings this task's connections put in its environment.
-    sup = Supervisor(cfg, cluster=backend, base_env=role_base_env(os.environ),
-                     observer=live_run(cfg, backend, dag_id, run_id, try_number, on_run))
-    try:
-        sup.run(job_uri)
-    except JobFailed as exc:
-        if exc.deterministic:
-            raise _fail(f"train: {exc}") from exc
-        raise
-    metrics = json.loads(storage.get_bytes(job.metrics_uri))
-    return {"model_prefix": paths.model, "metrics_uri": job.metrics_uri, "checkpoint_prefix": paths.checkpoints,
-            "resumed_from_step": resume_step, "attempt": try_number, "global_step": metrics["global_step"],
-            "final_val_accuracy": metrics["history"][-1].get("val_accuracy")}
+    code = shards.get("model_code") or {}
+    job = JobSpec(config=cfg, shards_prefix=shards["shards_prefix"], checkpoint_prefix=paths.checkpoints,
+                  model_prefix=paths.model, metrics_uri=storage.join(paths.metrics, "train.json"),
+                  run_name=f"{dag_id}/{run_id}",
+                  warm_start_prefix=warm["prefix"] if warm else "",
+                  model_code_uri=code.get("uri", ""), model_code_sha256=code.get("sha256", ""),
+                  status_uri=paths.job_status, cluster=backend.job_cluster(),
+                  tracking=live_tracking(cfg, dag_id, run_id, try_number))
+    job_uri = storage.join(paths.config, "job.json")
+    job.save(job_uri)
+    committed = CheckpointStore(paths.checkpoints, keep=cfg.checkpoint.keep).committed_steps()
+    resume_step = committed[0] if committed else 0
+    log.info("attempt %d: %s", try_number,
+             f"resuming from checkpoint step {resume_step}" if committed else "starting from scratch")
+    return {"job_uri": job_uri, "status_uri": job.status_uri, "metrics_uri": job.metrics_uri,
+            "model_prefix": paths.model, "checkpoint_prefix": paths.checkpoints, "resumed_from_step": resume_step,
+            "attempt": try_number, "cluster": backend.describe(), "tracking": job.tracking}
+
+
+def train_result(job: Mapping[str, Any]) -> dict[str, Any]:
+    """What a succeeded training returns: the same small dict of pointers for ``register``."""
+    from common import storage
+
+    metrics = json.loads(storage.get_bytes(job["metrics_uri"]))
+    return {"model_prefix": job["model_prefix"], "metrics_uri": job["metrics_uri"],
+            "checkpoint_prefix": job["checkpoint_prefix"], "resumed_from_step": job["resumed_from_step"],
+            "attempt": job["attempt"], "global_step": metrics["global_step"],
+            "final_val_accuracy": metrics["history"][-1].get("val_accuracy"),
+            # The epoch the exported model is from, when tracked (checkpoint.export_epoch, early stopping).
+            "best": metrics.get("best")}
 
 
 def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[str, Any], trained: dict[str, Any],
@@ -349,6 +398,7 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
                 dataset={"manifest": manifest, "manifest_uri": shards["manifest_uri"],
                          "digest": shards["manifest_digest"]},
                 log_system_metrics=True, step_metrics=metrics.get("step_history", []),
+                selection=metrics.get("best"),
             )
         except (ParamConflictError, EvaluationError) as exc:  # conflicting params, unscorable test split: no retry
             raise _fail(str(exc)) from exc

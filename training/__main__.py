@@ -9,6 +9,13 @@
     python -m training config [--recipe digits|debug] [--dataset URI]
         Prints a recipe's full config as JSON: a config file to start from.
 
+    python -m training supervise JOB_URI --job-id ID [--attempt N]
+        The supervisor of one job as a process of its own (started detached by the cluster):
+        starts every role on the cluster the job document names, keeps the status record,
+        stops every role on SIGTERM (rank 0's emergency checkpoint first). Exit code: 0
+        succeeded, 1 failed (retryable), 2 failed deterministically, 4 refused (another live
+        job on the same prefix), 75 stopped (training.launch.supervise).
+
     python -m training worker JOB_URI
         One worker role (started by the launcher with the DMLC_* variables set).
 """
@@ -23,6 +30,7 @@ import os
 import signal
 import sys
 import tempfile
+from typing import Any
 
 from common.cli import parser as cli_parser
 from common.cli import usage_errors
@@ -66,17 +74,20 @@ def _worker(job_uri: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from common import storage
+    from common import model_code, storage
     from common.config import ConfigError, TrainConfig
     from common.procs import GroupSpawner, free_port
     from training.launch.job import JobSpec
     from training.launch.launcher import JobFailed, Supervisor
 
+    out = args.out.rstrip("/")
     with usage_errors(ConfigError):
         cfg = TrainConfig.from_file(args.config)
-    out = args.out.rstrip("/")
+        # A custom network's code travels with the job as in a DAG run (common.model_code).
+        code = model_code.stage(cfg.model.code_uri, storage.join(out, "code")) if cfg.model.code_uri else None
     job = JobSpec(config=cfg, shards_prefix=args.shards, checkpoint_prefix=storage.join(out, "checkpoints"),
-                  model_prefix=storage.join(out, "model"), metrics_uri=storage.join(out, "metrics", "train.json"))
+                  model_prefix=storage.join(out, "model"), metrics_uri=storage.join(out, "metrics", "train.json"),
+                  model_code_uri=code.uri if code else "", model_code_sha256=code.sha256 if code else "")
     job_uri = storage.join(out, "config", "job.json")
     job.save(job_uri)
     with tempfile.TemporaryDirectory(prefix="mxpipe-job-") as tmp:
@@ -91,6 +102,23 @@ def _run(args: argparse.Namespace) -> int:
     print(json.dumps({"model": job.model_prefix, "checkpoints": job.checkpoint_prefix,
                       "final": metrics["history"][-1]}, indent=2))
     return 0
+
+
+def _live_run(job: Any, cluster: Any) -> Any:
+    """The job's live MLflow run (``JobSpec.tracking``; None when off), with the cluster's own
+    cost (EC2 instance-hours and price) where it has one."""
+    from training.tracking.live import live_run_for
+
+    c = job.config.cluster
+    return live_run_for(job.tracking, gpus_per_worker=c.devices_per_worker if c.device == "gpu" else 0,
+                        cost_extras=getattr(cluster, "cost", None))
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    from training.launch.supervise import SuperviseError, supervise
+
+    with usage_errors(SuperviseError):
+        return supervise(args.job_uri, job_id=args.job_id, attempt=args.attempt, observer_for=_live_run)
 
 
 def _print_config(args: argparse.Namespace) -> int:
@@ -109,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("worker", help="run one worker role (started by the launcher)")
     w.add_argument("job_uri")
+    s = sub.add_parser("supervise", help="supervise one job's roles to its end (started detached by a cluster)")
+    s.add_argument("job_uri")
+    s.add_argument("--job-id", required=True, help="this job's id, as its status record will carry it")
+    s.add_argument("--attempt", type=int, default=0, help="the Airflow try that started it (0: none)")
     r = sub.add_parser("run", help="run a distributed job on local processes; rerun to resume")
     r.add_argument("--config", required=True, help="TrainConfig JSON file")
     r.add_argument("--shards", required=True, help="prefix holding manifest.json and the shards")
@@ -125,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         apply_from_env()  # the floating-point mode the engine's threads inherit: before mxnet starts them
         import_mxnet()  # before anything else can import mxnet with sklearn present
         return _worker(args.job_uri)
+    if args.cmd == "supervise":
+        return _supervise(args)
     return _run(args)
 
 

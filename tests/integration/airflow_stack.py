@@ -23,12 +23,8 @@ def airflow_stack(home: Path, s3_server: Any, mlflow_server: Any, dags: Mapping[
                   components: Iterable[str] = AIRFLOW_COMPONENTS) -> Iterator[StackConfig]:
     """Start the stack, wait (bounded) until every DAG of ``dags`` (dag_id → file) is parsed."""
     cfg = StackConfig.with_free_ports(home)
-    client_env = {**connections_env(s3_endpoint=s3_server.endpoint, access_key=s3_server.access_key,
-                                    secret_key=s3_server.secret_key, mlflow_uri=mlflow_server.tracking_uri),
-                  "MXPIPE_ARTIFACT_ROOT": s3_server.env["MXPIPE_ARTIFACT_ROOT"],
-                  "MXPIPE_HOME": str(home), "MXPIPE_SCHEDULE": "none", "MXPIPE_RETRY_DELAY_S": "1",
-                  **(extra_env or {})}
-    handles = start_airflow(cfg, client_env=client_env, components=components)
+    handles = start_airflow(cfg, client_env=stack_client_env(home, s3_server, mlflow_server, extra_env),
+                            components=components)
     try:
         for dag_id, dag_file in dags.items():
             wait_for_dag(cfg.airflow_url, dag_id, timeout_s=180, dag_file=dag_file)
@@ -36,6 +32,42 @@ def airflow_stack(home: Path, s3_server: Any, mlflow_server: Any, dags: Mapping[
     finally:
         assert stop_airflow(handles)
         Watch(sessions=[h.pgid for h in handles]).check("the Airflow stack")
+
+
+def stack_client_env(home: Path, s3_server: Any, mlflow_server: Any,
+                     extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What the stack's tasks find in their environment: the S3 and MLflow connections, no AWS or
+    MLflow variable of their own."""
+    return {**connections_env(s3_endpoint=s3_server.endpoint, access_key=s3_server.access_key,
+                              secret_key=s3_server.secret_key, mlflow_uri=mlflow_server.tracking_uri),
+            "MXPIPE_ARTIFACT_ROOT": s3_server.env["MXPIPE_ARTIFACT_ROOT"],
+            "MXPIPE_HOME": str(home), "MXPIPE_SCHEDULE": "none", "MXPIPE_RETRY_DELAY_S": "1",
+            **(extra_env or {})}
+
+
+@contextlib.contextmanager
+def killed_and_restarted(cfg: StackConfig, client_env: Mapping[str, str], components: Iterable[str]) -> Iterator[None]:
+    """``kill -9`` every process of the named components (their whole sessions: executor workers
+    and task processes too), start them again, and stop the new ones on the way out: the stack
+    then lacks those components, so a module uses this in its last test."""
+    import signal
+
+    from common.procs import group_members
+    from infra.processes import load_handle
+
+    for comp in components:
+        handle = load_handle(cfg.home, f"airflow-{comp}")
+        if handle is not None and handle.owns_group():
+            for proc in group_members([handle.pgid], sessions=True):
+                with contextlib.suppress(OSError):
+                    proc.send_signal(signal.SIGKILL)
+    time.sleep(2)  # the leaders gone, so start_airflow launches fresh ones instead of reusing them
+    handles = start_airflow(cfg, client_env=client_env, components=components)
+    try:
+        yield
+    finally:
+        assert stop_airflow(handles)
+        Watch(sessions=[h.pgid for h in handles]).check("the restarted Airflow components")
 
 
 def wait_until_parked(home: Path, run_id: str, task_id: str, timeout_s: float = 180.0) -> None:

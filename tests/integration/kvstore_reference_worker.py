@@ -18,6 +18,10 @@ With ``--placement split`` the model is split over the worker's contexts the way
 does it (``training.loop.placement``: ``SplitNet``, one Trainer per stage from
 ``make_split_trainer`` on key-shifted views of the trial's view); the batch then enters whole
 on the first context. The reference stays one unsplit process.
+
+``--net custom`` trains the user's network of ``tests/custom_nets.py`` (built by
+``training.loop.custom_model``), ``--features preprocessed`` a raw table's rows through the
+pipeline's table preprocessing: the same reference holds with either.
 """
 from __future__ import annotations
 
@@ -39,9 +43,16 @@ from training.loop.kvstore_sync import with_gradient_compression, with_key_offse
 
 IN_UNITS, HIDDEN, CLASSES = 10, 16, 4
 KEY_STRIDE = 100
+# ``--net custom``: the user's network of tests/custom_nets.py, its folder on the path (``--code-dir``).
+CUSTOM_NET = "mynet.arch:build"
 
 
-def build_net(mx: Any, prefix: str) -> Any:
+def build_net(mx: Any, prefix: str, kind: str = "mlp") -> Any:
+    if kind == "custom":  # built the pipeline's way; its own prefix, its Dense layers' inputs deferred
+        from common.config import ModelConfig
+        from training.loop.custom_model import build_block
+
+        return build_block(ModelConfig(name=CUSTOM_NET, options={"width": HIDDEN}), CLASSES, (IN_UNITS,))
     nn = mx.gluon.nn
     net = nn.HybridSequential(prefix=prefix)
     with net.name_scope():
@@ -49,6 +60,13 @@ def build_net(mx: Any, prefix: str) -> Any:
         net.add(nn.Dense(HIDDEN, activation="relu", in_units=HIDDEN))
         net.add(nn.Dense(CLASSES, in_units=HIDDEN))
     return net
+
+
+def initialize(mx: Any, net: Any, ctxs: list[Any]) -> None:
+    """Allocate the parameters on ``ctxs``; one forward pass settles deferred shapes (a custom
+    network's), so the trial's values can be set before any step."""
+    net.initialize(ctx=ctxs)
+    net(mx.nd.zeros((1, IN_UNITS), ctx=ctxs[0]))
 
 
 def param_list(net: Any) -> list[Any]:
@@ -62,11 +80,46 @@ def initial_values(net: Any, seed: int, trial: int) -> list[np.ndarray]:
     return [(rng.standard_normal(p.shape) * 0.5).astype(np.float32) for p in param_list(net)]
 
 
-def global_batch(seed: int, trial: int, step: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+def global_batch(seed: int, trial: int, step: int, size: int,
+                 features: str = "raw") -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.RandomState([seed, trial, step, 11])
-    X = rng.standard_normal((size, IN_UNITS)).astype(np.float32)
+    if features == "preprocessed":
+        X = preprocessed(seed, raw_table(rng, size, known_kinds=4))
+    else:
+        X = rng.standard_normal((size, IN_UNITS)).astype(np.float32)
     y = rng.randint(0, CLASSES, size).astype(np.float32)
     return X, y
+
+
+# ``--features preprocessed``: rows of a raw table (6 numbers of very different scales, one text
+# column; missing values in both) through the pipeline's table preprocessing (data_checks.preprocess:
+# standardise, impute, one-hot with an unknown bucket), fitted on a train block of its own: 6 + 3
+# categories + unknown = IN_UNITS features. A step's rows also hold a category the fit never saw.
+KINDS = {"a": 0, "b": 1, "c": 2, "d": 3}
+NUMBERS = [f"x{i}" for i in range(6)]
+
+
+def raw_table(rng: np.random.RandomState, size: int, known_kinds: int) -> np.ndarray:
+    X = np.empty((size, len(NUMBERS) + 1), np.float32)
+    X[:, :-1] = rng.standard_normal((size, len(NUMBERS))) * np.logspace(-2, 4, len(NUMBERS)) + 50.0
+    X[:, -1] = rng.randint(0, known_kinds, size)
+    X[rng.rand(*X.shape) < 0.1] = np.nan
+    return X
+
+
+def preprocessed(seed: int, raw: np.ndarray) -> np.ndarray:
+    from types import SimpleNamespace
+
+    from common.config import DataConfig
+    from data_checks import preprocess
+
+    layout = SimpleNamespace(feature_columns=[*NUMBERS, "kind"])
+    fitted_on = raw_table(np.random.RandomState([seed, 13]), 256, known_kinds=3)
+    record = preprocess.fit(lambda: iter([fitted_on]), layout, {"kind": KINDS},
+                            DataConfig(source_uri="kvstore-reference.csv", missing_values="impute"))
+    X, _ = preprocess.transform(record, raw, preprocess.category_slots(record, {"kind": KINDS}))
+    assert X.shape[1] == IN_UNITS and np.isfinite(X).all(), record["output_columns"]
+    return X
 
 
 def optimizer_params(name: str) -> dict[str, Any]:
@@ -113,15 +166,16 @@ def train_steps(mx: Any, net: Any, trainer: Any, batches: list[tuple[np.ndarray,
         trainer.step(rescale)
 
 
-def reference(seed: int, trial: int, steps: int, global_size: int, optimizer: str) -> list[np.ndarray]:
+def reference(seed: int, trial: int, steps: int, global_size: int, optimizer: str, *, net_kind: str = "mlp",
+              features: str = "raw") -> list[np.ndarray]:
     """Single process, one context, no kvstore, on the whole global batch of every step."""
     mx = import_mxnet()
-    net = build_net(mx, f"ref{trial}_")
-    net.initialize(ctx=mx.cpu())
+    net = build_net(mx, f"ref{trial}_", net_kind)
+    initialize(mx, net, [mx.cpu()])
     set_params(net, initial_values(net, seed, trial))
     trainer = mx.gluon.Trainer(param_list(net), optimizer, optimizer_params(optimizer),
                                kvstore=None)
-    batches = [global_batch(seed, trial, s, global_size) for s in range(steps)]
+    batches = [global_batch(seed, trial, s, global_size, features) for s in range(steps)]
     train_steps(mx, net, trainer, batches, [mx.cpu()], global_size)
     mx.nd.waitall()
     return get_params(net)
@@ -194,13 +248,13 @@ def run_trials(args: argparse.Namespace) -> dict[str, Any]:
     timings, placed = [], {}
     for trial in range(args.trials):
         started = time.monotonic()
-        net = build_net(mx, f"t{trial}_")
+        net = build_net(mx, f"t{trial}_", args.net)
         if split:
             net = SplitNet(net, ctxs)
             net.initialize(mx.init.Uniform(), ctx=ctxs)
             placed = {p.name.split("_", 1)[1]: str(p.list_ctx()) for p in param_list(net)}
         else:
-            net.initialize(ctx=ctxs)
+            initialize(mx, net, ctxs)
         values = initial_values(net, args.seed, trial)
         if rank != 0 and not args.same_init:
             # Wrong on purpose: only the initial sync from rank 0 can make this worker correct.
@@ -219,14 +273,15 @@ def run_trials(args: argparse.Namespace) -> dict[str, Any]:
                                    trial_kv, args.optimizer_on, batch_size=global_size)
         batches = []
         for s in range(args.steps):
-            X, y = global_batch(args.seed, trial, s, global_size)
+            X, y = global_batch(args.seed, trial, s, global_size, args.features)
             batches.append((X[rank * args.batch:(rank + 1) * args.batch], y[rank * args.batch:(rank + 1) * args.batch]))
         train_steps(mx, net, trainer, batches, ctxs[:1] if split else ctxs, global_size)
         mx.nd.waitall()
         np.savez(os.path.join(args.out, f"rank{rank}-trial{trial}.npz"), *get_params(net))
         timings.append(time.monotonic() - started)
         print(f"rank {rank} trial {trial} done in {timings[-1]:.2f}s", flush=True)
-    return {"rank": rank, "num_workers": num_workers, "trial_s": timings, "placed": placed}
+    return {"rank": rank, "num_workers": num_workers, "trial_s": timings, "placed": placed,
+            "params": [p.name for p in param_list(net)]}
 
 
 def run_async_checks(args: argparse.Namespace) -> dict[str, Any]:
@@ -304,8 +359,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--same-init", action="store_true", help="every rank starts from rank 0's values")
     p.add_argument("--compression", type=float, default=0.0,
                    help="2-bit gradient compression with this threshold (0: off), through the pipeline's view")
+    p.add_argument("--net", default="mlp", choices=("mlp", "custom"),
+                   help=f"custom: {CUSTOM_NET} from --code-dir, built by training.loop.custom_model")
+    p.add_argument("--code-dir", default="", help="the folder that holds the custom network's package")
+    p.add_argument("--features", default="raw", choices=("raw", "preprocessed"),
+                   help="preprocessed: a raw table's rows through the pipeline's table preprocessing")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.code_dir:
+        sys.path.insert(0, args.code_dir)
     os.makedirs(args.out, exist_ok=True)
     summary = run_async_checks(args) if args.kvstore == "dist_async" else run_trials(args)
     with open(os.path.join(args.out, f"rank{summary['rank']}-summary.json"), "w") as fh:

@@ -26,3 +26,29 @@ def run_job(job, prefix, tmp_path, env=None, observer=None):
     finally:
         Watch(record_dirs=[record_dir]).check("the job's roles")
     return spawner
+
+
+def shard_digits(prefix, digits_csv, **data):
+    """The digits table uploaded under ``prefix`` and sharded with the ``debug`` recipe (``data``:
+    fields of its data section to change): (config, shards prefix)."""
+    from common.config import recipe
+    from data_checks.shard import shard_dataset
+
+    source = storage.join(prefix, "digits.csv")
+    storage.put_bytes(source, digits_csv)
+    cfg = recipe("debug", source).replace(data=data) if data else recipe("debug", source)
+    shard_dataset(cfg, storage.join(prefix, "shards"))
+    return cfg, storage.join(prefix, "shards")
+
+
+def checkpoint_params(job, step):
+    """The parameters of the job's checkpoint at ``step``, by structural name."""
+    import io
+
+    import numpy as np
+
+    from training.checkpoint.store import store_for
+
+    ckpt = store_for(job.checkpoint_prefix, job.config.checkpoint).load(step)
+    with np.load(io.BytesIO(ckpt.files["params.npz"])) as arrays:
+        return {k: arrays[k].copy() for k in arrays.files}

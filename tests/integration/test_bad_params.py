@@ -33,6 +33,8 @@ REFUSED_AT_TRIGGER = [
     ("wrong type in config: fractional workers", {"config": {"cluster": {"num_workers": 2.5}}},
      "2.5 is not of type 'integer'"),
     ("unknown key in config", {"config": {"optim": {"epochz": 3}}}, "'epochz' was unexpected"),
+    ("malformed import path of a custom network", {"config": {"model": {"name": "my-net.arch:build"}}},
+     "'my-net.arch:build' does not match"),
     ("config file that is neither JSON nor YAML", {"config_uri": "/etc/run.txt"}, "config_uri"),
 ]
 

@@ -5,6 +5,7 @@ The reference is one uninterrupted job (module fixture); a job killed (SIGKILL, 
 the middle of a checkpoint upload) and resumed must end with the same parameters. The model has
 dropout so that the per-step RNG re-seeding is exercised too.
 """
+import dataclasses
 import io
 import json
 import logging
@@ -133,6 +134,31 @@ def test_kill_during_upload_leaves_a_torn_checkpoint_that_is_never_loaded(shards
     _resumes_exactly(job, s3_prefix, tmp_path, caplog, reference, expect_step=21)
 
 
+def test_auto_cadence_plans_from_the_measured_cost_and_resumes_exactly(shards, reference, reference_steps, s3_prefix,
+                                                                       tmp_path, caplog):
+    """checkpoint.every_n_steps = "auto" (a failure every 2 s and 0.1 s steps, so the interval
+    is a few steps): rank 0 logs its plan and its inputs, and a job killed and resumed ends
+    bit-identical."""
+    cfg, shards_prefix = shards
+    job = _job(cfg, shards_prefix, s3_prefix, checkpoint={"every_n_steps": "auto", "mtbf_s": 2.0})
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")
+    with pytest.raises(JobFailed) as failed:
+        # Bootstrap saves at 10, 20 (epoch end), 30: planned at 30 (a step time between periodic saves).
+        _run(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_KILL_STEP": "35", "MXPIPE_FAULT_KILL_RANK": "1",
+                                            "MXPIPE_FAULT_STEP_DELAY_S": "0.1"})
+    assert "SIGKILL" in str(failed.value) and not failed.value.deterministic
+    plans = re.findall(r"checkpoint cadence \(auto\).*: (every \d+ steps .*MTBF 2s.*)", caplog.text)
+    assert plans, caplog.text[-3000:]
+    print("auto cadence plans:", *plans, sep="\n  ")
+    assert int(plans[0].split()[1]) < 40 and "step time 1" in plans[0]  # ~0.1 s steps: measured, not queued
+    newest = CheckpointStore(job.checkpoint_prefix).committed_steps()[0]
+    diff = _resumes_exactly(job, s3_prefix, tmp_path, caplog, reference, expect_step=newest,
+                            reference_steps=reference_steps)
+    assert diff == 0.0
+    stats = json.loads(storage.get_bytes(job.metrics_uri))["checkpoint"]
+    assert stats["auto_every_n_steps"] >= 1 and stats["failed"] == 0
+
+
 def test_elastic_resume_two_workers_to_one(shards, s3_prefix, tmp_path, caplog):
     cfg, shards_prefix = shards
     job2 = _job(cfg, shards_prefix, s3_prefix, checkpoint={"elastic": True, "async_upload": False})
@@ -156,6 +182,51 @@ def test_elastic_resume_two_workers_to_one(shards, s3_prefix, tmp_path, caplog):
     assert metrics["history"][-1]["val_accuracy"] > 0.6  # it kept learning (the reference: ~0.8)
 
 
+@pytest.fixture(scope="module")
+def custom_code(s3_server, tmp_path_factory):
+    """The user's network package (tests/custom_nets.py) in a folder outside the repo, staged on S3."""
+    from common import model_code
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from custom_nets import write_package
+
+    code_dir = write_package(str(tmp_path_factory.mktemp("user-nets")))
+    return model_code.stage(code_dir, f"s3://{s3_server.bucket}/test-ckpt-custom-code")
+
+
+def _custom_job(cfg, shards_prefix, prefix, staged, **overrides):
+    """A job of the user's network (with dropout) whose roles fetch its staged code."""
+    custom = cfg.replace(model={"name": "mynet.arch:build", "options": {"width": 24, "dropout": 0.2}})
+    return dataclasses.replace(_job(custom, shards_prefix, prefix, **overrides), model_code_uri=staged.uri,
+                               model_code_sha256=staged.sha256)
+
+
+def test_a_custom_network_resumes_exactly(shards, custom_code, s3_prefix, tmp_path, caplog):
+    """A network of the user's own (with dropout: the per-step re-seeding applies to it too),
+    its code staged on S3 and fetched by every worker: killed at step 15 of one epoch and
+    resumed, it ends with the parameters of an uninterrupted run of the same network."""
+    cfg, shards_prefix = shards
+
+    def job_under(prefix):
+        return _custom_job(cfg, shards_prefix, prefix, custom_code, optim={"epochs": 1})
+
+    uninterrupted = job_under(storage.join(s3_prefix, "uninterrupted"))
+    _run(uninterrupted, storage.join(s3_prefix, "uninterrupted"), tmp_path)
+    _, expected = _final_params(uninterrupted)
+    assert {"0.inner.weight", "0.proj.weight"} <= set(expected), sorted(expected)  # the Residual block
+
+    prefix = storage.join(s3_prefix, "resumed")
+    job = job_under(prefix)
+    with pytest.raises(JobFailed, match="SIGKILL"):
+        _run(job, prefix, tmp_path, env={"MXPIPE_FAULT_KILL_STEP": "15", "MXPIPE_FAULT_KILL_RANK": "1"})
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")
+    _run(job, prefix, tmp_path)
+    resumed = re.findall(r"resumed from step (\d+) .*optimizer state (\w+)", caplog.text)
+    assert resumed and int(resumed[0][0]) in (7, 14) and resumed[0][1] == "restored", caplog.text[-3000:]
+    ckpt, params = _final_params(job)
+    assert ckpt.step == 20 and _max_diff(params, expected) == 0.0
+
+
 # -- the store against real S3 (no training job) ---------------------------------------------------
 
 
@@ -167,7 +238,7 @@ def test_flipped_bytes_or_deleted_manifest_fall_back_to_the_previous(s3_prefix):
     store = CheckpointStore(s3_prefix, keep=4)
     for step in (10, 20, 30):
         _save(store, step)
-    uri = storage.join(store.step_uri(30), "params.npz")
+    uri = store.file_uri(30, "params.npz")
     data = bytearray(storage.get_bytes(uri))
     data[5] ^= 0xFF
     storage.put_bytes(uri, bytes(data))
@@ -223,7 +294,7 @@ def test_sse_kms_header_is_sent_and_a_refusal_is_a_clear_storage_error(s3_prefix
     try:
         _save(store, 10)
     except storage.StorageError as exc:
-        assert "step-00000010/params.npz" in str(exc)
+        assert re.search(r"step-00000010/[0-9a-f]{16}/params\.npz", str(exc))  # the attempt's object
         print(f"SeaweedFS refused SSE-KMS: {exc}")
     else:
         assert store.latest().step == 10
@@ -264,3 +335,69 @@ def test_wrong_key_fails_the_job_as_bad_input(shards, s3_prefix, tmp_path, monke
     assert failed.value.deterministic and "step-00000020: encrypted with another key" in str(failed.value)
     assert "cd" * 32 not in str(failed.value) and "ab" * 32 not in str(failed.value)
     assert time.monotonic() - started < 120
+
+
+@pytest.fixture(scope="module")
+def table_shards(s3_server):
+    """A table with a text column and missing values, sharded with imputation (one-hot,
+    standardised): (config, shards prefix, manifest)."""
+    import pandas as pd
+
+    rng = np.random.default_rng(5)
+    frame = pd.DataFrame({"x": rng.normal(1e3, 50, 400), "kind": rng.choice(["a", "b", "c"], 400),
+                          "label": rng.integers(0, 2, 400)})
+    frame.loc[::11, "x"] = np.nan
+    frame.loc[::17, "kind"] = None
+    bucket = f"s3://{s3_server.bucket}/test-ckpt-prep"
+    source = storage.join(bucket, "table.csv")
+    storage.put_bytes(source, frame.to_csv(index=False).encode())
+    cfg = recipe("debug", source).replace(data={"missing_values": "impute"}, optim={"epochs": 3},
+                                          model={"hidden": (16,), "dropout": 0.2}, checkpoint={"every_n_steps": 3})
+    manifest = shard_dataset(cfg, storage.join(bucket, "shards"))
+    return cfg, storage.join(bucket, "shards"), manifest
+
+
+def test_resume_is_exact_on_a_preprocessed_table(table_shards, s3_server, s3_prefix, tmp_path, caplog):
+    """Shards of a table with a text column and imputed missing values (one-hot, standardised):
+    a job killed mid-run resumes to the uninterrupted job's parameters."""
+    cfg, shards_prefix, manifest = table_shards
+    assert manifest["preprocessing"]["imputed"]["train"] and manifest["num_features"] == 5
+    ref_prefix = f"s3://{s3_server.bucket}/test-ckpt-prep/reference"
+    ref = _job(cfg, shards_prefix, ref_prefix)
+    _run(ref, ref_prefix, tmp_path)
+    ref_ckpt, reference = _final_params(ref)
+    job = _job(cfg, shards_prefix, s3_prefix)
+    with pytest.raises(JobFailed):
+        _run(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_KILL_STEP": "10", "MXPIPE_FAULT_KILL_RANK": "1"})
+    _run(job, s3_prefix, tmp_path)
+    ckpt, params = _final_params(job)
+    assert ckpt.step == ref_ckpt.step and _max_diff(params, reference) <= EXACT_ATOL
+
+
+@pytest.mark.parametrize("case", ["preprocessed-table", "custom-network"])
+def test_elastic_resume_with_preprocessing_or_a_custom_network(case, request, s3_prefix, tmp_path, caplog):
+    """Elastic resume (2 workers killed mid-run, resumed on 1) on a preprocessed table, and with
+    the user's own network (its code fetched again by the new job's worker)."""
+    if case == "preprocessed-table":
+        cfg, shards_prefix, _ = request.getfixturevalue("table_shards")
+        kill_step, epochs = "8", 3
+
+        def job(**overrides):
+            return _job(cfg, shards_prefix, s3_prefix, **overrides)
+    else:
+        cfg, shards_prefix = request.getfixturevalue("shards")
+        staged, kill_step, epochs = request.getfixturevalue("custom_code"), "30", 2
+
+        def job(**overrides):
+            return _custom_job(cfg, shards_prefix, s3_prefix, staged, **overrides)
+
+    with pytest.raises(JobFailed):
+        _run(job(checkpoint={"elastic": True, "async_upload": False}), s3_prefix, tmp_path,
+             env={"MXPIPE_FAULT_KILL_STEP": kill_step, "MXPIPE_FAULT_KILL_RANK": "1"})
+    caplog.set_level(logging.INFO, logger="training.launch.launcher")
+    one = job(cluster={"num_workers": 1}, checkpoint={"elastic": True})
+    _run(one, s3_prefix, tmp_path)
+    assert "elastic resume: 2 workers → 1" in caplog.text, caplog.text[-3000:]
+    metrics = json.loads(storage.get_bytes(one.metrics_uri))
+    assert metrics["num_workers"] == 1 and [h["epoch"] for h in metrics["history"]] == list(range(epochs))
+    assert np.isfinite(metrics["history"][-1]["val_loss"])

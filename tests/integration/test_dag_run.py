@@ -189,3 +189,67 @@ def test_diabetes_regression_through_the_dag_registers_a_float_model(airflow_env
     assert list(predicted.columns) == ["progression"] and predicted["progression"].dtype == "float64"
     assert [c.name for c in model.metadata.get_output_schema().inputs] == ["progression"]
     assert model.metadata.get_output_schema().inputs[0].type.name == "double"
+
+
+# A fresh interpreter with neither the repository nor the network's folder on its path loads the
+# registered version and predicts: the exported symbol + params are the whole model.
+FRESH_PREDICT = """
+import json, sys
+import mlflow.pyfunc, pandas as pd
+for name in ("mynet", "training", "common"):
+    try:
+        __import__(name)
+    except ImportError:
+        continue
+    raise SystemExit(name + " is importable")
+assert not {sys.argv[2], sys.argv[3]} & set(sys.path), sys.path
+rows = pd.read_csv("rows.csv")
+model = mlflow.pyfunc.load_model(sys.argv[1])
+pred = model.predict(rows.drop(columns=["label"]))
+print("ACCURACY " + json.dumps(float((pred["label"].to_numpy() == rows["label"].to_numpy()).mean())))
+"""
+
+
+def test_a_custom_network_from_a_folder_outside_the_repo_trains_and_serves(airflow_env, digits_uri, digits_csv,
+                                                                           tmp_path_factory):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from custom_nets import write_package
+
+    code_dir = write_package(str(tmp_path_factory.mktemp("user-nets")))
+    assert not code_dir.startswith(REPO)
+    model = {"name": "mynet.arch:build", "code_uri": code_dir, "options": {"width": 48}}
+    result, logs = _run_dag(airflow_env, _conf(digits_uri, epochs=3, registered_model_name="digits-custom",
+                                               config={"model": model}))
+    assert result["state"] == "success", logs[-6000:]
+    assert result["tasks"]["train"]["try_number"] == 1
+    assert "staged the code of mynet.arch:build" in logs
+    artifacts = f"s3://{airflow_env['MXPIPE_ARTIFACT_ROOT'][5:]}"
+    assert any(u.endswith("/code/model_code.tar.gz") for u in storage.list_uris(artifacts))
+
+    from mlflow.tracking import MlflowClient
+
+    version = MlflowClient(airflow_env["MLFLOW_TRACKING_URI"]).get_model_version_by_alias("digits-custom",
+                                                                                          "challenger")
+    run = MlflowClient(airflow_env["MLFLOW_TRACKING_URI"]).get_run(version.run_id)
+    assert run.data.metrics["test_accuracy"] > 0.85
+    fresh = tmp_path_factory.mktemp("fresh")
+    (fresh / "rows.csv").write_bytes(digits_csv)
+    env = {k: v for k, v in airflow_env.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", FRESH_PREDICT, "models:/digits-custom@challenger", REPO, code_dir],
+                         cwd=fresh, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    accuracy = json.loads(out.stdout.split("ACCURACY ")[-1])
+    assert accuracy > 0.85  # every digits row: train, validation and test
+
+
+def test_a_factory_that_cannot_be_imported_fails_shard_without_retry(airflow_env, digits_uri, tmp_path):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from custom_nets import write_package
+
+    model = {"name": "mynet.broken:build", "code_uri": write_package(str(tmp_path / "user-nets"))}
+    result, logs = _run_dag(airflow_env, _conf(digits_uri, config={"model": model}))
+    assert result["state"] == "failed"
+    assert result["tasks"]["shard"] == {"state": "failed", "try_number": 1}, result["tasks"]
+    assert result["tasks"]["train"]["state"] in ("upstream_failed", "None")
+    assert "invalid model: model.name='mynet.broken:build': importing mynet.broken failed: ImportError: needs torch" \
+        in logs

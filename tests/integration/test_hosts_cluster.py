@@ -130,6 +130,42 @@ def test_job_runs_across_namespace_hosts(hosts, local_shards, tmp_path, nothing_
     _run_job(hosts, job, job_uri, str(tmp_path / "home"), f"ok-{hosts[0]['transport']}", nothing_left)
 
 
+@pytest.mark.parametrize("hosts", TRANSPORTS[1:], indirect=True)
+def test_a_custom_network_reaches_the_remote_workers_through_storage(hosts, local_shards, tmp_path, nothing_left):
+    """The user's folder is gone once its code is staged: the workers on the other hosts build the
+    network from the staged archive, fetched and verified through storage."""
+    import dataclasses
+    import shutil
+
+    from common import model_code
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from custom_nets import write_package
+
+    cfg, shards = local_shards
+    code_dir = write_package(str(tmp_path / "user-nets"))
+    out = str(tmp_path / "run")
+    staged = model_code.stage(code_dir, storage.join(out, "code"))
+    shutil.rmtree(code_dir)
+    job, job_uri = _job(cfg, shards, out, optim={"epochs": 1},
+                        model={"name": "mynet.arch:build", "code_uri": code_dir, "options": {"width": 24}})
+    job = dataclasses.replace(job, model_code_uri=staged.uri, model_code_sha256=staged.sha256)
+    job.save(job_uri)
+    spec = ClusterSpec(run_tag=f"hosts-test--custom-{SUFFIX}", workers=2, servers=1, backend="hosts",
+                       options={"hosts": hosts})
+    cluster = provision(spec, home=str(tmp_path / "home"))
+    _watch(nothing_left, cluster, hosts)
+    sup = Supervisor(job.config, cluster=cluster, base_env=dict(os.environ))
+    try:
+        sup.run(job_uri)
+        assert {r.host for r in sup.roles if r.kind == "worker"} == {hosts[1]["address"], hosts[2]["address"]}
+        metrics = json.loads(storage.get_bytes(job.metrics_uri))
+        assert metrics["num_workers"] == 2 and metrics["history"][-1]["val_accuracy"] > 0.5
+    finally:
+        cluster.teardown()
+    nothing_left.check("the hosts cluster")
+
+
 @pytest.mark.parametrize("hosts", TRANSPORTS, indirect=True)
 def test_killed_remote_worker_is_reported_with_its_host_and_everything_stops(hosts, local_shards, tmp_path,
                                                                             nothing_left):

@@ -38,7 +38,7 @@ def test_corrupt_checkpoint_is_skipped(tmp_path):
     store = CheckpointStore(str(tmp_path), keep=3)
     _save(store, 10)
     _save(store, 20)
-    path = os.path.join(store.step_uri(20), "model.params")
+    path = store.file_uri(20, "model.params")
     with open(path, "wb") as fh:
         fh.write(b"params-2X")  # same size, different bytes
     with pytest.raises(CorruptCheckpoint, match="sha256"):
@@ -98,7 +98,7 @@ def _enc_store(path, key=KEY, env="MXPIPE_TEST_CKPT_KEY"):
 def test_encrypted_checkpoint_roundtrips_and_is_unreadable_at_rest(tmp_path):
     store = _enc_store(tmp_path)
     store.save(10, {"model.params": b"secret-params" * 10}, {"global_step": 10})
-    raw = storage.get_bytes(storage.join(store.step_uri(10), "model.params"))
+    raw = storage.get_bytes(store.file_uri(10, "model.params"))
     assert b"secret-params" not in raw
     manifest = json.loads(storage.get_bytes(storage.join(store.step_uri(10), "MANIFEST.json")))
     assert manifest["encryption"]["algorithm"].startswith("AES-256-GCM")
@@ -124,9 +124,7 @@ def test_swapped_ciphertext_files_fail_to_decrypt(tmp_path):
     store = _enc_store(tmp_path)
     store.save(10, {"a": b"aaaa", "b": b"bbbb"}, {"global_step": 10})
     base = store.step_uri(10)
-    a, b = (storage.get_bytes(storage.join(base, n)) for n in "ab")
-    storage.put_bytes(storage.join(base, "a"), b)
-    storage.put_bytes(storage.join(base, "b"), a)
+    # The manifest names each file's path: pointing "a" at b's ciphertext (and b at a's) is the swap.
     manifest = json.loads(storage.get_bytes(storage.join(base, "MANIFEST.json")))
     manifest["files"]["a"], manifest["files"]["b"] = manifest["files"]["b"], manifest["files"]["a"]
     os.remove(storage.join(base, "MANIFEST.json"))

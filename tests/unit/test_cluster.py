@@ -162,3 +162,35 @@ def test_a_role_killed_by_a_signal_over_ssh_reads_as_a_local_child_killed_by_it(
     assert role_command(ns, "python", "-m", "x") == "cd /w && exec python -m x"
     assert exit_status(ssh, 137) == -9 and exit_status(ssh, 255) == 255 and exit_status(ssh, 3) == 3
     assert exit_status(ssh, None) is None and exit_status(ns, 137) == 137
+
+
+def test_hosts_supervisor_starts_detached_on_the_first_host_apart_from_the_roles_records():
+    hosts = [{"name": f"h{i}", "address": f"10.0.0.{i}", "transport": "local", "python": "/py",
+              "workdir": "/opt/p", "state_dir": "/s"} for i in range(2)]
+    cluster = HostsCluster("c", ClusterSpec(run_tag="c", workers=2, servers=1, backend="hosts",
+                                            options={"hosts": hosts}), "/nonexistent")
+    line = cluster.supervisor_command("s3://b/job.json", "1-x", 1)
+    assert line.startswith("cd /opt/p && (setsid nohup /py -m common.procs exec-role --record /s/jobs/c/procs/1-x.json "
+                           "--env-file /s/jobs/c/env --env-key 1-x -- /py -m training supervise s3://b/job.json "
+                           "--job-id 1-x --attempt 1 > /s/jobs/c/1-x.log 2>&1 < /dev/null &)")
+    # the roles' kill-records folder (what the supervisor's own stops clear) does not hold it
+    assert not "/s/jobs/c".startswith(cluster._remote_dir(cluster.hosts[0]))
+
+
+def test_ec2_supervisor_script_runs_it_detached_on_rank_0_with_its_env_in_a_file():
+    from infra.ec2_cluster import Ec2Cluster
+
+    cluster = Ec2Cluster("c", ClusterSpec(run_tag="c", workers=2, servers=1, backend="ec2",
+                                          options={"launch_template": "lt"}), "/nonexistent",
+                         instance_ids=["i-0", "i-1"], addresses=["10.0.0.1", "10.0.0.2"])
+    script = cluster.supervisor_script("s3://b/job.json", "2-y", 2, {"MXPIPE_CLUSTER": "c", "X": "it's"})
+    folder = "/var/run/mxpipe-roles/jobs/c"
+    assert script[0] == f"umask 077 && mkdir -p {folder}"
+    head, body, end = script[1].split("\n")
+    assert head == f"cat > {folder}/env <<'MXPIPE_ENV'" and end == "MXPIPE_ENV"
+    assert json.loads(body) == {"2-y": {"MXPIPE_CLUSTER": "c", "X": "it's"}}
+    assert script[2] == (f"cd /opt/mxpipe && (setsid nohup /opt/mxpipe/.venv/bin/python -m common.procs exec-role "
+                         f"--record {folder}/procs/2-y.json --env-file {folder}/env --env-key 2-y -- "
+                         "/opt/mxpipe/.venv/bin/python -m training supervise s3://b/job.json --job-id 2-y "
+                         f"--attempt 2 > {folder}/2-y.log 2>&1 < /dev/null &)")
+    assert cluster.job_cluster() == {"factory": "infra.cluster:attach", "description": cluster.describe()}

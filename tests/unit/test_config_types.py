@@ -15,7 +15,8 @@ EVERY_SECTION = {
              "val_fraction": 0.15, "test_fraction": 0.25, "input_shape": [1, 8, 8], "max_shard_imbalance": 2,
              "max_label_skew": 0.3, "id_column": "uid", "classes": [3, 1, 2], "feature_columns": ["f0", "f1"],
              "feature_range": [0, 16], "chunk_rows": 1000, "drift_action": "fail", "drift_threshold": 0.2,
-             "prefetch_batches": 4, "target_columns": [], "target_range": []},
+             "prefetch_batches": 4, "target_columns": [], "target_range": [], "standardize": True, "missing_values": "fail",
+             "rare_label_action": "warn", "rare_label_rows": 5, "rare_label_ratio": 0.01},
     "model": {"name": "lenet", "hidden": [64, 32], "dropout": 0.25, "placement": "split"},
     "optim": {"optimizer": "sgd", "learning_rate": 0.05, "momentum": 0.8, "weight_decay": 0.0001, "batch_size": 64,
               "epochs": 12, "accumulate_steps": 2, "lr_schedule": "step", "warmup_steps": 10,
@@ -35,10 +36,17 @@ EVERY_SECTION = {
 # (config, digest(), resume_digest()) measured with the dataclass implementation of
 # common/config.py (before the models were pydantic): checkpoints written then embed these, so
 # they must never change for the same config.
+def _timed(cfg: TrainConfig) -> TrainConfig:
+    """The recipe as it was then: cluster.job_timeout_s defaulted to 3600 (now 0, no limit)."""
+    raw = cfg.to_dict()
+    raw["cluster"]["job_timeout_s"] = 3600.0
+    return TrainConfig.from_dict(raw)
+
+
 PINNED = [
-    (lambda: recipe("digits"), "6e0b0322f610a689", "b1f6055028fc297f"),
-    (lambda: recipe("digits", "s3://b/d.csv"), "7ac610d7782aac46", "35420b11d431abae"),
-    (lambda: recipe("debug"), "470cb94388c46c00", "335b575157570806"),
+    (lambda: _timed(recipe("digits")), "6e0b0322f610a689", "b1f6055028fc297f"),
+    (lambda: _timed(recipe("digits", "s3://b/d.csv")), "7ac610d7782aac46", "35420b11d431abae"),
+    (lambda: _timed(recipe("debug")), "470cb94388c46c00", "335b575157570806"),
     (lambda: TrainConfig.from_dict(EVERY_SECTION), "4e1a488af679820f", "ccb6b4304d97d98e"),
 ]
 

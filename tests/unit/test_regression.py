@@ -117,9 +117,23 @@ def test_losses_follow_the_config(loss, expected):
 
 @pytest.fixture(scope="module")
 def sharded(diabetes_csv: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainConfig, str, dict]:
-    cfg = regression_config(diabetes_csv, target_columns=["target", "twice"])
+    # Raw features, so the records can be compared with the source's values.
+    cfg = regression_config(diabetes_csv, target_columns=["target", "twice"], standardize=False)
     prefix = str(tmp_path_factory.mktemp("shards") / "run")
     return cfg, prefix, shard_dataset(cfg, prefix)
+
+
+def test_standardised_regression_shards_keep_the_targets_raw(diabetes_csv, tmp_path):
+    """The table transform rewrites the features only: the targets after them stay exact."""
+    cfg = regression_config(diabetes_csv, target_columns=["target", "twice"])
+    prefix = str(tmp_path / "run")
+    manifest = shard_dataset(cfg, prefix)
+    assert manifest["preprocessing"]["standardize"]
+    train = [s for s in manifest["shards"] if s["split"] == "train"]
+    X, y = feed_data.fetch_split(manifest, prefix, train, str(tmp_path / "train"))
+    np.testing.assert_allclose(X.mean(axis=0), 0.0, atol=1e-4)  # fitted on this split
+    source = pd.read_csv(diabetes_csv)
+    assert set(map(tuple, y.tolist())) <= set(map(tuple, source[["target", "twice"]].to_numpy(np.float32).tolist()))
 
 
 def test_regression_shards_hold_float_targets_after_the_features(sharded, diabetes_csv, tmp_path):

@@ -23,7 +23,7 @@ SETTINGS_FILE = "common/settings.py"
 ALLOWED = {
     # A snapshot of variables set for MLflow around a call, put back as found when it ends;
     # nothing in it is interpreted.
-    ("training/tracking/registry.py", "environ_restored"),
+    ("training/tracking/runs.py", "environ_restored"),
 }
 
 

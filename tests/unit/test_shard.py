@@ -35,6 +35,8 @@ def digits_frame() -> pd.DataFrame:
 
 def config(source: str, workers: int = 2, **data: object) -> TrainConfig:
     # One shard feeds one worker only (the config refuses fewer train shards than workers).
+    # These tests compare shard bytes with the source: no standardisation (test_preprocess.py).
+    data.setdefault("standardize", False)
     return TrainConfig(cluster=ClusterConfig(num_workers=workers),
                        data=DataConfig(source_uri=source, label_column="label", **data))
 
@@ -181,7 +183,9 @@ def _bad_source(case: str, tmp_path) -> str:
     frames = {
         "header_only": pd.DataFrame({"a": [], "label": []}),
         "no_label": pd.DataFrame({"a": [1, 2], "b": [3, 4]}),
-        "non_numeric": pd.DataFrame({"a": [1.0, 2.0, 3.0], "color": [1, "red", "blue"], "label": [0, 1, 0]}),
+        # text columns are categorical; a date is neither a number nor text
+        "non_numeric": pd.DataFrame({"a": [1.0, 2.0, 3.0], "day": ["2024-01-01", "2024-01-02", "2024-01-03"],
+                                     "label": [0, 1, 0]}),
         "tiny_classes": pd.DataFrame({"a": [1.0, 2.0, 3.0, 4.0], "label": [0, 0, 1, 1]}),
         "one_class": pd.DataFrame({"a": [1.0, 2.0, 3.0], "label": [5, 5, 5]}),
     }
@@ -222,7 +226,7 @@ def _bad_source(case: str, tmp_path) -> str:
     ("missing", r"source dataset not found: .*nope\.csv"),
     ("header_only", r"no rows \(header only\): .*header_only\.csv"),
     ("no_label", r"label column 'label' not found in .*no_label\.csv; available columns: \['a', 'b'\]"),
-    ("non_numeric", r"non-numeric feature columns in .*non_numeric\.csv: 'color' \(string, e\.g\. 'red'\)"),
+    ("non_numeric", r"feature columns in .*non_numeric\.csv are neither numbers nor text: 'day' \(date32\[day\]"),
     ("late_string", r"non-numeric value in .*late_string\.csv: column 'a':.*invalid value 'oops'"),
     ("latin1", r"latin1\.csv is not UTF-8 text: column 'label':.*re-encode the file as UTF-8"),
     ("zero_bytes", r"source dataset is empty .*zero_bytes\.csv"),

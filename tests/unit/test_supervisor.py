@@ -8,35 +8,18 @@ import os
 import time
 
 import pytest
-from common.procs import GroupSpawner, ProcessRole, kill_groups
-from common.roles import JobLaunch
 from common.config import TrainConfig
+from tests.unit import script_cluster
 from training.launch.launcher import JobFailed, Supervisor
 
 pytestmark = pytest.mark.unit
 
 
-class ScriptCluster:
-    """A cluster whose roles run the shell script given per role name (default: sleep); its
-    role processes carry the tag of the ``nothing_left`` watch."""
-
-    def __init__(self, watch, scripts):
-        self.watch = watch
-        self.scripts = scripts
-        self.spawner = GroupSpawner(watch.record_dirs[0])
-        self.launches = []
-
-    def start_roles(self, launch: JobLaunch):
-        self.launches.append(launch)
-        out = []
-        for role in launch.roles():
-            script = self.scripts.get(role.name, "echo up; sleep 300")
-            proc = self.spawner.spawn(role.name, ["sh", "-c", script], {**os.environ, **self.watch.env})
-            out.append(ProcessRole(role.name, role.kind, f"host-{role.name}", proc))
-        return out
-
-    def stop_roles(self, handles, *, grace_s=5.0):
-        return kill_groups((h.proc.pid for h in handles), grace_s=grace_s)
+def ScriptCluster(watch, scripts):
+    """A script cluster (``tests.unit.script_cluster``) whose roles carry the watch's tag."""
+    cluster = script_cluster.ScriptCluster(watch.record_dirs[0], watch.env, scripts)
+    cluster.watch = watch
+    return cluster
 
 
 def _cfg(**cluster):

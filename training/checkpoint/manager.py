@@ -9,7 +9,12 @@ at which the tests and chaos runs inject faults keep their meaning relative to t
 
 - Cadence (``due``): every ``every_n_steps`` global steps and, with ``every_n_seconds`` > 0, once
   that long has passed since the last save. Never at the last step of an epoch: the epoch-end
-  checkpoint follows it (the loop saves that one with ``must=True``).
+  checkpoint follows it (the loop saves that one with ``must=True``). With ``every_n_steps:
+  "auto"`` the interval is ``training.checkpoint.cadence``'s (Young/Daly from rank 0's measured
+  checkpoint cost and step time between periodic saves, re-planned on drift). Only rank 0 measures a cost, so the other
+  ranks keep the first interval (``cadence.BOOTSTRAP_STEPS``): their ``due`` only decides where
+  they read their losses back, which changes neither the parameters nor the synchronisation
+  (``dist_sync`` already meets at every step's push/pull), so an exact resume stays exact.
 - A periodic save due while the previous one is still uploading is **skipped** (counted in
   ``skipped``, logged; the next due one is taken instead); one that must exist (epoch end,
   emergency) **waits** for it (``training.checkpoint.writer``). The skip is decided before the
@@ -29,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import CheckpointConfig
+from training.checkpoint.cadence import AutoCadence
 from training.checkpoint.state import Snapshot
 from training.checkpoint.store import CheckpointStore
 from training.checkpoint.writer import Checkpointer, CheckpointStats
@@ -50,7 +56,10 @@ class CheckpointManager:
         self.stats: CheckpointStats | None = self._writer.stats if self._writer is not None else None
         self._snapshot = snapshot
         self._steps_per_epoch = steps_per_epoch
-        self._every_n_steps = cfg.every_n_steps
+        self._auto = AutoCadence(cfg.mtbf_s) if cfg.every_n_steps == "auto" else None
+        self._every_n_steps = self._auto.every_n_steps if self._auto is not None else cfg.every_n_steps
+        self._uploads_seen = (0, 0.0)  # the writer's finished uploads and their seconds, at the last plan
+        self._last_save_step: int | None = None
         self._every_n_seconds = cfg.every_n_seconds
         self._resumed_step = resumed_step  # a job resumed at its final step commits nothing new
         self._last_save = time.monotonic()
@@ -77,10 +86,27 @@ class CheckpointManager:
             self.stats.skipped += 1
             log.info("checkpoint at step %d skipped: the previous one is still uploading", global_step)
             return False
+        upload_s = self._upload_since_last_plan() if self._auto is not None and not self._writer.busy else None
+        # Between two periodic saves (after an epoch-end one too): steps only, engine drained at both ends.
+        step_s = None
+        if not must and self._last_save_step is not None and global_step > self._last_save_step:
+            step_s = (started - self._last_save) / (global_step - self._last_save_step)
         self._writer.submit(self._snapshot(global_step), deadline=deadline)
         self._last_save = time.monotonic()
+        self._last_save_step = global_step
         self.stats.blocked_s += self._last_save - started
+        if self._auto is not None:
+            self._auto.measured(self._last_save - started, upload_s, step_s)
+            self._every_n_steps = self._auto.every_n_steps
         return True
+
+    def _upload_since_last_plan(self) -> float | None:
+        """The mean duration of the uploads finished since the last call (None: none). Read only
+        while no upload runs: the writer updates its counts and seconds one after the other."""
+        finished = (self.stats.committed + self.stats.failed, self.stats.upload_s)
+        count, seconds = finished[0] - self._uploads_seen[0], finished[1] - self._uploads_seen[1]
+        self._uploads_seen = finished
+        return seconds / count if count else None
 
     def emergency(self, global_step: int, requested_at: float, *, save: bool) -> None:
         """SIGTERM at ``requested_at`` (monotonic): write ``global_step`` (``save``; False when the
@@ -107,7 +133,9 @@ class CheckpointManager:
         self._close(None)
         if self.stats.steps[-1:] != [global_step] and global_step != self._resumed_step:
             raise RuntimeError(f"the final checkpoint (step {global_step}) was not committed; see the log above")
-        return self.stats.as_dict()
+        if self._auto is None:
+            return self.stats.as_dict()
+        return self.stats.as_dict() | {"auto_every_n_steps": self._every_n_steps, "auto_replans": self._auto.replans}
 
     def _close(self, deadline: float | None) -> None:
         started = time.monotonic()

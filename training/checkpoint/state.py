@@ -184,7 +184,12 @@ def load_params(net: Any, blob: bytes, ctx: Any) -> None:
             raise ValueError(f"checkpoint parameters do not match the model: missing {sorted(missing)}, "
                              f"unexpected {sorted(extra)}")
         for name, p in params.items():
-            p.set_data(mx.nd.array(arrays[name], ctx=ctx, dtype=arrays[name].dtype))
+            # In place, into every context's copy: what Parameter.set_data does, without its reset
+            # of the trainer's kvstore, which a distributed kvstore refuses with the optimizer on
+            # the servers (the best epoch's parameters are loaded after training, trainer attached).
+            value = mx.nd.array(arrays[name], ctx=ctx, dtype=arrays[name].dtype)
+            for arr in p.list_data():
+                arr[:] = value
 
 
 def load_states(trainer: Any, blob: bytes | None, where: str) -> bool:

@@ -6,7 +6,8 @@ process needs no arguments beyond the job's URI, and a retry of the job is the s
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from common import storage
 from common.config import TrainConfig
@@ -31,6 +32,19 @@ class JobSpec:
     # Warm start: another run's checkpoint folder; its newest valid checkpoint's parameters
     # initialise the model only when this job's own prefix has no checkpoint yet.
     warm_start_prefix: str = ""
+    # A custom network's staged code (common.model_code) and its sha256; empty for the zoo or
+    # code already installed on the roles.
+    model_code_uri: str = ""
+    model_code_sha256: str = ""
+    # Where ``python -m training supervise`` keeps the job's status record (training.launch.status).
+    status_uri: str = ""
+    # The cluster the supervisor starts the roles on: {"factory": "module:callable",
+    # "description": {...}}; the factory turns the description into a cluster (see
+    # training.launch.supervise for why this is a name and not an import).
+    cluster: dict[str, Any] = field(default_factory=dict)
+    # The DAG run's MLflow run the supervisor keeps live while the job trains
+    # (training.tracking.live.live_run_for); empty: no live tracking.
+    tracking: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         raw = asdict(self)

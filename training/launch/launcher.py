@@ -4,12 +4,14 @@ ps-lite cannot lose a node: when one role dies, the others block forever (seen h
 heartbeats set). So the supervisor owns the scheduler, the servers and the workers, and ends the
 whole job when any role exits non-zero (seen within one poll, ``POLL_S``), when a worker has
 logged nothing for ``cluster.stall_timeout_s`` (``start_timeout_s`` before its first line), or
-when the job runs past ``cluster.job_timeout_s``. It streams each role's output into this
+when the job runs past ``cluster.job_timeout_s`` (0: no limit; the stall bound guards a hung
+job). It streams each role's output into this
 process's log with a ``[role-rank@host]`` prefix and raises one ``JobFailed`` naming the role,
 its host, its exit code or signal and its last lines. Every role is stopped (its whole process
 group, on whatever host) before ``run`` returns or raises: after a role failure at once (1 s
 SIGTERM grace, the others are blocked in ps-lite), otherwise workers first with the
-checkpoint's preemption grace (rank 0's emergency checkpoint), then scheduler and servers. The next attempt starts a fresh job,
+checkpoint's preemption grace (rank 0 alone first, for its emergency checkpoint; its rank comes
+from its first line), then scheduler and servers. The next attempt starts a fresh job,
 which resumes from the latest committed checkpoint.
 
 Where roles run is not this module's business. It takes either a cluster (anything with
@@ -37,6 +39,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -50,8 +53,9 @@ from common.roles import JobLaunch, forwarded_env, role_argv, role_env
 from common.settings import settings
 from common.config import TrainConfig
 from training.launch.job import DETERMINISTIC_EXIT_CODES
+from training.launch.status import StatusWriter
 
-__all__ = ["JobFailed", "JobObserver", "Supervisor", "role_argv", "launch_for", "outcome_of"]
+__all__ = ["JobFailed", "JobObserver", "JobStopped", "Supervisor", "role_argv", "launch_for", "outcome_of"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,8 @@ def outcome_of(error: BaseException | None) -> tuple[str, str]:
     not an ``Exception`` (KeyboardInterrupt, SystemExit, Airflow's task termination) a stop."""
     if error is None:
         return "succeeded", ""
+    if isinstance(error, JobStopped):
+        return "stopped", str(error)
     if isinstance(error, Exception):
         return "failed", str(error) or type(error).__name__
     return "stopped", f"stopped: {type(error).__name__} {error}".strip()
@@ -140,6 +146,18 @@ class JobFailed(RuntimeError):
         self.deterministic = deterministic
 
 
+class JobStopped(RuntimeError):
+    """The job was asked to stop (``Supervisor.request_stop``) and every role has been stopped."""
+
+
+# The role whose log lines carry the job's progress (global step, epoch) into the status record.
+PROGRESS_ROLE = "worker-0"
+# A worker's first line names its kvstore rank (training.loop.worker.build_cluster). ps-lite's
+# scheduler assigns ranks in the order workers register, so rank 0 (the checkpoint writer) is
+# not necessarily the role named worker-0.
+_RANK_LINE = re.compile(r"\bworker (\d+)/\d+ started\b")
+
+
 @dataclass
 class _Role:
     handle: Any
@@ -147,6 +165,7 @@ class _Role:
     last_output: float = field(default_factory=time.monotonic)
     seen_output: bool = False
     reader: threading.Thread | None = None
+    rank: int | None = None  # a worker's kvstore rank, once its first line said it
 
     @property
     def name(self) -> str:
@@ -198,7 +217,8 @@ class Supervisor:
 
     def __init__(self, cfg: TrainConfig, spawner: Spawner | None = None, *, host: str = "127.0.0.1",
                  port: int = 0, base_env: Mapping[str, str] | None = None,
-                 cluster: RoleCluster | None = None, observer: JobObserver | None = None) -> None:
+                 cluster: RoleCluster | None = None, observer: JobObserver | None = None,
+                 status: StatusWriter | None = None) -> None:
         if (spawner is None) == (cluster is None):
             raise ValueError("give the supervisor either a cluster or a spawner (with host and port)")
         self.cfg = cfg
@@ -210,6 +230,14 @@ class Supervisor:
         self.roles: list[_Role] = []
         self.events = _Events(settings(self.base_env).events_file)
         self.observer = observer
+        self.status = status
+        # A plain flag, not a threading.Event: setting an Event from a signal handler can deadlock
+        # on the lock its waiter holds.
+        self.stop_requested = False
+
+    def request_stop(self) -> None:
+        """Ask for an orderly stop (safe from a signal handler): ``run`` raises ``JobStopped``."""
+        self.stop_requested = True
 
     # -- starting ---------------------------------------------------------------------------
 
@@ -229,6 +257,7 @@ class Supervisor:
 
     def _pump(self, role: _Role) -> None:
         prefix = f"{role.name}@{role.host}"
+        progress = self.status.progress if self.status is not None and role.name == PROGRESS_ROLE else None
         for line in role.handle.stdout:
             line = line.rstrip("\n")
             role.tail.append(line)
@@ -238,6 +267,10 @@ class Supervisor:
             if self.observer is not None:
                 self.observer.on_line(role.name, line)
             self.events("line", role=role.name, text=line)
+            if progress is not None:
+                progress(line)
+            if role.rank is None and role.kind == "worker" and (m := _RANK_LINE.search(line)):
+                role.rank = int(m.group(1))
 
     def run(self, job_uri: str) -> None:
         c = self.cfg.cluster
@@ -267,6 +300,8 @@ class Supervisor:
             error = exc
             if isinstance(exc, JobFailed):
                 orderly = exc.role == "job"  # a job timeout: every role is still alive
+            elif isinstance(exc, JobStopped):
+                log.warning("stop requested: stopping every role (rank 0 first writes its emergency checkpoint)")
             raise
         finally:
             self._stop_all(orderly=orderly)
@@ -293,10 +328,17 @@ class Supervisor:
         grace = STOP_GRACE_S if orderly else FAILED_STOP_GRACE_S
         stopped = 0
         if orderly:
-            live = [r.handle for r in self.roles if r.kind == "worker" and r.handle.poll() is None]
+            live = [r for r in self.roles if r.kind == "worker" and r.handle.poll() is None]
+            preempt = float(getattr(self.cfg.checkpoint, "preempt_grace_s", STOP_GRACE_S))
+            # Rank 0 alone first: it finishes its step (its peers still take part), commits the
+            # emergency checkpoint and exits. Signalled together, a peer that exits at once
+            # leaves rank 0 blocked in that step's push/pull until SIGKILL, with no checkpoint.
+            first = [r for r in live if r.rank == 0]
+            if first:
+                stopped += self._stop([r.handle for r in first], preempt + 1.0)
+                live = [r for r in live if r.rank != 0]
             if live:
-                preempt = float(getattr(self.cfg.checkpoint, "preempt_grace_s", STOP_GRACE_S))
-                stopped += self._stop(live, preempt + 1.0)
+                stopped += self._stop([r.handle for r in live], preempt + 1.0 if not first else grace)
         if self.cluster is not None:
             stopped += self.cluster.stop_roles([r.handle for r in self.roles], grace_s=grace)
         else:
@@ -317,6 +359,10 @@ class Supervisor:
         workers = [r for r in self.roles if r.kind == "worker"]
         while True:
             time.sleep(POLL_S)
+            if self.stop_requested:
+                raise JobStopped("the job was stopped on request")
+            if self.status is not None:
+                self.status.beat()
             now = time.monotonic()
             if self.observer is not None:
                 self.observer.sync(self.local_pids())
@@ -328,7 +374,7 @@ class Supervisor:
                 self._drain()
                 log.info("job finished in %.1fs", now - started)
                 return
-            if now - started > c.job_timeout_s:
+            if c.job_timeout_s and now - started > c.job_timeout_s:
                 self._fail(None, f"job exceeded its timeout of {c.job_timeout_s:.0f}s", None)
             for w in workers:
                 # Before its first line a worker is still importing mxnet and joining the job.

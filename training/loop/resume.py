@@ -19,16 +19,19 @@ from typing import Any
 
 from common.config import TrainConfig
 from training.checkpoint import state as ckpt_state
-from training.checkpoint.store import Checkpoint, CheckpointStore, store_for
+from training.checkpoint.store import KEEP_STEP, Checkpoint, CheckpointStore, store_for
 from training.feed import data
 from training.launch.job import JobSpec
+from training.loop.early_stop import BestEpoch
 from training.loop.optim import reposition
 
-__all__ = ["RNG_SCHEME", "TrainState", "check_compatible", "elastic_position", "restore", "restore_optimizer",
-           "resume_digest", "train_record", "warm_start"]
+__all__ = ["BEST_EPOCH", "RNG_SCHEME", "TrainState", "check_compatible", "elastic_position", "restore",
+           "restore_optimizer", "resume_digest", "train_record", "warm_start"]
 
 log = logging.getLogger(__name__)
 
+# The train state's key for the best-epoch tracker (absent when nothing is tracked).
+BEST_EPOCH = "best_epoch"
 RNG_SCHEME = "per-step reseed of python/numpy/mxnet (mxnet only if the net draws) from sha256(seed:global_step:rank)"
 
 
@@ -40,20 +43,28 @@ class TrainState:
     step_in_epoch: int = 0  # steps of ``epoch`` done: where its batches continue
     global_step: int = 0    # optimizer steps done
     history: list[dict[str, Any]] = field(default_factory=list)  # one record per finished epoch
+    best: BestEpoch | None = None  # the best validation epoch so far, when tracked (training.loop.early_stop)
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.best is not None and self.best.stopped_at is not None
 
 
 def restore(store: CheckpointStore, job: JobSpec, net: Any, ctx: Any, num_workers: int, steps: int,
             manifest: dict[str, Any]) -> tuple[TrainState, Checkpoint | None]:
     """The parameters into ``net`` and the position to continue from; the checkpoint resumed, if any."""
     ckpt = store.latest()
+    tracking = BestEpoch.tracking(job.config)
     if ckpt is None:
         if job.warm_start_prefix:
             warm_start(net, job.warm_start_prefix, job.config, ctx)
-        return TrainState(), None
+        return TrainState(best=BestEpoch.from_config(job.config) if tracking else None), None
     check_compatible(ckpt.state, job, num_workers, manifest)
     ckpt_state.load_params(net, ckpt.files[ckpt_state.PARAMS], ctx)
+    history = ckpt.state["history"]
+    best = BestEpoch.restore(job.config, ckpt.state.get(BEST_EPOCH), history) if tracking else None
     state = TrainState(epoch=ckpt.state["epoch"], step_in_epoch=ckpt.state["step_in_epoch"],
-                       global_step=ckpt.state["global_step"], history=ckpt.state["history"])
+                       global_step=ckpt.state["global_step"], history=history, best=best)
     if ckpt.state["num_workers"] != num_workers:
         state.step_in_epoch = elastic_position(ckpt.state, num_workers, steps)
     return state, ckpt
@@ -72,14 +83,27 @@ def restore_optimizer(trainer: Any, net: Any, ckpt: Checkpoint | None, state: Tr
         log.warning("optimizer on the servers: checkpoints hold no optimizer state, a resume restarts it from zero")
 
 
+# The train-state key of a custom network's code digest (the staged archive's sha256).
+CODE_SHA256 = "model_code_sha256"
+
+
 def train_record(state: TrainState, step_records: list[dict[str, float]], cfg: TrainConfig, num_workers: int,
-                 manifest: dict[str, Any]) -> dict[str, Any]:
-    """The train state a checkpoint of ``state`` holds (``restore`` and ``check_compatible`` read it)."""
-    return {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch, "global_step": state.global_step,
-            "history": state.history, "step_history": step_records, "config_digest": cfg.digest(),
-            "resume_digest": resume_digest(cfg), "num_workers": num_workers,
-            "global_batch": cfg.global_batch(num_workers), "manifest_digest": data.manifest_digest(manifest),
-            "rng": RNG_SCHEME}
+                 manifest: dict[str, Any], code_sha256: str = "") -> dict[str, Any]:
+    """The train state a checkpoint of ``state`` holds (``restore`` and ``check_compatible`` read it).
+    With the best epoch exported, it names that epoch's checkpoint as one retention must keep
+    (``KEEP_STEP``)."""
+    record = {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch, "global_step": state.global_step,
+              "history": state.history, "step_history": step_records, "config_digest": cfg.digest(),
+              "resume_digest": resume_digest(cfg), "num_workers": num_workers,
+              "global_batch": cfg.global_batch(num_workers), "manifest_digest": data.manifest_digest(manifest),
+              "rng": RNG_SCHEME}
+    if code_sha256:  # a custom network: its code is part of what was trained (check_compatible)
+        record[CODE_SHA256] = code_sha256
+    if state.best is not None:
+        record[BEST_EPOCH] = state.best.to_state()
+        if cfg.exports_best and state.best.step is not None:
+            record[KEEP_STEP] = state.best.step
+    return record
 
 
 def warm_start(net: Any, prefix: str, cfg: TrainConfig, ctx: Any) -> None:
@@ -98,6 +122,8 @@ def resume_digest(cfg: TrainConfig) -> str:
     raw = cfg.digest_dict()
     raw.pop("checkpoint")
     raw["data"].pop("prefetch_batches")  # how far ahead batches are built does not change them
+    for key in ("rare_label_action", "rare_label_rows", "rare_label_ratio"):  # validation only
+        raw["data"].pop(key, None)
     if raw["model"]["placement"] == "replicated":  # left out when default: older checkpoints still match
         raw["model"].pop("placement")
     cluster = raw.pop("cluster")
@@ -131,6 +157,10 @@ def check_compatible(state: dict[str, Any], job: JobSpec, num_workers: int, mani
     if not ok:
         raise ValueError(f"checkpoint was written with config {state['config_digest']}, "
                          f"this job's config is {cfg.digest()}: refusing to mix them")
+    if state.get(CODE_SHA256, "") != job.model_code_sha256:
+        raise ValueError(f"checkpoint was written by the network code {state.get(CODE_SHA256) or '(none)'}, this "
+                         f"job's model.code_uri holds {job.model_code_sha256 or '(none)'}: the network's code "
+                         "changed, refusing to resume its parameters with other code")
     if state["num_workers"] != num_workers:
         if not cfg.checkpoint.elastic:
             raise ValueError(f"checkpoint was written by {state['num_workers']} workers, this job has "

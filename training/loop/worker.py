@@ -30,6 +30,11 @@ optimizer and its learning-rate schedule, positioned at the resumed global step,
 ``training.loop.optim``. ``global_step`` counts optimizer steps (one push each). The train rows are
 memory-mapped shards (``training.feed.shard_reader``); each step's batch is built ahead of it in a
 thread (``training.feed.prefetch``, ``data.prefetch_batches`` deep).
+
+Early stopping and the best epoch (``training.loop.early_stop``): rank 0 tracks the best
+validation epoch at every epoch end, every worker takes its stop decision through the kvstore,
+and with ``checkpoint.export_epoch`` resolving to "best" the export holds that epoch's
+parameters (read back from its epoch-end checkpoint, which retention keeps).
 """
 from __future__ import annotations
 
@@ -46,18 +51,20 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from common import fpmode, storage
+from common import fpmode, model_code, storage
 from common.config import ModelConfig, TrainConfig
 from common.manifest import is_regression, num_outputs
+from common.model_code import StagedCode
 from common.mx import import_mxnet
 from training.checkpoint import state as ckpt_state
 from training.checkpoint.manager import CheckpointManager
 from training.checkpoint.state import Snapshot
-from training.checkpoint.store import Checkpoint, store_for
+from training.checkpoint.store import Checkpoint, CheckpointStore, store_for
 from training.feed import data as feed_data
 from training.feed.prefetch import prefetched
 from training.launch.job import EXIT_PREEMPTED, JobSpec
 from training.loop import resume
+from training.loop.early_stop import agree_to_stop
 from training.loop.faults import FaultPlan
 from training.loop.kvstore_sync import make_trainer, with_gradient_compression
 from training.loop.metrics import StepRecorder, ThroughputMeter, regression_metrics
@@ -74,6 +81,8 @@ log = logging.getLogger(__name__)
 def run(job: JobSpec) -> dict[str, Any]:
     faults = FaultPlan.from_settings()  # read once: the loop only compares step numbers with it
     cfg = job.config
+    if job.model_code_uri:  # before anything builds the network: a bad archive fails the role at once
+        model_code.activate(StagedCode(job.model_code_uri, job.model_code_sha256))
     cluster = build_cluster(cfg)
     preemption = Preemption.install()
     data = build_data(job, cluster)
@@ -83,6 +92,7 @@ def run(job: JobSpec) -> dict[str, Any]:
                                  data.manifest)
     resumed_from = state.global_step if ckpt is not None else None
     loop = build_loop(cfg, cluster, data, model, state, ckpt)
+    loop.code_sha256 = job.model_code_sha256
     store.before_commit = faults.before_commit_hook()  # a test's torn checkpoint (only rank 0 saves)
     ckpts = CheckpointManager(store, cfg.checkpoint, data.steps, loop.snapshot, rank=cluster.rank,
                               resumed_step=resumed_from)
@@ -93,6 +103,8 @@ def run(job: JobSpec) -> dict[str, Any]:
     if stats is not None:
         result["checkpoint"] = stats
     if cluster.rank == 0:
+        if cfg.exports_best:
+            load_best(model.net, store, state, cluster.ctxs[0])
         export(model.net, data.manifest, job.model_prefix)
         storage.put_bytes(job.metrics_uri, json.dumps(result, indent=2).encode())
         log.info("model exported to %s", job.model_prefix)
@@ -167,7 +179,7 @@ def build_net(cfg: TrainConfig, manifest: dict[str, Any], ctxs: list[Any]) -> Mo
     np.random.seed(cfg.seed)
     use_amp = init_amp(cfg)
     split = cfg.model.placement == "split"
-    net = build_model(cfg, num_outputs(manifest))
+    net = build_model(cfg, num_outputs(manifest), manifest["num_features"])
     reseed_mxnet = draws_random(net)
     if split:  # model parallel: stage i's parameters on ctxs[i] only; the batch enters on ctxs[0]
         net = SplitNet(net, ctxs)
@@ -192,11 +204,12 @@ class Loop:
     train_step: StepRunner
     order: feed_data.EpochOrder
     step_log: StepRecorder
+    code_sha256: str = ""  # a custom network's staged code (JobSpec.model_code_sha256)
 
     def snapshot(self, global_step: int) -> Snapshot:
         """What a checkpoint of the current state holds (the manager calls it when it saves)."""
         record = resume.train_record(self.state, self.step_log.records, self.cfg, self.cluster.num_workers,
-                                     self.data.manifest)
+                                     self.data.manifest, self.code_sha256)
         return ckpt_state.snapshot(self.model.net, self.trainer, global_step, record)
 
     def result(self, meter: ThroughputMeter) -> dict[str, Any]:
@@ -208,7 +221,10 @@ class Loop:
                 # the worker-side optimizer's update count (None when it runs on the servers).
                 "micro_batches": self.train_step.micro_batches, "optimizer_steps": self.train_step.optimizer_steps,
                 "optimizer_updates": (int(self.trainer._optimizer.num_update)
-                                      if self.cfg.cluster.optimizer_placement == "workers" else None)}
+                                      if self.cfg.cluster.optimizer_placement == "workers" else None),
+                # Which epoch was selected and why (training.loop.early_stop); absent when not tracked.
+                **({"best": self.state.best.summary("best" if self.cfg.exports_best else "last")}
+                   if self.state.best is not None else {})}
 
 
 def build_loop(cfg: TrainConfig, cluster: Cluster, data: Data, model: Model, state: TrainState,
@@ -250,16 +266,16 @@ def train(loop: Loop, ckpts: CheckpointManager, faults: FaultPlan, preemption: P
           resumed_from: int | None) -> None:
     """Every epoch left: its steps, then its end (evaluation, log line, epoch-end checkpoint)."""
     state, epochs = loop.state, loop.cfg.optim.epochs
-    if resumed_from is not None and state.epoch >= epochs:
+    if resumed_from is not None and (state.epoch >= epochs or state.stopped_early):
         # The previous attempt died after its final checkpoint (while exporting, or the task
         # was killed after the job): nothing is left to train, only the export is redone.
         log.info("resumed at the final step %d: nothing left to train, exporting again", state.global_step)
         mx = import_mxnet()  # the export needs one hybridized forward
         loop.model.net(mx.nd.zeros((1, loop.data.manifest["num_features"]), ctx=loop.cluster.ctxs[0]))
-    while state.epoch < epochs:
+    while state.epoch < epochs and not state.stopped_early:
         losses = train_epoch(loop, ckpts, faults, preemption, meter, resumed_from)
         end_epoch(loop, losses, meter)
-        ckpts.save(state.global_step, must=True)
+        ckpts.save(state.global_step, must=True)  # with the stop decision, so a resume there stops too
         if preemption.requested:
             preemption.exit(ckpts, state.global_step, save=False)  # the epoch-end checkpoint is the emergency one
 
@@ -330,7 +346,38 @@ def end_epoch(loop: Loop, losses: LossCheck, meter: ThroughputMeter) -> None:
     log.info("epoch %d done: step=%d loss=%.4f samples/s=%.0f (all workers %.0f) eta=%.0fs %s", state.epoch,
              state.global_step, record["train_loss"], record["samples_per_s_worker"],
              record["samples_per_s_total"], remaining * record["step_time_s"], json.dumps(record))
+    if state.best is not None:
+        track_best(loop, record)
     state.epoch, state.step_in_epoch = state.epoch + 1, 0
+
+
+def track_best(loop: Loop, record: dict[str, Any]) -> None:
+    """Rank 0 (the one that evaluated) updates the best epoch; every worker takes rank 0's stop
+    decision, so all of them stop after the same step (training.loop.early_stop)."""
+    best, cluster, epoch = loop.state.best, loop.cluster, loop.state.epoch
+    if cluster.rank == 0 and best.update(record):
+        log.info("best epoch so far: %d (%s=%.6g, step %d)", epoch, best.metric, best.value, best.step)
+    if best.patience == 0 or epoch + 1 == loop.cfg.optim.epochs:  # nothing to decide: no barrier
+        return
+    if agree_to_stop(cluster.kv, epoch, cluster.rank == 0 and best.patience_ran_out, cluster.num_workers):
+        best.stopped_at = epoch
+        log.info("early stopping after epoch %d: %s has not improved by more than %g for %d epochs; best epoch %s",
+                 epoch, best.metric, best.min_delta, best.patience,
+                 f"{best.epoch} ({best.value:.6g})" if cluster.rank == 0 else "on rank 0")
+
+
+def load_best(net: Any, store: CheckpointStore, state: TrainState, ctx: Any) -> None:
+    """The best epoch's parameters into ``net`` (from its epoch-end checkpoint, which retention
+    keeps), unless the current ones are those."""
+    best = state.best
+    if best.step is None:
+        raise ValueError("no validated epoch to export: checkpoint.export_epoch='best' needs at least one "
+                         "finished epoch")
+    if best.step != state.global_step:
+        ckpt = store.load(best.step)
+        ckpt_state.load_params(net, ckpt.files[ckpt_state.PARAMS], ctx)
+    log.info("exporting the best epoch's parameters: epoch %d (%s=%.6g, step %d)", best.epoch, best.metric,
+             best.value, best.step)
 
 
 def evaluate(net: Any, X: np.ndarray, y: np.ndarray, batch: int = 512, ctx: Any = None,
@@ -423,5 +470,8 @@ def export(net: Any, manifest: dict[str, Any], model_prefix: str) -> None:
             meta.update(task="regression", target_columns=manifest["target_columns"])
         with open(os.path.join(tmp, "model_meta.json"), "w") as fh:
             json.dump(meta, fh, indent=2)
+        if manifest.get("preprocessing"):  # the served model applies it to raw rows
+            with open(os.path.join(tmp, "preprocessing.json"), "w") as fh:
+                json.dump(manifest["preprocessing"], fh, indent=2)
         for fname in sorted(os.listdir(tmp)):
             storage.upload_file(os.path.join(tmp, fname), storage.join(model_prefix, fname))

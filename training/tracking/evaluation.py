@@ -21,7 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
 
 # The label column of the evaluation data (the model's own output column is ``label``).
 TARGET_COLUMN = "true_label"
@@ -44,7 +48,7 @@ def class_key(value: Any) -> str:
 class EvaluationData:
     """Held-out rows to score a model on."""
 
-    frame: Any  # pandas: the model's feature columns as float64, the class values in TARGET_COLUMN
+    frame: Any  # pandas: the model's input columns (float64, or text categories), the class values in TARGET_COLUMN
     classes: list[str]  # every class the model may predict, as ``class_key`` strings
     source_uri: str  # where the rows come from (a shard manifest's URI, or a local file)
     task: str = "classification"
@@ -69,17 +73,20 @@ class EvaluationData:
 
 
 def load_test_split(shards_prefix: str, work_dir: str) -> EvaluationData:
-    """The test split of a sharded dataset (its source: the manifest), downloaded into ``work_dir``."""
+    """The test split of a sharded dataset (its source: the manifest), downloaded into ``work_dir``.
+
+    With table preprocessing the rows are raw-equivalent (``raw_frame``):
+    the input a model that preprocesses takes."""
     import numpy as np
     import pandas as pd
 
-    from common.manifest import manifest_uri
+    from common.manifest import is_regression, manifest_uri
+    from common.preprocessing import input_columns
     from training.feed import data
 
-    from common.manifest import is_regression
-
     manifest = data.load_manifest(shards_prefix)
-    columns = [str(c) for c in manifest["feature_columns"]]
+    prep = manifest.get("preprocessing")
+    columns = [str(c) for c in (input_columns(prep) if prep else manifest["feature_columns"])]
     regression = is_regression(manifest)
     shell = EvaluationData(frame=None, classes=[class_key(c) for c in manifest["classes"]],
                            source_uri=manifest_uri(shards_prefix), task=manifest.get("task", "classification"),
@@ -92,7 +99,7 @@ def load_test_split(shards_prefix: str, work_dir: str) -> EvaluationData:
     X, y = data.fetch_split(manifest, shards_prefix, test, work_dir)
     if len(y) == 0:
         raise EvaluationError(f"{shards_prefix} has no test rows to evaluate on")
-    frame = pd.DataFrame(X.astype("float64"), columns=columns)
+    frame = raw_frame(prep, X) if prep else pd.DataFrame(X.astype("float64"), columns=columns)
     if regression:
         for j, name in enumerate(shell.truth_columns):
             frame[name] = y[:, j].astype("float64")
@@ -166,3 +173,26 @@ def evaluate_regressor(model_uri: str, data: EvaluationData, dataset: Any, *, mo
     true = data.frame[data.truth_columns].to_numpy(np.float64)
     metrics = {f"test_{k}": v for k, v in regression_metrics(predicted, true).items()}
     return RegressionScores(result=result, metrics=metrics, predictions=predicted)
+
+
+def raw_frame(record: dict[str, Any], X: np.ndarray) -> pd.DataFrame:
+    """Shard features ``[n, len(output_columns)]`` → raw-equivalent input columns (what the
+    registered model takes: it is scored through its raw-table path)."""
+    import numpy as np
+    import pandas as pd
+
+    from common import preprocessing
+
+    numbers = preprocessing.raw_numbers(record, X)
+    columns: dict[str, Any] = {}
+    j = 0
+    for col in record["inputs"]:
+        if col["kind"] == "numeric":
+            columns[col["name"]] = numbers[:, j]
+            j += 1
+            continue
+        width = len(col["categories"]) + 1
+        names = np.array([*col["categories"], preprocessing.unknown_value(col["categories"])], dtype=object)
+        columns[col["name"]] = names[X[:, j:j + width].argmax(axis=1)] if len(X) else names[:0]
+        j += width
+    return pd.DataFrame(columns)

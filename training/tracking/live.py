@@ -136,7 +136,7 @@ class LiveRun:
     def _loop(self) -> None:
         from mlflow import MlflowClient
 
-        from training.tracking.registry import bounded_mlflow_env
+        from training.tracking.runs import bounded_mlflow_env
 
         client = MlflowClient(self.tracking_uri)
         while True:
@@ -163,7 +163,7 @@ class LiveRun:
             log.warning("MLflow live tracking could not %s (%d error(s) so far): %s", what, self.errors, exc)
 
     def _open(self, client: Any) -> None:
-        from training.tracking.registry import open_run, run_url
+        from training.tracking.runs import open_run, run_url
 
         run = open_run(client, experiment=self.experiment, run_name=self.run_name, find_tags=self.find_tags,
                        tags=self.tags)
@@ -226,3 +226,29 @@ class LiveRun:
         if error:
             client.set_tag(self.run_id, "error", error[-ERROR_TAG_CHARS:])
         client.set_terminated(self.run_id, status=STATUSES[outcome])
+
+
+def live_run_for(tracking: Mapping[str, Any], *, gpus_per_worker: int = 0,
+                 cost_extras: Callable[[], Mapping[str, float]] | None = None) -> LiveRun | None:
+    """The live run a job document's ``tracking`` section asks for (``JobSpec.tracking``, written
+    by the training task), or None when it is empty (tracking off)."""
+    if not tracking:
+        return None
+    return LiveRun(tracking_uri=tracking["tracking_uri"], experiment=tracking["experiment"],
+                   run_name=tracking["run_name"], find_tags=tracking["find_tags"], tags=tracking.get("tags"),
+                   sync_s=float(tracking.get("sync_s", 10.0)), gpus_per_worker=gpus_per_worker,
+                   cost_extras=cost_extras)
+
+
+def open_run_url(tracking: Mapping[str, Any]) -> str:
+    """Find or create the run ``tracking`` names (by its find tags) and return its URL: the
+    training task opens it before the job starts, so the "MLflow run" link works at once."""
+    from mlflow.tracking import MlflowClient
+
+    from training.tracking.runs import bounded_mlflow_env, open_run, run_url
+
+    with bounded_mlflow_env():
+        client = MlflowClient(tracking["tracking_uri"])
+        run = open_run(client, experiment=tracking["experiment"], run_name=tracking["run_name"],
+                       find_tags=tracking["find_tags"], tags=tracking.get("tags") or {})
+    return run_url(tracking["tracking_uri"], run.info.experiment_id, run.info.run_id)

@@ -6,7 +6,18 @@ The trainer exports with ``net.export(prefix, epoch=0)`` into one folder:
 ``task: "regression"`` and ``target_columns``). The network takes float32 ``[batch, num_features]``
 (reshaped to ``[batch] + input_shape`` when that is non-empty) and returns logits
 ``[batch, num_classes]``, or for regression one float per target ``[batch, num_targets]``, which
-the model returns as one float64 column per target (named by ``target_columns``).
+the model returns as one float64 column per target (named by ``target_columns``). A custom
+network (``model.name`` an import path) is exported the same way: its symbol holds only MXNet
+operators, so loading it needs neither the project nor the user's code
+(``tests/unit/test_custom_model.py``), and no ``code_paths`` are logged.
+
+A table model trained on preprocessed shards also has ``preprocessing.json`` (the manifest's
+record, see ``common/preprocessing.py``): the model then takes the *raw* table (its original
+columns, text categories, missing values) and applies the same transform the sharder applied
+(``raw_features``): train mean/std, the train median or most frequent value for a missing value
+when the run imputed, one-hot categories with the unknown bucket for a value the train split
+never had. It is a copy of ``data_checks.preprocess.transform`` for a DataFrame (this file cannot
+import the project); a test checks that both give the same float32 bits.
 
 This file is logged *as code* ("models from code", MLflow's recommended way): MLflow copies it
 into the model and executes it at load time, so it must stay self-contained (stdlib, numpy,
@@ -38,6 +49,8 @@ PREDICT_BATCH = 4096
 ARTIFACT_SYMBOL = "symbol"
 ARTIFACT_PARAMS = "params"
 ARTIFACT_META = "meta"
+ARTIFACT_PREPROCESSING = "preprocessing"
+PREPROCESSING_FILE = "preprocessing.json"
 
 
 def _import_mxnet() -> Any:
@@ -73,12 +86,20 @@ def find_export_files(model_dir: str) -> dict[str, str]:
     meta = os.path.join(model_dir, META_FILE)
     if not os.path.isfile(meta):
         raise FileNotFoundError(f"missing {META_FILE} in {model_dir}")
-    return {ARTIFACT_SYMBOL: symbols[0], ARTIFACT_PARAMS: params[-1], ARTIFACT_META: meta}
+    files = {ARTIFACT_SYMBOL: symbols[0], ARTIFACT_PARAMS: params[-1], ARTIFACT_META: meta}
+    preprocessing = os.path.join(model_dir, PREPROCESSING_FILE)
+    if os.path.isfile(preprocessing):
+        files[ARTIFACT_PREPROCESSING] = preprocessing
+    return files
+
+
+def _read_json(path: str) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def read_meta(path: str) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        meta = json.load(f)
+    meta = _read_json(path)
     meta.setdefault("task", "classification")
     needs = ("feature_columns", "target_columns") if meta["task"] == "regression" else ("feature_columns", "classes")
     missing = [k for k in needs if k not in meta]
@@ -106,6 +127,20 @@ class LoadedNet:
     input_shape: list[int]
     task: str = "classification"
     target_columns: list[str] = field(default_factory=list)
+    preprocessing: dict[str, Any] | None = None
+
+    @property
+    def input_columns(self) -> list[str]:
+        """The columns a caller passes: the raw table's when the model preprocesses."""
+        if self.preprocessing is None:
+            return self.feature_columns
+        return [c["name"] for c in self.preprocessing["inputs"]]
+
+    def features(self, frame: pd.DataFrame) -> np.ndarray:
+        """The network's float32 input for the rows of ``frame`` (named columns)."""
+        if self.preprocessing is None:
+            return frame[self.feature_columns].to_numpy(dtype=np.float32)
+        return raw_features(self.preprocessing, frame)
 
     def predict_proba(self, features: np.ndarray, batch_size: int = PREDICT_BATCH) -> np.ndarray:
         """Softmax probabilities ``[n, num_classes]`` for float features ``[n, num_features]``."""
@@ -132,7 +167,41 @@ class LoadedNet:
         return out
 
 
-def load_exported(symbol_file: str, params_file: str, meta_file: str) -> LoadedNet:
+def raw_features(record: dict[str, Any], frame: pd.DataFrame) -> np.ndarray:
+    """Raw rows → the features the network was trained on (the manifest's transform)."""
+    n = len(frame)
+    out = np.empty((n, len(record["output_columns"])), np.float32)
+    j = 0
+    for col in record["inputs"]:
+        name, fill = col["name"], col["fill"]
+        values = frame[name]
+        missing = values.isna().to_numpy()
+        if missing.any() and fill is None:
+            raise ValueError(f"column {name!r} has {int(missing.sum())} missing values and this model was trained "
+                             "with data.missing_values='fail'")
+        if col["kind"] == "numeric":
+            try:  # float32 first, as the sharder read the source
+                v = values.to_numpy(dtype=np.float32, na_value=np.nan).astype(np.float64)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"column {name!r} must be numeric: {exc}") from None
+            if missing.any():
+                v[missing] = fill
+            out[:, j] = (v - col["mean"]) / col["std"] if record["standardize"] else v
+            j += 1
+            continue
+        index = {c: i for i, c in enumerate(col["categories"])}
+        slot = np.array([index.get(str(v), len(index)) for v in values], dtype=np.int64)
+        if missing.any():
+            slot[missing] = index[fill]
+        block = np.zeros((n, len(index) + 1), np.float32)
+        block[np.arange(n), slot] = 1.0
+        out[:, j:j + len(index) + 1] = block
+        j += len(index) + 1
+    return out
+
+
+def load_exported(symbol_file: str, params_file: str, meta_file: str,
+                  preprocessing_file: str | None = None) -> LoadedNet:
     """Load an ``net.export`` pair with ``SymbolBlock.imports`` on CPU."""
     mx = _import_mxnet()
     meta = read_meta(meta_file)
@@ -151,6 +220,7 @@ def load_exported(symbol_file: str, params_file: str, meta_file: str) -> LoadedN
         input_shape=[int(d) for d in meta["input_shape"]],
         task=meta["task"],
         target_columns=[str(c) for c in meta["target_columns"]],
+        preprocessing=_read_json(preprocessing_file) if preprocessing_file else None,
     )
 
 
@@ -174,15 +244,17 @@ def predict_frame(loaded: LoadedNet, features: np.ndarray, index: pd.Index | Non
 
 
 class MXNetClassifier(PythonModel):
-    """pyfunc model: DataFrame of named feature columns → DataFrame ``label``, ``probability``
-    (classification) or one float column per target (regression: ``predict_frame``)."""
+    """pyfunc model: DataFrame of named feature columns (the raw table's, for a model with
+    preprocessing) → DataFrame ``label``, ``probability`` (classification) or one float column per
+    target (regression: ``predict_frame``)."""
 
     def __init__(self) -> None:
         self._loaded: LoadedNet | None = None
 
     def load_context(self, context: Any) -> None:
         a = context.artifacts
-        self._loaded = load_exported(a[ARTIFACT_SYMBOL], a[ARTIFACT_PARAMS], a[ARTIFACT_META])
+        self._loaded = load_exported(a[ARTIFACT_SYMBOL], a[ARTIFACT_PARAMS], a[ARTIFACT_META],
+                                     a.get(ARTIFACT_PREPROCESSING))
 
     # MLflow reads this type hint: pd.DataFrame means "no type-hint validation" (the logged
     # signature validates instead); no hint or `Any` makes it warn on every load.
@@ -192,14 +264,14 @@ class MXNetClassifier(PythonModel):
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         if not all(isinstance(c, str) for c in frame.columns):
             frame = frame.rename(columns=str)
-        wanted = self._loaded.feature_columns
+        wanted = self._loaded.input_columns
         missing = [c for c in wanted if c not in frame.columns]
         if missing:
             raise ValueError(
                 f"model input lacks {len(missing)} of the {len(wanted)} feature columns: "
                 f"{missing[:20]}{' …' if len(missing) > 20 else ''}"
             )
-        features = frame[wanted].to_numpy(dtype=np.float32)
+        features = self._loaded.features(frame)
         return predict_frame(self._loaded, features, index=frame.index)
 
 

@@ -30,7 +30,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from importlib import metadata
 from typing import Any
 
@@ -45,6 +45,12 @@ from training.tracking.mlflow_params import (
     step_metric_points,
 )
 
+from training.tracking.runs import (MLFLOW_ENV_DEFAULTS, bounded_mlflow_env, environ_restored, find_run,
+                                    get_or_create_experiment, log_tags, open_run, run_url)
+
+__all__ = ["MLFLOW_ENV_DEFAULTS", "bounded_mlflow_env", "environ_restored", "find_run", "open_run", "run_url",
+           "log_model_run"]
+
 log = logging.getLogger(__name__)
 
 CHALLENGER_ALIAS = "challenger"
@@ -56,25 +62,6 @@ REGISTRATION_WAIT_S = 60
 TEST_ACCURACY = "test_accuracy"
 # A regression run's headline test metric (with test_mae and test_r2, over every target).
 TEST_RMSE = "test_rmse"
-
-MLFLOW_ENV_DEFAULTS = {
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
-    # MLflow 3 otherwise looks for uv.lock + pyproject.toml in the *current directory* and copies
-    # them into the model: what a model carries would depend on the task's cwd. Requirements
-    # are pinned explicitly instead.
-    "MLFLOW_UV_AUTO_DETECT": "false",
-    "MLFLOW_LOG_UV_FILES": "false",
-    # System metrics (CPU, memory, disk, network) are sampled while the run is logged; the 10 s
-    # default would leave a register step of a few seconds with no sample at all.
-    "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1",
-}
-
-
-def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def pinned_requirements() -> list[str]:
@@ -91,62 +78,12 @@ def files_digest(paths: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-@contextlib.contextmanager
-def environ_restored(names: Iterable[str]) -> Iterator[None]:
-    """Put the variables ``names`` back as they were (set to their value, or unset) when the block
-    ends, whatever it changed.
-
-    MLflow takes its own settings from this process's environment only, so a call's MLflow
-    options are set there for its duration. The snapshot is of values handed to MLflow, never
-    interpreted here: the one read of ``os.environ`` outside ``common.settings``
-    (``tests/unit/test_settings.py`` allows exactly this function).
-    """
-    saved = {name: os.environ.get(name) for name in names}
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
-
-
-@contextlib.contextmanager
-def bounded_mlflow_env(overrides: Mapping[str, str] | None = None) -> Iterator[None]:
-    """Apply ``MLFLOW_ENV_DEFAULTS`` for the duration; explicit env settings win, ``overrides`` win over both."""
-    wanted = {**MLFLOW_ENV_DEFAULTS, **(overrides or {})}
-    with environ_restored(wanted):
-        for key, value in wanted.items():
-            if overrides and key in overrides:
-                os.environ[key] = str(value)
-            else:
-                os.environ.setdefault(key, str(value))
-        yield
-
-
 # ---------------------------------------------------------------- MLflow logging
-
-
-def _get_or_create_experiment(client: Any, name: str) -> str:
-    from mlflow.exceptions import MlflowException
-
-    exp = client.get_experiment_by_name(name)
-    if exp is None:
-        try:
-            return client.create_experiment(name)
-        except MlflowException as e:  # created concurrently by another task
-            if e.error_code != "RESOURCE_ALREADY_EXISTS":
-                raise
-            exp = client.get_experiment_by_name(name)
-    if exp.lifecycle_stage != "active":
-        raise ValueError(f"MLflow experiment {name!r} is deleted; restore it or use another name")
-    return exp.experiment_id
 
 
 def _resolve_run(client: Any, *, experiment: str, run_id: str | None, run_name: str, tags: Mapping[str, str]) -> Any:
     if run_id is None:
-        experiment_id = _get_or_create_experiment(client, experiment)
+        experiment_id = get_or_create_experiment(client, experiment)
         return client.create_run(experiment_id, run_name=run_name, tags=dict(tags))
     run = client.get_run(run_id)
     if run.info.lifecycle_stage != "active":
@@ -158,40 +95,6 @@ def _resolve_run(client: Any, *, experiment: str, run_id: str | None, run_name: 
     return run
 
 
-def _tags_query(tags: Mapping[str, str]) -> str:
-    return " and ".join(f"tags.`{key}` = '{value}'" for key, value in tags.items())
-
-
-def open_run(client: Any, *, experiment: str, run_name: str, find_tags: Mapping[str, str],
-             tags: Mapping[str, str]) -> Any:
-    """The active run of ``experiment`` carrying every one of ``find_tags`` (its ``tags`` set
-    again: they are mutable), or a new one carrying both: how a training attempt finds the run
-    its DAG run's earlier attempts (and later ``register``) use."""
-    experiment_id = _get_or_create_experiment(client, experiment)
-    found = client.search_runs([experiment_id], filter_string=_tags_query(find_tags), max_results=1)
-    if not found:
-        return client.create_run(experiment_id, run_name=run_name, tags={**find_tags, **tags})
-    _log_tags(client, found[0].info.run_id, tags)
-    return found[0]
-
-
-def find_run(tracking_uri: str, experiment: str, tags: Mapping[str, str]) -> str | None:
-    """The id of a run of ``experiment`` carrying every one of ``tags``, or None.
-
-    A retried attempt passes this as ``log_model_run(run_id=...)``, so it reuses the run its
-    first attempt created (e.g. tagged with the Airflow dag and run ids) instead of a second one.
-    """
-    from mlflow.tracking import MlflowClient
-
-    with bounded_mlflow_env():
-        client = MlflowClient(tracking_uri)
-        exp = client.get_experiment_by_name(experiment)
-        if exp is None:
-            return None
-        found = client.search_runs([exp.experiment_id], filter_string=_tags_query(tags), max_results=1)
-    return found[0].info.run_id if found else None
-
-
 def _log_params(client: Any, run: Any, flat: Mapping[str, str]) -> int:
     from mlflow.entities import Param
 
@@ -199,13 +102,6 @@ def _log_params(client: Any, run: Any, flat: Mapping[str, str]) -> int:
     for batch in chunked(sorted(todo.items()), MAX_PARAMS_PER_BATCH):
         client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in batch], synchronous=True)
     return len(todo)
-
-
-def _log_tags(client: Any, run_id: str, tags: Mapping[str, str]) -> None:
-    from mlflow.entities import RunTag
-
-    for batch in chunked(sorted(tags.items()), MAX_PARAMS_PER_BATCH):
-        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in batch], synchronous=True)
 
 
 def _log_metrics(client: Any, run: Any, points: Sequence[tuple[str, float, int]]) -> int:
@@ -288,13 +184,16 @@ def _register(client: Any, name: str, model_uri: str, model_id: str, run_id: str
     )
 
 
-def _example_frame(input_example: Any, feature_columns: Sequence[str]) -> Any:
-    missing = [c for c in feature_columns if c not in input_example.columns]
+def _example_frame(input_example: Any, loaded: Any) -> Any:
+    columns = loaded.input_columns
+    missing = [c for c in columns if c not in input_example.columns]
     if missing:
         raise ValueError(f"input_example lacks feature columns {missing[:20]}")
+    example = input_example[list(columns)].head(MAX_EXAMPLE_ROWS).reset_index(drop=True)
     # float64 ('double' in the signature): CSV and JSON inputs decode to float64/int64, which
-    # MLflow's schema enforcement will not narrow to float32.
-    return input_example[list(feature_columns)].head(MAX_EXAMPLE_ROWS).astype("float64").reset_index(drop=True)
+    # MLflow's schema enforcement will not narrow to float32. Categorical inputs stay text.
+    text = [c["name"] for c in (loaded.preprocessing or {}).get("inputs", []) if c["kind"] == "categorical"]
+    return example.astype({c: "float64" for c in columns if c not in text})
 
 
 def _log_pyfunc(*, files: Mapping[str, str], input_example: Any, step: int, tags: Mapping[str, str]) -> Any:
@@ -303,9 +202,9 @@ def _log_pyfunc(*, files: Mapping[str, str], input_example: Any, step: int, tags
 
     from training.tracking import pyfunc_model
 
-    loaded = pyfunc_model.load_exported(files["symbol"], files["params"], files["meta"])
-    example = _example_frame(input_example, loaded.feature_columns)
-    prediction = pyfunc_model.predict_frame(loaded, example.to_numpy())
+    loaded = pyfunc_model.load_exported(files["symbol"], files["params"], files["meta"], files.get("preprocessing"))
+    example = _example_frame(input_example, loaded)
+    prediction = pyfunc_model.predict_frame(loaded, loaded.features(example))
     with warnings.catch_warnings():
         # An integer `label` output cannot be missing; MLflow's hint about NaN in ints is noise.
         warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer")
@@ -419,7 +318,7 @@ def _export_files(model_dir: str) -> tuple[dict[str, str], str]:
     from training.tracking.pyfunc_model import find_export_files
 
     files = find_export_files(model_dir)
-    return files, files_digest([files[k] for k in ("symbol", "params", "meta")])
+    return files, files_digest([files[k] for k in ("symbol", "params", "meta", "preprocessing") if k in files])
 
 
 def _existing_artifacts(artifacts: Mapping[str, str]) -> dict[str, str]:
@@ -435,7 +334,7 @@ def _log_run_contents(client: Any, run: Any, *, refresh_tags: bool, tags: dict[s
     artifacts of the active run; returns the number of metric points logged."""
     rid = run.info.run_id
     if refresh_tags:
-        _log_tags(client, rid, tags)
+        log_tags(client, rid, tags)
     n_metrics = _log_metrics(client, run, points)
     if dataset is not None:
         from training.tracking.run_extras import log_dataset_input
@@ -461,6 +360,30 @@ def _logged_model(client: Any, registered_model_name: str, rid: str, digest: str
     return None, info.model_uri, info.model_id
 
 
+def selection_tags(best: Mapping[str, Any] | None) -> dict[str, str]:
+    """Tags recording which epoch's parameters the model holds (the worker's ``best`` summary,
+    ``training.loop.early_stop``): ``best.*`` (metric, mode, epoch, value, global step),
+    ``model.epoch_exported`` ("best" or "last") and ``early_stopped_at`` (the epoch training
+    stopped after, or "no"). None (nothing tracked): no tags."""
+    if not best:
+        return {}
+    stopped = best["stopped_at_epoch"]
+    return {"best.metric": best["metric"], "best.mode": best["mode"], "best.epoch": str(best["best_epoch"]),
+            "best.value": repr(best["best_value"]), "best.step": str(best["best_step"]),
+            "model.epoch_exported": best["exported"], "early_stopped_at": "no" if stopped is None else str(stopped)}
+
+
+def selection_metrics(best: Mapping[str, Any] | None) -> dict[str, float]:
+    """The same as metrics: ``best_epoch``, ``best_<metric>`` and, when it stopped early,
+    ``early_stopped_epoch``."""
+    if not best or best["best_epoch"] is None:
+        return {}
+    metrics = {"best_epoch": float(best["best_epoch"]), f"best_{best['metric']}": float(best["best_value"])}
+    if best["stopped_at_epoch"] is not None:
+        metrics["early_stopped_epoch"] = float(best["stopped_at_epoch"])
+    return metrics
+
+
 def log_model_run(
     *,
     tracking_uri: str,
@@ -479,6 +402,7 @@ def log_model_run(
     log_system_metrics: bool = False,
     step_metrics: Sequence[Mapping[str, float]] = (),
     test_data: EvaluationData | None = None,
+    selection: Mapping[str, Any] | None = None,
 ) -> dict:
     """Log params, metrics, extra artifacts and the pyfunc model; score the logged model on
     ``test_data``; register it as ``challenger``.
@@ -493,18 +417,20 @@ def log_model_run(
     ``test_data`` is scored by MLflow's classifier evaluator (``evaluation.evaluate_model``) before
     the version is registered: its metrics (``accuracy_score``, ``f1_score``, ... and
     ``test_accuracy``, the same accuracy) and plots go to the run, the metrics to the LoggedModel
-    too. Returns ``run_id, experiment_id, model_uri, registered_model_name, version, run_url``
-    and ``test_metrics`` (empty without ``test_data``).
+    too. ``selection`` (the worker's ``best`` summary) is recorded as the tags of ``selection_tags``
+    on the run and the version, and as the metrics of ``selection_metrics``. Returns ``run_id,
+    experiment_id, model_uri, registered_model_name, version, run_url`` and ``test_metrics``
+    (empty without ``test_data``).
     """
     from mlflow import MlflowClient
 
     # Deterministic checks first: they must fail before anything is created.
     files, digest = _export_files(model_dir)
     flat = flatten_params(params)
-    points, final_step = metric_points(epoch_metrics, final_metrics)
+    points, final_step = metric_points(epoch_metrics, {**final_metrics, **selection_metrics(selection)})
     points += step_metric_points(step_metrics)
     extra = _existing_artifacts(artifacts or {})
-    str_tags = {str(k): str(v) for k, v in tags.items()}
+    str_tags = {**{str(k): str(v) for k, v in tags.items()}, **selection_tags(selection)}
     started = time.monotonic()
 
     with bounded_mlflow_env(), _tracking_uri(tracking_uri):

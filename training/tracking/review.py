@@ -24,13 +24,8 @@ from typing import Any
 
 from training.tracking.evaluation import (EvaluationData, EvaluationError, class_key, evaluate_model,
                                           evaluate_regressor, load_test_split)
-from training.tracking.registry import (
-    CHALLENGER_ALIAS,
-    _get_or_create_experiment,
-    _tracking_uri,
-    bounded_mlflow_env,
-    logged_model_id,
-)
+from training.tracking.registry import CHALLENGER_ALIAS, _tracking_uri, logged_model_id
+from training.tracking.runs import bounded_mlflow_env, get_or_create_experiment
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +222,7 @@ def review(tracking_uri: str, target: Target, *, run_name: str, tags: Mapping[st
         test = load_test_split(target.shards_prefix, os.path.join(tmp, "data"))
         roles = {"challenger": target.challenger, **({"champion": target.champion} if target.champion else {})}
         with bounded_mlflow_env(), _tracking_uri(tracking_uri):
-            experiment_id = _get_or_create_experiment(client(tracking_uri), REVIEW_EXPERIMENT)
+            experiment_id = get_or_create_experiment(client(tracking_uri), REVIEW_EXPERIMENT)
             dataset = test.dataset()
             with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags={
                     **dict(tags or {}), "model.name": target.name, "model.challenger": target.challenger,

@@ -1,0 +1,208 @@
+"""The training task: a durable, deferrable operator around a detached supervisor.
+
+``TrainJobOperator`` is Airflow 3.3's ``ResumableJobMixin`` + ``BaseOperator`` in deferrable
+mode:
+
+- ``submit_job`` writes the attempt's job document and starts ``python -m training supervise``
+  detached on the cluster (``infra`` ``Cluster.start_supervisor``); the job pointers it returns
+  (job id, status URI, …) are the external id the mixin keeps in ``task_state_store``, so a
+  retry, or an attempt after the worker died, finds the job again.
+- ``poll_until_complete`` defers to ``TrainJobTrigger`` (``plugins.train_trigger``): while
+  training runs the task is ``deferred`` and holds no worker slot.
+- A retry whose stored job is still live reconnects to it (the mixin's ``is_job_active``); one
+  whose job succeeded returns its result; otherwise a fresh job starts, which resumes from the
+  newest committed checkpoint. ``submit_job`` itself refuses to start a second job while the
+  status record shows a live one (whatever ``task_state_store`` says), and stops the leftovers of
+  one whose supervisor died before it starts another; the supervisor refuses as well.
+- ``execute_complete`` maps the end: ``succeeded`` → the dict ``train`` always returned;
+  ``failed`` and deterministic (bad input, NaN) → ``AirflowFailException``; a stale heartbeat →
+  the job is stopped as a stall and the task retried; anything else → retried.
+
+Stopping: ``on_kill`` (the task process told to stop while not deferred) and the trigger's
+``on_kill`` (a deferred task marked failed or cleared) stop the job; the deferral carries the
+task's ``execution_timeout`` (counted from the job's start, so a reconnect does not reset it),
+and when it passes the job is stopped and the task fails without a retry. Every stop is SIGTERM
+to the supervisor: rank 0's emergency checkpoint within ``checkpoint.preempt_grace_s``, then
+every role; SIGKILL after ``preempt_grace_s + STOP_MARGIN_S``. The teardown task stops the job
+too (``plugins.pipeline_tasks.teardown``).
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator, ResumableJobMixin
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+# A stop's bound beyond the emergency checkpoint's grace: the supervisor stopping the other
+# roles (STOP_GRACE_S each) and its last status write.
+STOP_MARGIN_S = 30.0
+POLL_S = 10.0
+
+
+class TrainingFailed(RuntimeError):
+    """The training job ended without success in a way a retry may fix (retryable)."""
+
+
+def _fail(message: str) -> Exception:
+    from airflow.sdk.exceptions import AirflowFailException
+
+    return AirflowFailException(message)
+
+
+class TrainJobOperator(ResumableJobMixin, BaseOperator):
+    """Train on the provisioned cluster: a detached supervised job, polled while deferred."""
+
+    external_id_key = "train_job"
+    template_fields = ("cluster", "shards", "config")
+
+    def __init__(self, *, cluster: Any, shards: Any, config: Any, poll_s: float = POLL_S,
+                 stale_after_s: float | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cluster = cluster
+        self.shards = shards
+        self.config = config
+        self.poll_s = poll_s
+        self.stale_after_s = stale_after_s
+        self._job: dict[str, Any] | None = None
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _stop_grace_s(self) -> float:
+        from plugins.pipeline_tasks import load_config
+
+        return float(load_config(self.config).checkpoint.preempt_grace_s) + STOP_MARGIN_S
+
+    def _stale_after_s(self) -> float:
+        from training.launch.status import STALE_AFTER_S
+
+        return self.stale_after_s if self.stale_after_s is not None else STALE_AFTER_S
+
+    def _stop(self, job: dict[str, Any], why: str) -> list[str]:
+        from plugins.train_trigger import stop_job
+
+        self.log.warning("stopping job %s: %s", job["job_id"], why)
+        stopped = stop_job(job["cluster"], self._stop_grace_s())
+        self.log.info("job %s stopped (%s)", job["job_id"], stopped)
+        return stopped
+
+    def _status(self, job: dict[str, Any]) -> Any:
+        from training.launch.status import read_status
+
+        return read_status(job["status_uri"])
+
+    # -- ResumableJobMixin ------------------------------------------------------------------
+
+    def execute(self, context: Context) -> Any:
+        from plugins.connections import task_environment
+
+        with task_environment(context["params"]):
+            return self.execute_resumable(context)
+
+    def submit_job(self, context: Context) -> dict[str, Any]:
+        from plugins.connections import supervisor_env
+        from plugins.pipeline_tasks import LIVE_RUN_XCOM_KEY, open_live_run, prepare_job
+        from infra.cluster import attach
+
+        dag_id, run_id, try_number = context["dag"].dag_id, context["run_id"], context["ti"].try_number
+        job = prepare_job(self.config, context["params"], self.cluster, self.shards, dag_id, run_id, try_number)
+        current = self._status(job)
+        if current is not None and current.live(stale_after_s=self._stale_after_s()):
+            # task_state_store lost the id (a crash between submit and persist): never a second job.
+            self.log.warning("job %s is still live on this run's checkpoint prefix; reconnecting to it",
+                             current.job_id)
+            return {**job, "job_id": current.job_id, "submitted_at": current.started_at}
+        if current is not None and current.active:
+            self._stop({**job, "job_id": current.job_id}, f"its supervisor on {current.host} is gone "
+                                                           f"(heartbeat {current.age_s():.0f}s ago)")
+        job_id = f"{try_number}-{uuid.uuid4().hex[:12]}"
+        job = {**job, "job_id": job_id, "submitted_at": time.time()}
+        # The DAG run's MLflow run exists from the start (its link works during training); the
+        # supervisor's live run finds it by the same tags.
+        if url := open_live_run(job):
+            context["ti"].xcom_push(key=LIVE_RUN_XCOM_KEY, value=url)
+        where = attach(job["cluster"]).start_supervisor(job["job_uri"], job_id=job_id, attempt=try_number,
+                                                        env=supervisor_env(os.environ))
+        self.log.info("started training job %s (supervisor on %s, log %s)", job_id, where["host"], where["log"])
+        self._job = job
+        return job
+
+    def get_job_status(self, external_id: Any, context: Context) -> str:
+        status = self._status(external_id)
+        if status is None or status.job_id != external_id["job_id"]:
+            return "unknown"
+        if status.active and not status.live(stale_after_s=self._stale_after_s()):
+            return "stale"
+        return status.state
+
+    def is_job_active(self, status: str) -> bool:
+        from training.launch.status import ACTIVE_STATES
+
+        return status in ACTIVE_STATES
+
+    def is_job_succeeded(self, status: str) -> bool:
+        from training.launch.status import SUCCEEDED
+
+        return status == SUCCEEDED
+
+    def poll_until_complete(self, external_id: Any, context: Context) -> None:
+        from plugins.connections import aws_conn_id
+        from plugins.train_trigger import TrainJobTrigger
+
+        self._job = external_id
+        timeout = None
+        if self.execution_timeout is not None:
+            elapsed = time.time() - float(external_id["submitted_at"])
+            timeout = max(self.execution_timeout - timedelta(seconds=elapsed), timedelta(seconds=1))
+        self.defer(trigger=TrainJobTrigger(job=external_id, cluster=external_id["cluster"],
+                                           aws_conn_id=aws_conn_id(context["params"]), poll_s=self.poll_s,
+                                           stale_after_s=self._stale_after_s(), stop_grace_s=self._stop_grace_s()),
+                   method_name="execute_complete", timeout=timeout)
+
+    def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:
+        from plugins.connections import task_environment
+        from plugins.pipeline_tasks import train_result
+
+        with task_environment(context["params"]):
+            return train_result(external_id)
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
+        from training.launch.status import FAILED, SUCCEEDED
+
+        # The event carries the job: a resumed task's kwargs are the event alone (dag.test()).
+        job, state, status = event["job"], event["state"], event.get("status") or {}
+        if state == SUCCEEDED:
+            return self.get_job_result(job, context)
+        if state == FAILED and status.get("deterministic"):
+            raise _fail(f"train: {status.get('error', '')}")
+        if state == FAILED:
+            raise TrainingFailed(f"train: {status.get('error', '')}")
+        if state == "stale":
+            self._stop(job, event["why"])
+            raise TrainingFailed(f"train: stalled: {event['why']}")
+        raise TrainingFailed(f"train: job {job['job_id']} ended {state}: {event.get('why') or status.get('error', '')}")
+
+    def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Context) -> Any:
+        from airflow.sdk.exceptions import TaskDeferralTimeout
+
+        try:
+            return super().resume_execution(next_method, next_kwargs, context)
+        except TaskDeferralTimeout:
+            # A trigger timeout carries no event: the job comes from the store.
+            store = context.get("task_state_store")
+            job = self._job or (store.get(self.external_id_key) if store is not None else None)
+            if job is not None:
+                self._stop(job, f"the task's execution_timeout ({self.execution_timeout}) passed")
+            raise _fail(f"train: the job ran past the task's execution_timeout ({self.execution_timeout}); "
+                        "it was stopped (emergency checkpoint first)") from None
+
+    def on_kill(self) -> None:
+        if self._job is not None:
+            self._stop(self._job, "the task was killed")

@@ -1,0 +1,124 @@
+"""The training operator and its trigger without a scheduler: what the trigger fires for each
+status record, that its polling ends on a final record, how ``execute_complete`` maps an end
+(success → the train dict, deterministic → no retry, stale → stop as a stall, else retryable),
+that a second job never starts beside a live one, and that a deferral timeout stops the job and
+fails without a retry. The real-scheduler paths are in tests/integration/test_train_operator_stack.py."""
+import asyncio
+import json
+import time
+from datetime import timedelta
+
+import pytest
+
+from training.launch.status import FAILED, RUNNING, SUCCEEDED, JobStatus
+
+pytestmark = pytest.mark.unit
+
+
+def _trigger(tmp_path, **kw):
+    from plugins.train_trigger import TrainJobTrigger
+
+    job = {"job_id": "1-a", "status_uri": str(tmp_path / "status.json"), "submitted_at": time.time()}
+    return TrainJobTrigger(job=job, cluster={"backend": "local"}, aws_conn_id="aws_default", poll_s=0.05,
+                           stale_after_s=60, stop_grace_s=5, **kw)
+
+
+def _write(tmp_path, **fields):
+    (tmp_path / "status.json").write_bytes(JobStatus(**{"job_id": "1-a", "heartbeat": time.time(), **fields}).to_json())
+
+
+def test_trigger_judges_each_record(tmp_path):
+    t = _trigger(tmp_path, start_timeout_s=100)
+    now = time.time()
+    assert t.judge(None, now) is None  # not started yet
+    assert t.judge(JobStatus(state=SUCCEEDED, job_id="0-old", heartbeat=now), now) is None  # the previous job's
+    assert t.judge(JobStatus(state=RUNNING, job_id="1-a", heartbeat=now - 5), now) is None
+    assert t.judge(JobStatus(state=SUCCEEDED, job_id="1-a", heartbeat=now), now).payload["state"] == SUCCEEDED
+    stale = t.judge(JobStatus(state=RUNNING, job_id="1-a", heartbeat=now - 61, host="h"), now).payload
+    assert stale["state"] == "stale" and "has not written its status for 61s" in stale["why"]
+    lost = t.judge(None, now + 101).payload
+    assert lost["state"] == "lost" and "no status record within 100s" in lost["why"]
+
+
+def test_trigger_polls_until_the_record_is_final(tmp_path):
+    t = _trigger(tmp_path)
+    _write(tmp_path, state=RUNNING, global_step=5)
+
+    async def first_event():
+        gen = t.run()
+        task = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.3)
+        assert not task.done()  # running: still polling
+        _write(tmp_path, state=FAILED, error="worker-1 failed", deterministic=True)
+        return await asyncio.wait_for(task, 10)
+
+    event = asyncio.run(first_event()).payload
+    assert event["state"] == FAILED and event["status"]["deterministic"] and event["job"]["job_id"] == "1-a"
+
+
+def test_trigger_round_trips_through_serialize(tmp_path):
+    from plugins.train_trigger import TrainJobTrigger
+
+    t = _trigger(tmp_path)
+    path, kwargs = t.serialize()
+    assert path == "plugins.train_trigger.TrainJobTrigger"
+    assert TrainJobTrigger(**json.loads(json.dumps(kwargs))).serialize() == (path, kwargs)
+
+
+def _operator(**kw):
+    from plugins.train_operator import TrainJobOperator
+
+    return TrainJobOperator(task_id="train", cluster={}, shards={}, config={}, **kw)
+
+
+def test_execute_complete_maps_each_end(monkeypatch):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from plugins.train_operator import TrainingFailed
+
+    op = _operator()
+    job = {"job_id": "1-a", "cluster": {"backend": "local"}}
+    monkeypatch.setattr(op, "get_job_result", lambda j, ctx: {"global_step": 7, "job": j["job_id"]})
+    stops = []
+    monkeypatch.setattr(op, "_stop", lambda j, why: stops.append(why))
+    assert op.execute_complete({}, {"job": job, "state": SUCCEEDED, "status": {}}) == {"global_step": 7, "job": "1-a"}
+    with pytest.raises(AirflowFailException, match="NaN loss"):
+        op.execute_complete({}, {"job": job, "state": FAILED, "status": {"deterministic": True, "error": "NaN loss"}})
+    with pytest.raises(TrainingFailed, match="killed by SIGKILL"):
+        op.execute_complete({}, {"job": job, "state": FAILED, "status": {"deterministic": False,
+                                                                  "error": "worker-1 killed by SIGKILL"}})
+    with pytest.raises(TrainingFailed, match="stalled: gone"):
+        op.execute_complete({}, {"job": job, "state": "stale", "why": "gone", "status": {}})
+    assert stops == ["gone"]
+    with pytest.raises(TrainingFailed, match="ended lost"):
+        op.execute_complete({}, {"job": job, "state": "lost", "why": "no record", "status": None})
+
+
+def test_submit_reconnects_to_a_live_job_rather_than_starting_a_second(monkeypatch, tmp_path):
+    import plugins.pipeline_tasks as tasks
+
+    status_uri = str(tmp_path / "status.json")
+    monkeypatch.setattr(tasks, "prepare_job", lambda *a: {"status_uri": status_uri, "cluster": {"backend": "x"}})
+    live = JobStatus(state=RUNNING, job_id="1-first", heartbeat=time.time(), started_at=123.0)
+    (tmp_path / "status.json").write_bytes(live.to_json())
+    op = _operator()
+    ctx = {"dag": type("D", (), {"dag_id": "d"}), "run_id": "r", "ti": type("T", (), {"try_number": 2}),
+           "params": {}}
+    job = op.submit_job(ctx)
+    assert (job["job_id"], job["submitted_at"]) == ("1-first", 123.0)  # no infra call: nothing started
+    assert op.get_job_status(job, ctx) == RUNNING and op.is_job_active(RUNNING)
+    (tmp_path / "status.json").write_bytes(JobStatus(state=RUNNING, job_id="1-first", heartbeat=1.0).to_json())
+    assert op.get_job_status(job, ctx) == "stale" and not op.is_job_active("stale")
+
+
+def test_deferral_timeout_stops_the_job_and_fails_without_a_retry(monkeypatch):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    op = _operator(execution_timeout=timedelta(seconds=5))
+    stops = []
+    monkeypatch.setattr(op, "_stop", lambda j, why: stops.append((j["job_id"], why)))
+    store = {"train_job": {"job_id": "1-a"}}
+    ctx = {"task_state_store": type("S", (), {"get": staticmethod(store.get)})}
+    with pytest.raises(AirflowFailException, match="execution_timeout"):
+        op.resume_execution("__fail__", {"error": "Trigger timeout"}, ctx)
+    assert stops and stops[0][0] == "1-a" and "execution_timeout" in stops[0][1]

@@ -1,0 +1,172 @@
+"""The status record of a supervised job: one small JSON object at the run's storage prefix.
+
+The supervisor (``python -m training supervise``) is the only writer; the Airflow operator and
+its trigger read it. Every write replaces the whole object (``common.storage.put_bytes``: an S3
+put, or a local write renamed into place), so a reader sees one complete record or the one
+before it, never a torn one. Writes are rate-bounded (``StatusWriter.min_interval_s``) except
+for a change of state, which is always written at once.
+
+Fields: ``state`` (``STATES``), ``job_id`` (unique per supervisor start), ``attempt`` (the
+Airflow try that started it, 0 outside Airflow), ``global_step`` and ``epoch`` (from rank 0's
+log lines), ``heartbeat`` (Unix time of the last write; a live supervisor writes at least every
+``HEARTBEAT_S``), ``error`` and ``deterministic`` (on failure: whether a retry can help), and
+``host`` / ``pid`` of the supervisor, which is what a stop signals.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from common import storage
+
+STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED = "starting", "running", "succeeded", "failed", "stopped"
+STATES = (STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED)
+ACTIVE_STATES = frozenset({STARTING, RUNNING})
+FINAL_STATES = frozenset({SUCCEEDED, FAILED, STOPPED})
+# A live supervisor refreshes its heartbeat at least this often, and at most every
+# MIN_WRITE_INTERVAL_S for progress alone: a 3-day run writes about 26k small objects.
+HEARTBEAT_S = 10.0
+MIN_WRITE_INTERVAL_S = 5.0
+# A heartbeat older than this means the supervisor is gone (crashed host, kill -9): its job is
+# not live, whatever its state says. Several heartbeats, so one slow storage write is not a death.
+STALE_AFTER_S = 6 * HEARTBEAT_S
+
+# Rank 0's progress and epoch lines (training.loop.worker, training.loop.metrics.ThroughputMeter.line).
+_PROGRESS = re.compile(r"\bepoch=(\d+) step=\d+/\d+ global_step=(\d+)")
+_EPOCH_DONE = re.compile(r"\bepoch (\d+) done: step=(\d+)")
+
+
+class StatusError(RuntimeError):
+    """A status record that cannot be read or is malformed."""
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    state: str
+    job_id: str
+    attempt: int = 0
+    global_step: int = 0
+    epoch: int = 0
+    heartbeat: float = 0.0
+    started_at: float = 0.0
+    error: str = ""
+    deterministic: bool = False
+    host: str = ""
+    pid: int = 0
+
+    def __post_init__(self) -> None:
+        if self.state not in STATES:
+            raise StatusError(f"unknown job state {self.state!r}; expected one of {STATES}")
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+    def age_s(self, now: float | None = None) -> float:
+        return (time.time() if now is None else now) - self.heartbeat
+
+    def live(self, now: float | None = None, stale_after_s: float = STALE_AFTER_S) -> bool:
+        """Active and heard from within ``stale_after_s``."""
+        return self.active and self.age_s(now) <= stale_after_s
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "JobStatus":
+        try:
+            raw = json.loads(data)
+            return cls(**raw)
+        except (ValueError, TypeError) as exc:
+            raise StatusError(f"malformed job status record: {exc}") from exc
+
+
+def read_status(uri: str) -> JobStatus | None:
+    """The record at ``uri``, or None when there is none yet."""
+    try:
+        data = storage.get_bytes(uri)
+    except FileNotFoundError:
+        return None
+    return JobStatus.from_json(data)
+
+
+def progress_of(line: str) -> tuple[int, int] | None:
+    """``(epoch, global_step)`` of a rank-0 progress or epoch-end line, else None."""
+    m = _PROGRESS.search(line)
+    if m:
+        return int(m.group(1)), int(m.group(2))
+    m = _EPOCH_DONE.search(line)
+    if m:
+        return int(m.group(1)) + 1, int(m.group(2))  # the epoch that starts next
+    return None
+
+
+class StatusWriter:
+    """The supervisor's side: keeps the current record and writes it, rate-bounded.
+
+    ``update`` changes fields and writes when the state changed or ``min_interval_s`` passed;
+    ``beat`` (called from the watch loop) writes when ``heartbeat_s`` passed. A failed write is
+    logged by the caller's ``on_error`` and retried at the next call: storage trouble must not
+    end a healthy job (the reader then sees an old heartbeat, which is the truth).
+    """
+
+    def __init__(self, uri: str, status: JobStatus, *, min_interval_s: float = MIN_WRITE_INTERVAL_S,
+                 heartbeat_s: float = HEARTBEAT_S, on_error: Any = None) -> None:
+        self.uri = uri
+        self.status = status
+        self.min_interval_s = min_interval_s
+        self.heartbeat_s = heartbeat_s
+        self.on_error = on_error
+        self.lock = threading.Lock()
+        self.written_at = float("-inf")
+        self.dirty = True
+
+    def update(self, **fields: Any) -> None:
+        with self.lock:
+            new = replace(self.status, **fields)
+            state_changed = new.state != self.status.state
+            self.dirty = self.dirty or new != self.status
+            self.status = new
+            if state_changed or time.monotonic() - self.written_at >= self.min_interval_s:
+                self._write()
+
+    def beat(self) -> None:
+        with self.lock:
+            since = time.monotonic() - self.written_at
+            if since >= self.heartbeat_s or (self.dirty and since >= self.min_interval_s):
+                self._write()
+
+    def finish(self, state: str, *, attempts: int = 5, wait_s: float = 2.0, **fields: Any) -> bool:
+        """Write the final ``state``, retrying a failed write (bounded: ``attempts`` × ``wait_s``):
+        a reader that never sees it decides from the stale heartbeat instead. True if written."""
+        if state not in FINAL_STATES:
+            raise StatusError(f"{state!r} is not a final job state {sorted(FINAL_STATES)}")
+        self.update(state=state, **fields)
+        for _ in range(attempts - 1):
+            if not self.dirty:
+                break
+            time.sleep(wait_s)
+            with self.lock:
+                self._write()
+        return not self.dirty
+
+    def progress(self, line: str) -> None:
+        """Take rank 0's step and epoch from one of its log lines (a cheap regex; most lines miss)."""
+        got = progress_of(line)
+        if got is not None and got[1] >= self.status.global_step:
+            self.update(epoch=got[0], global_step=got[1])
+
+    def _write(self) -> None:
+        self.status = replace(self.status, heartbeat=time.time())
+        try:
+            storage.put_bytes(self.uri, self.status.to_json())
+        except Exception as exc:  # noqa: BLE001 - any storage error: keep supervising, retry later
+            if self.on_error is not None:
+                self.on_error(exc)
+            return
+        self.written_at = time.monotonic()
+        self.dirty = False

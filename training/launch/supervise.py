@@ -1,0 +1,124 @@
+"""The supervisor as a job of its own: ``python -m training supervise JOB_URI --job-id ID``.
+
+It owns every role of one attempt exactly as ``Supervisor.run`` does (exit and stall detection,
+stack dumps, one clear error, nothing left behind) and keeps the job's status record
+(``training.launch.status``) at ``JobSpec.status_uri``: ``starting`` → ``running`` → one of
+``succeeded`` / ``failed`` (with the error and whether it is deterministic) / ``stopped``.
+SIGTERM (or SIGINT) is an orderly stop: rank 0 writes its emergency checkpoint within
+``checkpoint.preempt_grace_s``, then every role is stopped, and the record ends ``stopped``.
+
+It is started detached by the cluster (``infra``: a session of its own on this host, on the
+first host, or on the rank-0 instance through SSM) and outlives whatever started it, so an
+Airflow worker that dies mid-training takes no supervision with it.
+
+Why the cluster is a name in the job document and not an import: the roles run wherever the
+cluster puts them, and the clusters live in ``infra``, which ``training`` may not import
+(dags → plugins → training / infra → common). The task that writes the job (in ``plugins``,
+which may import both) puts ``{"factory": "infra.cluster:attach", "description":
+cluster.describe()}`` in it; this module calls that factory by name and only uses the result
+through the ``RoleCluster`` protocol. ``training`` depends on no backend; the job document
+says which one.
+
+One job per checkpoint prefix: a supervisor refuses to start (``EXIT_REFUSED``, the record
+untouched) while the record shows another live job (active state, heartbeat fresher than
+``STALE_AFTER_S``).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from training.launch.job import EXIT_BAD_INPUT, EXIT_PREEMPTED, JobSpec
+from common.roles import TRACKING_SECRETS
+from training.launch.launcher import JobFailed, JobObserver, JobStopped, RoleCluster, Supervisor
+from training.launch.status import (FAILED, RUNNING, STARTING, STOPPED, SUCCEEDED, JobStatus, StatusWriter,
+                                    read_status)
+
+log = logging.getLogger(__name__)
+
+# Exit codes of ``python -m training supervise``.
+EXIT_SUCCEEDED, EXIT_FAILED, EXIT_REFUSED = 0, 1, 4
+EXIT_DETERMINISTIC, EXIT_STOPPED = EXIT_BAD_INPUT, EXIT_PREEMPTED
+
+
+class SuperviseError(RuntimeError):
+    """The job document cannot be supervised (no cluster, an unloadable factory, no status URI)."""
+
+
+def load_factory(path: str) -> Callable[[dict[str, Any]], Any]:
+    """The callable ``"package.module:name"`` names."""
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise SuperviseError(f"a cluster factory is 'package.module:callable', got {path!r}")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise SuperviseError(f"cannot load the cluster factory {path!r}: {exc}") from exc
+    if not callable(factory):
+        raise SuperviseError(f"the cluster factory {path!r} is not callable")
+    return factory
+
+
+def cluster_of(job: JobSpec) -> RoleCluster:
+    """The job's cluster, built by the factory its document names."""
+    if not job.cluster.get("factory") or "description" not in job.cluster:
+        raise SuperviseError("the job document names no cluster ({'factory': ..., 'description': ...})")
+    return load_factory(job.cluster["factory"])(job.cluster["description"])
+
+
+def supervise(job_uri: str, *, job_id: str, attempt: int = 0, base_env: Mapping[str, str] | None = None,
+              install_signals: bool = True,
+              observer_for: Callable[[JobSpec, RoleCluster], JobObserver | None] | None = None) -> int:
+    """Run the job at ``job_uri`` to its end under one supervisor; the exit code says how it ended.
+    ``observer_for(job, cluster)`` may give the supervisor an observer (the live MLflow run)."""
+    job = JobSpec.load(job_uri)
+    if not job.status_uri:
+        raise SuperviseError(f"{job_uri} has no status_uri: a supervised job needs a status record")
+    previous = read_status(job.status_uri)
+    if previous is not None and previous.live() and previous.job_id != job_id:
+        log.error("refusing to start job %s: job %s on %s (pid %d) is %s, heartbeat %.0fs ago, on the same "
+                  "checkpoint prefix", job_id, previous.job_id, previous.host, previous.pid, previous.state,
+                  previous.age_s())
+        return EXIT_REFUSED
+    status = StatusWriter(job.status_uri, JobStatus(
+        state=STARTING, job_id=job_id, attempt=attempt, started_at=time.time(), host=socket.gethostname(), pid=os.getpid()),
+        on_error=lambda exc: log.warning("could not write the status record %s: %s", job.status_uri, exc))
+    status.update()
+    try:
+        cluster = cluster_of(job)
+    except Exception as exc:  # the record says why, so the operator does not wait for a heartbeat
+        status.finish(FAILED, error=f"{type(exc).__name__}: {exc}"[-4000:],
+                      deterministic=isinstance(exc, SuperviseError))
+        raise
+    environ = os.environ if base_env is None else base_env
+    # The tracking credentials are the supervisor's (its live run), never a role's.
+    roles_env = {k: v for k, v in environ.items() if k not in TRACKING_SECRETS}
+    sup = Supervisor(job.config, cluster=cluster, base_env=roles_env, status=status,
+                     observer=observer_for(job, cluster) if observer_for is not None else None)
+    if install_signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: sup.request_stop())
+    log.info("supervising job %s (attempt %d) of %s; status record %s", job_id, attempt, job.run_name,
+             job.status_uri)
+    status.update(state=RUNNING)
+    try:
+        sup.run(job_uri)
+    except JobStopped as exc:
+        status.finish(STOPPED, error=str(exc))
+        return EXIT_STOPPED
+    except JobFailed as exc:
+        status.finish(FAILED, error=str(exc)[-4000:], deterministic=exc.deterministic)
+        return EXIT_DETERMINISTIC if exc.deterministic else EXIT_FAILED
+    except Exception as exc:  # a cluster or storage error starting the roles: retryable
+        log.exception("job %s failed", job_id)
+        status.finish(FAILED, error=f"{type(exc).__name__}: {exc}"[-4000:], deterministic=False)
+        return EXIT_FAILED
+    status.finish(SUCCEEDED)
+    log.info("job %s succeeded", job_id)
+    return EXIT_SUCCEEDED
