@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 Event = dict[str, Any]
@@ -42,6 +42,7 @@ LEAD = "worker-0"
 _MARK = re.compile(r"(?:progress .*?global_step=|first step after resume done: global_step="
                    r"|epoch \d+ done: step=)(\d+)")
 _RESUMED = re.compile(r"resumed from step (\d+) \(")
+_COMMITTED = re.compile(r"checkpoint committed: step (\d+) ")
 
 
 def first_event(events: Sequence[Event], pred: Pred, after: float) -> Event:
@@ -87,6 +88,9 @@ class Attempt:
     end: float  # the next attempt's job_start, or the last event
     resumed_from: int  # 0 for a fresh start
     points: list[tuple[float, int]]  # (time, global step) of worker-0's step marks
+    # (time, step) of the checkpoints the attempt committed: the step was reached before that time
+    # (a commit comes an upload later than its step, so it bounds the step from below, no more).
+    committed: list[tuple[float, int]] = field(default_factory=list)
 
     def seconds_per_step(self) -> float | None:
         if len(self.points) < 2 or self.points[-1][1] == self.points[0][1]:
@@ -104,16 +108,18 @@ class Attempt:
         return pts[-1][0] + (step - pts[-1][1]) * spp
 
     def step_at(self, t: float, spp: float) -> float:
-        """The step reached at time ``t`` (never less than the last mark before it)."""
+        """The step reached at time ``t``: interpolated between the marks around it (extrapolated
+        after the last), never less than a mark or a checkpoint committed before ``t``."""
+        floor = max([float(self.resumed_from)] + [s for ts, s in self.points + self.committed if ts <= t])
         before = [(ts, s) for ts, s in self.points if ts <= t]
         if not before:
-            return float(self.resumed_from)
+            return floor
         ts, s = before[-1]
         after = [(t1, s1) for t1, s1 in self.points if t1 > t]
         if after:
             t1, s1 = after[0]
-            return s + (t - ts) / (t1 - ts) * (s1 - s)
-        return s + (t - ts) / spp
+            return max(floor, s + (t - ts) / (t1 - ts) * (s1 - s))
+        return max(floor, s + (t - ts) / spp)
 
     def productive_s(self, kept: int, spp: float) -> float:
         """Wall time of the steps ``resumed_from + 1 … kept`` (module docstring)."""
@@ -128,7 +134,7 @@ def attempts(events: Sequence[Event]) -> list[Attempt]:
     out = []
     for n, i in enumerate(starts):
         chunk = events[i:starts[n + 1]] if n + 1 < len(starts) else events[i:]
-        resumed, points = 0, []
+        resumed, points, committed = 0, [], []
         for ev in chunk:
             if ev["event"] != "line":
                 continue
@@ -136,7 +142,10 @@ def attempts(events: Sequence[Event]) -> list[Attempt]:
                 resumed = int(m.group(1))
             if ev["role"] == LEAD and (m := _MARK.search(ev["text"])):
                 points.append((ev["t"], int(m.group(1))))
-        out.append(Attempt(start=chunk[0]["t"], end=chunk[-1]["t"], resumed_from=resumed, points=points))
+            if m := _COMMITTED.search(ev["text"]):
+                committed.append((ev["t"], int(m.group(1))))
+        out.append(Attempt(start=chunk[0]["t"], end=chunk[-1]["t"], resumed_from=resumed, points=points,
+                           committed=committed))
     return out
 
 

@@ -76,6 +76,14 @@ def test_goodput_counts_only_kept_steps():
     assert (g["final_step"], g["attempts"]) == (620, 2)
 
 
+def test_step_at_a_kill_is_never_below_a_committed_checkpoint():
+    # The marks say step 300 at t=30 (~330 at t=33), but a commit of step 340 arrived at t=32.5.
+    run = EVENTS[:6] + [line(32.5, "checkpoint committed: step 340 at s3://b/ckpt/step-00000340")] + EVENTS[6:]
+    first = attempts(run)[0]
+    assert first.committed == [(25.0, 250), (32.5, 340)]
+    assert first.step_at(KILL_T, 0.1) == 340 and first.step_at(26.0, 0.1) == pytest.approx(260)
+
+
 def test_goodput_of_a_run_without_failures_is_its_steady_share():
     run = [{"t": 0.0, "event": "job_start"}, progress(5.0, 50), progress(15.0, 150)]
     g = goodput(run, [])
