@@ -209,7 +209,7 @@ def comparison(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         out["best_fixed"] = {"every_n_steps": best["every_n_steps"], "goodput": best["goodput"]}
     if auto is not None and best is not None:
         out["auto_minus_best_fixed"] = auto["goodput"] - best["goodput"]
-    print(f"comparison: " + ", ".join(f"every {r['every_n_steps']}: {r['goodput']:.4f}" for r in rows), flush=True)
+    print("comparison: " + ", ".join(f"every {r['every_n_steps']}: {r['goodput']:.4f}" for r in rows), flush=True)
     if rows:
         out["median_lost_s_per_failure"] = statistics.median(
             [f["lost_s"] for r in rows for f in r["failures"]] or [0.0])
