@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,43 +33,14 @@ from pathlib import Path
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.dag_services import embedded_services  # noqa: E402
+from benchmarks.dag_stack import local_stack, read_events, run_dag, upload  # noqa: E402
 from benchmarks.result_file import write_json  # noqa: E402
-
-RUNNER = """
-import json, sys
-from airflow.dag_processing.dagbag import DagBag
-bag = DagBag(sys.argv[1])
-dag = bag.dags["mxnet_training"]
-dr = dag.test(run_conf=json.loads(sys.argv[2]))
-tis = {ti.task_id: {"state": str(ti.state), "try_number": ti.try_number} for ti in dr.get_task_instances()}
-print("DAGRUN_RESULT " + json.dumps({"state": str(dr.state), "tasks": tis}))
-"""
-TERMS = ("detect", "teardown", "retry", "cluster_start", "restore", "first_step", "total")
+from benchmarks.timeline import TERMS, Pred, failure_timeline, role_line  # noqa: E402
 
 
-def _first(events: list[dict], pred, after: float) -> dict:
-    for ev in events:
-        if ev["t"] >= after and pred(ev):
-            return ev
-    raise RuntimeError("event not found after %.3f" % after)
-
-
-def timeline(events: list[dict], kill_t: float) -> dict[str, float]:
-    failed = _first(events, lambda e: e["event"] == "role_failed", kill_t)
-    stopped = _first(events, lambda e: e["event"] == "roles_stopped", failed["t"])
-    start2 = _first(events, lambda e: e["event"] == "job_start", stopped["t"])
-    joined = _first(events, lambda e: e["event"] == "line" and e["role"] == "worker-0"
-                    and "started (kvstore=" in e["text"], start2["t"])
-    resumed = _first(events, lambda e: e["event"] == "line" and "resumed from step" in e["text"], joined["t"])
-    step = int(resumed["text"].split("resumed from step ")[1].split()[0])
-    first = _first(events, lambda e: e["event"] == "line" and f"checkpoint committed: step {step + 1} " in e["text"],
-                   resumed["t"])
-    marks = [kill_t, failed["t"], stopped["t"], start2["t"], joined["t"], resumed["t"], first["t"]]
-    out = {name: marks[i + 1] - marks[i] for i, name in enumerate(TERMS[:-1])}
-    out["total"] = first["t"] - kill_t
-    out["resumed_from_step"] = step
-    return out
+def committed_first_step(resumed: int) -> Pred:
+    """P4's first-step mark: the checkpoint of step ``resumed + 1`` committed (it checkpoints every step)."""
+    return role_line(f"checkpoint committed: step {resumed + 1} ")
 
 
 def run_once(env: dict[str, str], dataset: str, kill_step: int, workdir: Path) -> dict[str, float]:
@@ -80,16 +50,13 @@ def run_once(env: dict[str, str], dataset: str, kill_step: int, workdir: Path) -
             "registered_model_name": "digits-recovery-bench"}
     run_env = {**env, "MXPIPE_EVENTS_FILE": str(events), "MXPIPE_FAULT_KILL_STEP": str(kill_step),
                "MXPIPE_FAULT_KILL_RANK": "1", "MXPIPE_FAULT_ONCE_FILE": str(once)}
-    out = subprocess.run([sys.executable, "-c", RUNNER, os.path.join(REPO, "dags"), json.dumps(conf)], env=run_env,
-                         capture_output=True, text=True, timeout=1200, cwd=REPO)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("DAGRUN_RESULT ")]
-    if not lines or not once.exists():
-        raise RuntimeError(f"run failed (rc={out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    result = json.loads(lines[-1].split(" ", 1)[1])
+    result = run_dag(run_env, conf, timeout_s=1200)
+    if not once.exists():
+        raise RuntimeError(f"the fault did not fire: {result}")
     if result["tasks"]["train"]["try_number"] != 2:
         raise RuntimeError(f"expected train to succeed on its 2nd try: {result}")
-    evs = [json.loads(ln) for ln in events.read_text().splitlines()]
-    return timeline(evs, once.stat().st_mtime)
+    timeline = failure_timeline(read_events(events), once.stat().st_mtime, first_step=committed_first_step)
+    return {k: v for k, v in timeline.items() if k in TERMS or k == "resumed_from_step"}
 
 
 def main() -> int:
@@ -102,18 +69,9 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="mxpipe-p4-") as tmp:
         root = Path(tmp)
-        with embedded_services(root) as (cfg, services):
-            env = {**os.environ, **services}
-            env.update({"MXPIPE_HOME": str(root / "home"), "AIRFLOW_HOME": str(root / "airflow"),
-                        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-                        "AIRFLOW__CORE__DAGS_FOLDER": os.path.join(REPO, "dags"), "PYTHONPATH": REPO,
-                        "MXPIPE_ARTIFACT_ROOT": f"s3://{cfg.bucket}/p4", "MXPIPE_SCHEDULE": "none",
-                        "MXPIPE_RETRY_DELAY_S": str(args.retry_delay_s)})
-            env.pop("AWS_ENDPOINT_URL", None)
-            subprocess.run([os.path.join(os.path.dirname(sys.executable), "airflow"), "db", "migrate"], env=env,
-                           check=True, capture_output=True, timeout=600)
-            dataset = f"s3://{cfg.bucket}/datasets/digits.csv"
-            _upload_digits(env, dataset)
+        with local_stack(root, artifact_prefix="p4", retry_delay_s=args.retry_delay_s) as (env, bucket):
+            dataset = f"s3://{bucket}/datasets/digits.csv"
+            upload(env, dataset)
             samples = []
             for i in range(args.runs):
                 work = root / f"run-{i}"
@@ -128,13 +86,6 @@ def main() -> int:
         summary[f"{term}_median_s"], summary[f"{term}_max_s"] = statistics.median(values), max(values)
     write_json(args.json, summary)
     return 0
-
-
-def _upload_digits(env: dict[str, str], uri: str) -> None:
-    code = ("import sys, pandas as pd; from sklearn.datasets import load_digits; from common import storage; "
-            "d = load_digits(); f = pd.DataFrame(d.data, columns=[f'pixel_{i}' for i in range(64)]); "
-            "f['label'] = d.target; storage.put_bytes(sys.argv[1], f.to_csv(index=False).encode())")
-    subprocess.run([sys.executable, "-c", code, uri], env=env, check=True, timeout=300, cwd=REPO)
 
 
 if __name__ == "__main__":

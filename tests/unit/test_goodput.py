@@ -1,0 +1,163 @@
+"""The soak benchmark's pure parts: goodput and failure timelines from an event log, the killer's
+choice of a role and how it finds the roles (benchmarks/timeline.py, benchmarks/soak_killer.py)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.soak_killer import Killer, LiveRole, choose_victim, is_role_command, live_roles
+from benchmarks.timeline import attempts, cadence_plans, failure_timeline, goodput
+from common.procs import GroupSpawner
+
+pytestmark = pytest.mark.unit
+
+
+def line(t: float, text: str, role: str = "worker-0") -> dict:
+    return {"t": t, "event": "line", "role": role, "text": f"INFO training.loop.worker: {text}"}
+
+
+def progress(t: float, step: int) -> dict:
+    return line(t, f"progress epoch=0 step={step}/328 global_step={step} loss=1.0 samples/s=600 eta=10s")
+
+
+# A run killed at t=33 (worker-0 near step 330), resumed from the checkpoint of step 250.
+KILL_T = 33.0
+EVENTS = [
+    {"t": 0.0, "event": "job_start", "job_uri": "s3://b/job.json"},
+    line(2.0, "worker 0/2 started (kvstore=dist_sync) optimizer on the workers"),
+    progress(10.0, 100), line(10.5, "progress epoch=0 step=100/328 global_step=100", role="worker-1"),
+    progress(20.0, 200), line(25.0, "checkpoint committed: step 250 at s3://b/ckpt/step-00000250"),
+    progress(30.0, 300),
+    {"t": 33.2, "event": "role_failed", "role": "server-0", "host": "127.0.0.1", "why": "killed by SIGKILL"},
+    {"t": 34.2, "event": "roles_stopped", "stopped": 4, "seconds": 1.0},
+    {"t": 36.0, "event": "job_start", "job_uri": "s3://b/job.json"},
+    line(40.0, "worker 0/2 started (kvstore=dist_sync) optimizer on the workers"),
+    line(43.0, "resumed from step 250 (epoch 0, step 250 in epoch); optimizer state restored", role="worker-1"),
+    line(44.0, "first step after resume done: global_step=251 (resumed from step 250)"),
+    progress(50.0, 310), progress(80.0, 610),
+    line(81.0, 'epoch 1 done: step=620 loss=0.5 samples/s=600 (all workers 1200) eta=0s {"epoch": 1}'),
+    {"t": 83.0, "event": "roles_stopped", "stopped": 4, "seconds": 2.0},
+]
+
+
+def test_attempts_split_at_job_starts_with_resume_step_and_lead_marks():
+    first, second = attempts(EVENTS)
+    assert (first.resumed_from, first.points) == (0, [(10.0, 100), (20.0, 200), (30.0, 300)])
+    assert second.resumed_from == 250
+    assert second.points == [(44.0, 251), (50.0, 310), (80.0, 610), (81.0, 620)]
+    assert first.seconds_per_step() == pytest.approx(0.1)
+
+
+def test_failure_timeline_terms():
+    t = failure_timeline(EVENTS, KILL_T)
+    assert {k: round(t[k], 6) for k in ("detect", "teardown", "retry", "cluster_start", "restore", "first_step")} \
+        == {"detect": 0.2, "teardown": 1.0, "retry": 1.8, "cluster_start": 4.0, "restore": 3.0, "first_step": 1.0}
+    assert t["total"] == pytest.approx(11.0)
+    assert (t["resumed_from_step"], t["failed_role"]) == (250, "server-0")
+
+
+def test_goodput_counts_only_kept_steps():
+    g = goodput(EVENTS, [KILL_T])
+    spp2 = 37.0 / 369
+    # attempt 1 kept steps 1..250: t(250) - t(1) + one step = 25 - 0.1 + 0.1; attempt 2 kept 251..620.
+    assert g["productive_s"] == pytest.approx(25.0 + (81.0 - 44.0) + spp2)
+    assert g["wall_s"] == pytest.approx(81.0)
+    assert g["goodput"] == pytest.approx(g["productive_s"] / 81.0)
+    (f,) = g["failures"]
+    assert (f["step_at_kill"], f["steps_recomputed"]) == (330, 80)
+    assert f["restart"] == pytest.approx(5.8)
+    assert f["lost_s"] == pytest.approx(11.0 + 80 * 0.1)
+    assert (g["final_step"], g["attempts"]) == (620, 2)
+
+
+def test_step_at_a_kill_is_never_below_a_committed_checkpoint():
+    # The marks say step 300 at t=30 (~330 at t=33), but a commit of step 340 arrived at t=32.5.
+    run = EVENTS[:6] + [line(32.5, "checkpoint committed: step 340 at s3://b/ckpt/step-00000340")] + EVENTS[6:]
+    first = attempts(run)[0]
+    assert first.committed == [(25.0, 250), (32.5, 340)]
+    assert first.step_at(KILL_T, 0.1) == 340 and first.step_at(26.0, 0.1) == pytest.approx(260)
+
+
+def test_goodput_of_a_run_without_failures_is_its_steady_share():
+    run = [{"t": 0.0, "event": "job_start"}, progress(5.0, 50), progress(15.0, 150)]
+    g = goodput(run, [])
+    assert g["goodput"] == pytest.approx((15.0 - 0.1 + 0.1) / 15.0) and g["failures"] == []
+
+
+def test_goodput_refuses_a_kill_that_was_not_retried():
+    with pytest.raises(RuntimeError, match="not retried"):
+        goodput(EVENTS[:7], [KILL_T])
+
+
+def test_goodput_refuses_a_log_without_steps():
+    with pytest.raises(RuntimeError, match="step marks"):
+        goodput([{"t": 0.0, "event": "job_start"}], [])
+
+
+def test_cadence_plans_are_rank_0s_auto_choices():
+    plan = "every 120 steps (5.2s of training; Young/Daly with checkpoint cost 0.045s = blocked 0.010s + …)"
+    run = [line(1.0, f"checkpoint cadence (auto): {plan}"), line(1.1, "checkpoint cadence (auto): x", role="worker-1"),
+           line(9.0, f"checkpoint cadence (auto), re-planned (drift > 25%): {plan}")]
+    assert cadence_plans(run) == [plan, f"re-planned (drift > 25%): {plan}"]
+
+
+def test_choose_victim_is_seeded_and_ignores_discovery_order():
+    roles = [LiveRole("worker-1", 14), LiveRole("scheduler", 11), LiveRole("server-0", 12), LiveRole("worker-0", 13)]
+    picks = [choose_victim(roles, rng).name for rng in [random.Random(7)] for _ in range(20)]
+    again = [choose_victim(list(reversed(roles)), rng).name for rng in [random.Random(7)] for _ in range(20)]
+    assert picks == again
+    assert set(picks) == {"scheduler", "server-0", "worker-0", "worker-1"}
+    assert LiveRole("server-0", 12).kind == "server"
+    with pytest.raises(ValueError, match="no live role"):
+        choose_victim([], random.Random(0))
+
+
+def test_role_commands():
+    assert is_role_command("worker", ["/v/python", "-m", "training", "worker", "s3://b/job.json"])
+    assert is_role_command("scheduler", ["/v/python", "-c", "from common.mx import import_mxnet; import_mxnet()"])
+    assert not is_role_command("worker", ["sleep", "30"])
+    assert not is_role_command("provision", ["/v/python", "-m", "training", "worker"])
+
+
+def _fake_role(spawner: GroupSpawner, name: str, argv_tail: str) -> int:
+    argv = [sys.executable, "-c", "import time; time.sleep(60)", argv_tail]
+    return spawner.spawn(name, argv, dict(os.environ), stdout=None).pid
+
+
+def test_live_roles_and_killer_use_the_newest_attempts_records(tmp_path: Path):
+    procs = tmp_path / "home" / "clusters" / "c1" / "procs"
+    old, new = GroupSpawner(str(procs / "attempt-1")), None
+    try:
+        _fake_role(old, "worker-0", "training worker")
+        time.sleep(0.05)
+        new = GroupSpawner(str(procs / "attempt-2"))
+        pid = _fake_role(new, "worker-1", "training worker")
+        _fake_role(new, "server-0", "not a role")  # its command line is no role's: never picked
+        os.utime(procs / "attempt-2", (time.time() + 1, time.time() + 1))
+        assert live_roles(str(tmp_path / "home")) == [LiveRole("worker-1", pid)]
+        events = tmp_path / "events.jsonl"
+        events.write_text(json.dumps({"t": time.time(), "event": "job_start"}) + "\n")
+        killer = Killer(str(tmp_path / "home"), events, period_s=0.2, seed=1, max_kills=1)
+        killer.start()
+        killer.join(timeout=20)
+        assert [k["role"] for k in killer.kills] == ["worker-1"]
+        assert new.records[0].pid == pid and _wait_dead(pid)
+    finally:
+        old.kill_all(grace_s=1.0)
+        if new is not None:
+            new.kill_all(grace_s=1.0)
+
+
+def _wait_dead(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return True
+        time.sleep(0.05)
+    return False
