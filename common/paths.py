@@ -70,6 +70,7 @@ class RunPaths:
         """A custom network's code, staged by the first task (``common.model_code``)."""
         return self.stage("code")
 
+    @property
     def job_status(self) -> str:
         """The training job's status record (``training.launch.status``), beside its job document."""
         return join(self.config, "job_status.json")
