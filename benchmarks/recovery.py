@@ -113,7 +113,7 @@ def main() -> int:
             subprocess.run([os.path.join(os.path.dirname(sys.executable), "airflow"), "db", "migrate"], env=env,
                            check=True, capture_output=True, timeout=600)
             dataset = f"s3://{cfg.bucket}/datasets/digits.csv"
-            _upload_digits(env, dataset)
+            upload_digits(env, dataset)
             samples = []
             for i in range(args.runs):
                 work = root / f"run-{i}"
@@ -130,7 +130,7 @@ def main() -> int:
     return 0
 
 
-def _upload_digits(env: dict[str, str], uri: str) -> None:
+def upload_digits(env: dict[str, str], uri: str) -> None:
     code = ("import sys, pandas as pd; from sklearn.datasets import load_digits; from common import storage; "
             "d = load_digits(); f = pd.DataFrame(d.data, columns=[f'pixel_{i}' for i in range(64)]); "
             "f['label'] = d.target; storage.put_bytes(sys.argv[1], f.to_csv(index=False).encode())")
