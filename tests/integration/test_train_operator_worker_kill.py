@@ -57,7 +57,7 @@ def test_kill_9_of_the_task_process_reconnects_to_the_same_job(sync_stack, s3_se
     assert train_ti(cfg, run_id)["try_number"] == 2
     from infra.cluster import cluster_id_for
 
-    jobs = sorted(os.listdir(home / "jobs" / cluster_id_for(f"{DAG_ID}--{run_id}")))
+    jobs = sorted(f for f in os.listdir(home / "jobs" / cluster_id_for(f"{DAG_ID}--{run_id}")) if f.endswith(".log"))
     assert jobs == [f"{before.job_id}.log"], jobs  # one job on this run's checkpoint prefix, ever
     steps, last = trained_steps(s3_server, run_id)
     assert steps == list(range(1, last + 1)), steps  # no step twice, none skipped
