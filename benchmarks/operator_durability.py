@@ -49,17 +49,21 @@ STEP = re.compile(r"global_step=(\d+)")
 RESUMED = re.compile(r"resumed from step (\d+)")
 
 
-def busy_executor_workers(airflow_home: str) -> int:
-    """LocalExecutor worker processes of this stack running a workload (an idle one's title
-    ends ``<idle>``)."""
+def busy_executor_workers(stack_home: Path) -> int:
+    """LocalExecutor worker processes of this stack's scheduler (its session) running a
+    workload: an idle one's title ends ``<idle>``. (Their environment cannot tell the stack:
+    setting the process title overwrites it.)"""
     import psutil
 
+    from infra.processes import load_handle
+
+    scheduler = load_handle(stack_home, "airflow-scheduler")
     busy = 0
     for proc in psutil.process_iter(["cmdline"]):
         title = " ".join(proc.info["cmdline"] or [])
         if title.startswith("airflow worker -- LocalExecutor") and not title.endswith("<idle>"):
-            with contextlib.suppress(psutil.Error):
-                busy += proc.environ().get("AIRFLOW_HOME") == airflow_home
+            with contextlib.suppress(OSError):
+                busy += scheduler is not None and os.getsid(proc.pid) == scheduler.pgid
     return busy
 
 
@@ -72,7 +76,7 @@ def sample_slots(cfg: Any, run_id: str, seconds: float) -> dict[str, float]:
     with AirflowClient(cfg.airflow_url) as client:
         while time.monotonic() < deadline:
             tis.append(sum(s == "running" for s in client.task_states(DAG_ID, run_id).values()))
-            workers.append(busy_executor_workers(str(cfg.home / "airflow")))
+            workers.append(busy_executor_workers(cfg.home))
             time.sleep(2)
     return {"samples": len(tis), "running_tis_mean": sum(tis) / len(tis), "running_tis_max": max(tis),
             "busy_workers_mean": sum(workers) / len(workers), "busy_workers_max": max(workers)}
