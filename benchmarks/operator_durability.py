@@ -31,6 +31,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -51,8 +52,8 @@ RESUMED = re.compile(r"resumed from step (\d+)")
 
 def busy_executor_workers(stack_home: Path) -> int:
     """LocalExecutor worker processes of this stack's scheduler (its session) running a
-    workload: an idle one's title ends ``<idle>``. (Their environment cannot tell the stack:
-    setting the process title overwrites it.)"""
+    workload: an idle one's title says ``<idle>`` (padded with NULs where the title it replaced
+    was longer). Their environment cannot tell the stack: setting the title overwrites it."""
     import psutil
 
     from infra.processes import load_handle
@@ -61,7 +62,7 @@ def busy_executor_workers(stack_home: Path) -> int:
     busy = 0
     for proc in psutil.process_iter(["cmdline"]):
         title = " ".join(proc.info["cmdline"] or [])
-        if title.startswith("airflow worker -- LocalExecutor") and not title.endswith("<idle>"):
+        if title.startswith("airflow worker -- LocalExecutor") and "<idle>" not in title:
             with contextlib.suppress(OSError):
                 busy += scheduler is not None and os.getsid(proc.pid) == scheduler.pgid
     return busy
@@ -97,6 +98,21 @@ def steps_recomputed(home: Path, run_id: str) -> dict[str, int]:
     return {"jobs_started": len(logs), "steps_recomputed": recomputed, "final_step": reached}
 
 
+@contextlib.contextmanager
+def jobs_stopped_on_the_way_out(run_ids: list[str]) -> Iterator[list[str]]:
+    """On any way out (an interrupt, a failed step) the runs' detached supervisors and roles,
+    which outlive the stack by design, are killed."""
+    from operator_runs import role_processes
+
+    try:
+        yield run_ids
+    finally:
+        for run_id in run_ids:
+            for proc in role_processes(run_id):
+                with contextlib.suppress(OSError):
+                    proc.kill()
+
+
 def _servers(cfg: Any, services: dict[str, str]) -> tuple[Any, Any]:
     """What ``tests/integration/airflow_stack`` reads from its S3 and MLflow fixtures."""
     s3 = SimpleNamespace(endpoint=cfg.s3_endpoint, access_key=services["AWS_ACCESS_KEY_ID"],
@@ -105,7 +121,8 @@ def _servers(cfg: Any, services: dict[str, str]) -> tuple[Any, Any]:
     return s3, SimpleNamespace(tracking_uri=cfg.mlflow_uri)
 
 
-def deferrable_runs(root: Path, s3: Any, mlflow: Any, dataset: str, sample_s: float) -> dict[str, Any]:
+def deferrable_runs(root: Path, s3: Any, mlflow: Any, dataset: str, sample_s: float,
+                    runs: list[str]) -> dict[str, Any]:
     """O3 (mark failed), then O1 and O2 on one run (the restart comes last: it ends the stack's
     scheduler and triggerer with it)."""
     from airflow_stack import killed_and_restarted, stack_client_env
@@ -118,6 +135,7 @@ def deferrable_runs(root: Path, s3: Any, mlflow: Any, dataset: str, sample_s: fl
     out: dict[str, Any] = {}
     with operator_stack(home, s3, mlflow) as cfg:
         run_id = trigger_dag_run(cfg.airflow_url, DAG_ID, conf(dataset, epochs=8))
+        runs.append(run_id)
         seen = wait_training(s3, cfg, run_id, min_step=15)
         stop_s = mark_failed_and_wait_stopped(s3, cfg, home, run_id, seen)
         out["mark_failed"] = {"stop_s": stop_s, "step_at_request": seen.global_step,
@@ -127,6 +145,7 @@ def deferrable_runs(root: Path, s3: Any, mlflow: Any, dataset: str, sample_s: fl
         print("O3", json.dumps(out["mark_failed"]), flush=True)
 
         run_id = trigger_dag_run(cfg.airflow_url, DAG_ID, conf(dataset, epochs=LONG_EPOCHS))
+        runs.append(run_id)
         wait_training(s3, cfg, run_id, min_step=5)
         out["slots"] = sample_slots(cfg, run_id, sample_s)
         print("O1 deferrable", json.dumps(out["slots"]), flush=True)
@@ -140,7 +159,8 @@ def deferrable_runs(root: Path, s3: Any, mlflow: Any, dataset: str, sample_s: fl
     return out
 
 
-def synchronous_runs(root: Path, s3: Any, mlflow: Any, dataset: str, sample_s: float) -> dict[str, Any]:
+def synchronous_runs(root: Path, s3: Any, mlflow: Any, dataset: str, sample_s: float,
+                     runs: list[str]) -> dict[str, Any]:
     """O1 and O2 with the task polling in its own process."""
     from infra.airflow_client import trigger_dag_run, wait_for_dag_run
     from operator_runs import DAG_ID, SYNC_ENV, conf, operator_stack, task_processes, train_ti, wait_training
@@ -149,6 +169,7 @@ def synchronous_runs(root: Path, s3: Any, mlflow: Any, dataset: str, sample_s: f
     out: dict[str, Any] = {}
     with operator_stack(home, s3, mlflow, **SYNC_ENV) as cfg:
         run_id = trigger_dag_run(cfg.airflow_url, DAG_ID, conf(dataset, epochs=LONG_EPOCHS))
+        runs.append(run_id)
         wait_training(s3, cfg, run_id, min_step=5, task_state="running")
         out["slots"] = sample_slots(cfg, run_id, sample_s)
         print("O1 synchronous", json.dumps(out["slots"]), flush=True)
@@ -176,8 +197,9 @@ def main() -> int:
             s3, mlflow = _servers(cfg, services)
             dataset = f"s3://{cfg.bucket}/datasets/digits.csv"
             upload_digits({**os.environ, **services}, dataset)
-            result = {"deferrable": deferrable_runs(root, s3, mlflow, dataset, args.sample_s),
-                      "synchronous": synchronous_runs(root, s3, mlflow, dataset, args.sample_s)}
+            with jobs_stopped_on_the_way_out([]) as runs:
+                result = {"deferrable": deferrable_runs(root, s3, mlflow, dataset, args.sample_s, runs),
+                          "synchronous": synchronous_runs(root, s3, mlflow, dataset, args.sample_s, runs)}
     write_json(args.json, result)
     return 0
 
