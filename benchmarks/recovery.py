@@ -1,9 +1,9 @@
 """P4: recovery time, from ``kill -9`` of a worker to the first training step after the resume.
 
-Runs the real DAG with ``dag.test()`` (Airflow's task runner, its retry with
-``MXPIPE_RETRY_DELAY_S``, the local cluster backend) against a SeaweedFS S3 server and an MLflow
-server started here, with worker 1 killing itself (SIGKILL) at a chosen step, and takes the
-timeline from:
+Runs the real DAG with ``dag.test()`` (Airflow's task runner, the deferrable train operator
+with its trigger run inline, its retry with ``MXPIPE_RETRY_DELAY_S``, the local cluster backend,
+the job's detached supervisor) against a SeaweedFS S3 server and an MLflow server started here,
+with worker 1 killing itself (SIGKILL) at a chosen step, and takes the timeline from:
 
 - the fault's once-file, created by the worker an instant before it kills itself (kill time);
 - the supervisor's event log (``MXPIPE_EVENTS_FILE``): the failure it detected, the roles it
@@ -14,7 +14,9 @@ timeline from:
   small checkpoint write).
 
 Terms: detect (kill → failure seen), teardown (→ every role of the attempt stopped), retry
-(→ the next attempt's job start: Airflow's retry delay plus its task restart), cluster start
+(→ the next attempt's job start: the train operator's trigger seeing the ``failed`` status record
+(one read every ``POLL_S`` = 10 s, so up to 10 s), Airflow's retry delay, the task restart
+writing the next job document, and the new detached supervisor's start), cluster start
 (→ ps-lite rendezvous of the new roles, which import mxnet), restore (→ shards fetched, model
 built, checkpoint verified and loaded), first step (→ the first step's checkpoint committed).
 

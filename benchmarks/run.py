@@ -1,5 +1,5 @@
-"""One benchmark report: runs P1–P8 (with D1, C1, Q1–Q3, N1, C2, G1 and chaos R4) side by side on this machine and
-writes the table into benchmarks/README.md (between the report markers) and benchmarks/results.json.
+"""One benchmark report: runs P1–P8 (with D1, C1, Q1–Q3, N1, C2, G1, O1–O3 and chaos R4) side by side on this
+machine and writes the table into benchmarks/README.md (between the report markers) and benchmarks/results.json.
 
     benchmarks/run                 # quick mode (about 25 minutes on 2 cores)
     benchmarks/run --full          # the long settings of every benchmark
@@ -161,6 +161,28 @@ def _g1(r: dict[str, Any]) -> Row:
     return (figure, h["goodput"], (h["goodput"] >= 0.95 and identical) if r["period_s"] >= 300 else identical)
 
 
+def _o1(r: dict[str, Any]) -> Row:
+    d, s = r["deferrable"]["slots"], r["synchronous"]["slots"]
+    return (f"deferrable {d['running_tis_max']} (busy executor workers max {d['busy_workers_max']}); synchronous, as "
+            f"the former @task: {s['running_tis_max']} (busy workers max {s['busy_workers_max']}); "
+            f"{d['samples']}+{s['samples']} samples", None, d["running_tis_max"] == 0 and d["busy_workers_max"] == 0)
+
+
+def _o2(r: dict[str, Any]) -> Row:
+    d, s = r["deferrable"]["restart"], r["synchronous"]["restart"]
+    return (f"scheduler+triggerer kill -9 (deferred): {d['steps_recomputed']} steps recomputed, {d['jobs_started']} "
+            f"job, try {d['train_try_number']}; task process kill -9 (synchronous): {s['steps_recomputed']} steps, "
+            f"{s['jobs_started']} job, reconnected on try {s['train_try_number']}", None,
+            d["steps_recomputed"] == s["steps_recomputed"] == 0 and d["jobs_started"] == s["jobs_started"] == 1)
+
+
+def _o3(r: dict[str, Any]) -> Row:
+    m = r["deferrable"]["mark_failed"]
+    return (f"{m['stop_s']:.1f} s to no process left; emergency checkpoint at step {m['emergency_checkpoint_step']} "
+            f"(step {m['step_at_request']} when asked); train tries {m['train_try_number']}", None,
+            m["emergency_checkpoint_step"] >= m["step_at_request"] and m["train_try_number"] == 1)
+
+
 def _r4(r: dict[str, Any]) -> Row:
     trials = [t for t in r["trials"] if t["scenario"] == "R4"]
     if not trials:
@@ -180,6 +202,13 @@ BENCHES = (
           "checkpoint_overhead.py", (), ("--full",), 1800, _p3),
     Bench("P4", "kill -9 of a worker → first step after the Airflow retry resumed",
           "≤ 30 s, detect ≤ 5 s", "recovery.py", ("--runs", "1"), ("--runs", "3"), 1800, _p4),
+    Bench("O1", "worker slots held by the train task while its job trains (real scheduler, LocalExecutor)",
+          "0 (was 1 per run)", "operator_durability.py", (), ("--sample-s", "40"), 3600, _o1),
+    Bench("O2", "steps recomputed after an Airflow restart mid-training (per-step job logs)",
+          "0, one job (was: since the last checkpoint + a second job)", "operator_durability.py", (),
+          ("--sample-s", "40"), 3600, _o2),
+    Bench("O3", "mark the run failed mid-training → every role stopped, emergency checkpoint first",
+          "reported", "operator_durability.py", (), ("--sample-s", "40"), 3600, _o3),
     Bench("P5", "2-worker dist_sync aggregate ÷ single process, same 2 cores", "≥ 0.95",
           "trainer_throughput.py", ("--quick",), (), 1200, _p5),
     Bench("D1", "denormals flushed to zero ÷ IEEE denormals (bare loop of P1, LeNet + Adam)", "reported",

@@ -81,6 +81,12 @@ class Settings(BaseSettings):
                                   "`execution_timeout` in seconds, counted from its job's start: past it the "
                                   "job is stopped (emergency checkpoint first) and the task fails without a "
                                   "retry (0: none)", group="dags")
+    train_deferrable: bool = _var(True, "MXPIPE_TRAIN_DEFERRABLE", "The `train` task defers while its job "
+                                  "trains (no worker slot held); `0` where no triggerer runs: it polls the job "
+                                  "itself, holding its slot (a retry still reconnects to the job)", group="dags")
+    dagrun_timeout_s: float = _var(0.0, "MXPIPE_DAGRUN_TIMEOUT_S", "The training DAG's `dagrun_timeout` in "
+                                   "seconds: past it the run fails and its training job is stopped (emergency "
+                                   "checkpoint first; 0: none)", group="dags")
     reaper_schedule: str = _var("*/15 * * * *", "MXPIPE_REAPER_SCHEDULE", "Cron schedule (UTC) of "
                                 "the `cluster_reaper` DAG (`none`: triggered only)", group="dags")
     dataset_uri: str = _var(DEFAULT_DATASET_URI, "MXPIPE_DATASET_URI", "The dataset the "

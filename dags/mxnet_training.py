@@ -40,6 +40,9 @@ RETRY_DELAY = timedelta(seconds=_SETTINGS.retry_delay_s)
 # The train task's limit, counted from its job's start (MXPIPE_TRAIN_TIMEOUT_S; 0: none). The job's
 # own limit is the cluster.job_timeout_s Param; a hung job is caught by stall detection.
 TRAIN_TIMEOUT = timedelta(seconds=_SETTINGS.train_timeout_s) if _SETTINGS.train_timeout_s else None
+# A whole run's limit (MXPIPE_DAGRUN_TIMEOUT_S; 0: none): the deferred train task's trigger is
+# cancelled when the run times out, and its on_kill stops the job.
+DAGRUN_TIMEOUT = timedelta(seconds=_SETTINGS.dagrun_timeout_s) if _SETTINGS.dagrun_timeout_s else None
 
 PARAMS = training_params()
 # The model name is a run-time Param, so the "new version of <name>" Asset the review DAG waits
@@ -69,6 +72,7 @@ def _ids() -> tuple[str, str, int]:
     schedule=_schedule(),
     catchup=False,
     max_active_runs=MAX_ACTIVE_RUNS,
+    dagrun_timeout=DAGRUN_TIMEOUT,
     params=PARAMS,
     tags=["mxnet", "training"],
     # A one-line summary (dag, task, attempt, why) of every failed or retried attempt.
@@ -140,7 +144,7 @@ def mxnet_training() -> None:
     checked >> cluster
     trained = TrainJobOperator(task_id="train", cluster=cluster, shards=shards, config=config, retries=2,
                                retry_delay=RETRY_DELAY, retry_exponential_backoff=True,
-                               execution_timeout=TRAIN_TIMEOUT).output
+                               execution_timeout=TRAIN_TIMEOUT, deferrable=_SETTINGS.train_deferrable).output
     trained >> release(cluster)
     register(shards, trained, checked, config)
 

@@ -8,7 +8,10 @@ mode:
   (job id, status URI, …) are the external id the mixin keeps in ``task_state_store``, so a
   retry, or an attempt after the worker died, finds the job again.
 - ``poll_until_complete`` defers to ``TrainJobTrigger`` (``plugins.train_trigger``): while
-  training runs the task is ``deferred`` and holds no worker slot.
+  training runs the task is ``deferred`` and holds no worker slot. With ``deferrable=False`` (a
+  deployment without a triggerer: ``MXPIPE_TRAIN_DEFERRABLE=0``) the task polls the same record
+  itself, with the trigger's rules, and holds its slot for the whole training; the mixin still
+  makes it durable: a retry after the worker died reconnects to the job.
 - A retry whose stored job is still live reconnects to it (the mixin's ``is_job_active``); one
   whose job succeeded returns its result; otherwise a fresh job starts, which resumes from the
   newest committed checkpoint. ``submit_job`` itself refuses to start a second job while the
@@ -62,12 +65,13 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
     template_fields = ("cluster", "shards", "config")
 
     def __init__(self, *, cluster: Any, shards: Any, config: Any, poll_s: float = POLL_S,
-                 stale_after_s: float | None = None, **kwargs: Any) -> None:
+                 stale_after_s: float | None = None, deferrable: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.cluster = cluster
         self.shards = shards
         self.config = config
         self.poll_s = poll_s
+        self.deferrable = deferrable
         self.stale_after_s = stale_after_s
         self._job: dict[str, Any] | None = None
 
@@ -150,19 +154,39 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
 
         return status == SUCCEEDED
 
-    def poll_until_complete(self, external_id: Any, context: Context) -> None:
+    def _trigger(self, job: dict[str, Any], context: Context) -> Any:
         from plugins.connections import aws_conn_id
         from plugins.train_trigger import TrainJobTrigger
 
+        return TrainJobTrigger(job=job, cluster=job["cluster"], aws_conn_id=aws_conn_id(context["params"]),
+                               poll_s=self.poll_s, stale_after_s=self._stale_after_s(),
+                               stop_grace_s=self._stop_grace_s())
+
+    def poll_until_complete(self, external_id: Any, context: Context) -> Any:
         self._job = external_id
+        trigger = self._trigger(external_id, context)
+        if not self.deferrable:
+            return self.execute_complete(context, self._poll_here(trigger))
         timeout = None
         if self.execution_timeout is not None:
             elapsed = time.time() - float(external_id["submitted_at"])
             timeout = max(self.execution_timeout - timedelta(seconds=elapsed), timedelta(seconds=1))
-        self.defer(trigger=TrainJobTrigger(job=external_id, cluster=external_id["cluster"],
-                                           aws_conn_id=aws_conn_id(context["params"]), poll_s=self.poll_s,
-                                           stale_after_s=self._stale_after_s(), stop_grace_s=self._stop_grace_s()),
-                   method_name="execute_complete", timeout=timeout)
+        self.defer(trigger=trigger, method_name="execute_complete", timeout=timeout)
+
+    def _poll_here(self, trigger: Any) -> dict[str, Any]:
+        """The trigger's event, polled in this task process (it holds its worker slot meanwhile);
+        the task's ``execution_timeout`` is Airflow's own here, and ``on_kill`` stops the job."""
+        from plugins.train_trigger import read_job_status
+
+        while True:
+            try:
+                status = read_job_status(trigger.job["status_uri"], trigger.aws_conn_id)
+            except Exception as exc:  # noqa: BLE001 - storage trouble: the next read decides, as in the trigger
+                self.log.warning("could not read %s: %s", trigger.job["status_uri"], exc)
+            else:
+                if (event := trigger.judge(status, time.time())) is not None:
+                    return event.payload
+            time.sleep(self.poll_s)
 
     def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:
         from plugins.connections import task_environment

@@ -84,3 +84,32 @@ def test_form_enums_and_defaults_follow_training_config(dag):
     assert dag.params["warm_start"] == ""  # a new run never starts from another run unless asked
     # Empty: the default connections where defined, else the environment.
     assert dag.params["aws_conn_id"] == dag.params["mlflow_conn_id"] == ""
+
+
+def test_a_three_day_run_takes_its_limits_from_the_environment(tmp_path):
+    """``MXPIPE_TRAIN_TIMEOUT_S`` and ``MXPIPE_DAGRUN_TIMEOUT_S`` become the train task's
+    ``execution_timeout`` and the DAG's ``dagrun_timeout`` (unset: none), and
+    ``MXPIPE_TRAIN_DEFERRABLE=0`` the synchronous (still durable) train task."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import json, sys\n"
+            "from airflow.dag_processing.dagbag import DagBag\n"
+            "dag = DagBag(sys.argv[1]).dags['mxnet_training']\n"
+            "train = dag.get_task('train')\n"
+            "span = lambda t: t.total_seconds() if t is not None else None\n"
+            "print(json.dumps([span(train.execution_timeout), span(dag.dagrun_timeout), train.deferrable]))\n")
+
+    def parsed(**env):
+        out = subprocess.run([sys.executable, "-c", code, os.path.join(repo, "dags", "mxnet_training.py")],
+                             capture_output=True, text=True, timeout=120, cwd=repo,
+                             env={**os.environ, "PYTHONPATH": repo, "AIRFLOW_HOME": str(tmp_path), **env})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert parsed() == [None, None, True]
+    assert parsed(MXPIPE_TRAIN_TIMEOUT_S="259200", MXPIPE_DAGRUN_TIMEOUT_S="270000",
+                  MXPIPE_TRAIN_DEFERRABLE="0") == [259200.0, 270000.0, False]

@@ -122,3 +122,45 @@ def test_deferral_timeout_stops_the_job_and_fails_without_a_retry(monkeypatch):
     with pytest.raises(AirflowFailException, match="execution_timeout"):
         op.resume_execution("__fail__", {"error": "Trigger timeout"}, ctx)
     assert stops and stops[0][0] == "1-a" and "execution_timeout" in stops[0][1]
+
+
+def _ctx():
+    return {"params": {}, "ti": None}
+
+
+def test_without_deferral_the_task_polls_the_record_itself_with_the_triggers_rules(monkeypatch, tmp_path):
+    """``deferrable=False``: no TaskDeferred; the task reads the record until it is final and
+    returns what ``execute_complete`` makes of it (a reconnecting retry returns it as is)."""
+    import threading
+
+    op = _operator(deferrable=False, poll_s=0.05)
+    monkeypatch.setattr(op, "_stop_grace_s", lambda: 5.0)
+    monkeypatch.setattr(op, "get_job_result", lambda j, ctx: {"global_step": 9, "job": j["job_id"]})
+    job = {"job_id": "1-a", "status_uri": str(tmp_path / "status.json"), "submitted_at": time.time(),
+           "cluster": {"backend": "local"}}
+    _write(tmp_path, state=RUNNING, global_step=3)
+    threading.Timer(0.3, lambda: _write(tmp_path, state=SUCCEEDED, global_step=9)).start()
+    started = time.monotonic()
+    assert op.poll_until_complete(job, _ctx()) == {"global_step": 9, "job": "1-a"}
+    assert 0.3 <= time.monotonic() - started < 5
+    _write(tmp_path, state=FAILED, error="NaN loss at step 4", deterministic=True)
+    from airflow.sdk.exceptions import AirflowFailException
+
+    with pytest.raises(AirflowFailException, match="NaN loss"):
+        op.poll_until_complete(job, _ctx())
+
+
+def test_a_long_execution_timeout_reaches_the_deferral_counted_from_the_jobs_start(monkeypatch, tmp_path):
+    """A 3-day ``execution_timeout`` (``MXPIPE_TRAIN_TIMEOUT_S=259200``) is the deferral's
+    timeout, less the time the job has already run (a reconnect does not reset it)."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    op = _operator(execution_timeout=timedelta(days=3))
+    monkeypatch.setattr(op, "_stop_grace_s", lambda: 5.0)
+    job = {"job_id": "1-a", "status_uri": str(tmp_path / "status.json"), "submitted_at": time.time() - 7200,
+           "cluster": {"backend": "local"}}
+    with pytest.raises(TaskDeferred) as deferred:
+        op.poll_until_complete(job, _ctx())
+    left = deferred.value.timeout.total_seconds()
+    assert 259200 - 7200 - 60 < left <= 259200 - 7200
+    assert deferred.value.trigger.job["job_id"] == "1-a"
