@@ -66,6 +66,9 @@ class UsageMeter:
             for proc in procs:
                 try:
                     with proc.oneshot():
+                        # An exited process not yet reaped reads as 0 bytes resident: not a sample.
+                        if proc.status() == psutil.STATUS_ZOMBIE:
+                            continue
                         times = proc.cpu_times()
                         rss += proc.memory_info().rss
                         key = (proc.pid, proc.create_time())

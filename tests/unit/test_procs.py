@@ -162,3 +162,22 @@ def test_free_port_variants():
     assert free_port() >= 1024
     with pytest.raises(ValueError, match="stable=True"):
         free_port(offset=10000)
+
+
+def test_usage_keeps_the_last_live_sample_of_an_exited_unreaped_role():
+    """A role that exited but is not reaped yet (a zombie) reads as 0 bytes resident: that is no
+    sample, so the last live one stands (the live run's final RSS point is not 0)."""
+    from common.procs.usage import UsageMeter
+
+    proc = subprocess.Popen([sys.executable, "-c", "x = bytearray(50_000_000); import time; time.sleep(1)"])
+    try:
+        meter = UsageMeter()
+        time.sleep(0.7)
+        live = meter.sample({"role": proc.pid})["role"].rss_bytes
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.1)
+        assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+        assert live > 40_000_000 and meter.sample({"role": proc.pid})["role"].rss_bytes == live
+    finally:
+        proc.wait(timeout=30)
