@@ -131,6 +131,10 @@ def test_dist_sync_matches_single_process_with_a_custom_network_or_preprocessed_
         worst, agree = _errors(out, 2, TRIALS, "adam", net=net, features=features)
     finally:
         sys.path.remove(code_dir)
+        # The package's modules go too: later tests in this process import their own "mynet".
+        for name, module in list(sys.modules.items()):
+            if (getattr(module, "__file__", None) or "").startswith(code_dir + os.sep):
+                del sys.modules[name]
     assert max(worst) <= TOL, f"trials off the single-process reference: {worst}"
     assert all(agree), f"ranks hold different parameters in trials {[t for t, a in enumerate(agree) if not a]}"
     if net == "custom":
