@@ -252,6 +252,18 @@ def _shard(plan: sources.SourcePlan, cfg: TrainConfig, params: dict[str, Any], f
             splits = ["train"] * n_train + ["val", "test"]
             prep = preprocess.rewrite(shards.paths, splits, n_train, lay, reader.categories, cfg.data)
         entries = _upload(shards, mapping, out_prefix)
+    manifest = _manifest(plan, cfg, params, fp, reader, prep, ordered, entries, block, progress)
+    # The sharding settings must compare equal after a JSON round trip (reuse check).
+    manifest = json.loads(to_json_bytes(manifest))
+    return _commit(manifest, out_prefix)
+
+
+def _manifest(plan: sources.SourcePlan, cfg: TrainConfig, params: dict[str, Any], fp: str, reader: Any,
+              prep: dict[str, Any] | None, ordered: list[Any], entries: list[dict[str, Any]], block: SplitBlock,
+              progress: _Progress) -> dict[str, Any]:
+    """The manifest of the shards ``_shard`` wrote (before its JSON round trip)."""
+    lay = reader.layout
+    regression = cfg.model.task == "regression"
     features = prep["output_columns"] if prep else lay.feature_columns
     input_shape = list(cfg.data.input_shape) or list(getattr(reader, "shape", ()) or ())
     manifest: dict[str, Any] = {
@@ -285,9 +297,7 @@ def _shard(plan: sources.SourcePlan, cfg: TrainConfig, params: dict[str, Any], f
         "seed": cfg.seed,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    # The sharding settings must compare equal after a JSON round trip (reuse check).
-    manifest = json.loads(to_json_bytes(manifest))
-    return _commit(manifest, out_prefix)
+    return manifest
 
 
 def _route(chunk: Chunk, cids: np.ndarray, assigner: Assigner, held: dict[int, tuple[np.ndarray, int, int]],

@@ -165,6 +165,14 @@ def training_params() -> dict[str, Param]:
                                               maximum=1_000_000,
                                               description="Checkpoint to S3 every N steps, and at each epoch end "
                                                           "(checkpoint.every_n_steps; \"auto\" through config)."),
+        **_run_params(),
+    }
+
+
+def _run_params() -> dict[str, Param]:
+    """The form fields that are not config fields: the model name, the EC2 type, the
+    connections and the warm start (read by the task that uses them)."""
+    return {
         "registered_model_name": Param(DEFAULT_MODEL_NAME, type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",
                                        description="MLflow registered model to add a version to."),
         "instance_type": Param("", type="string", pattern=r"^$|^[a-z][a-z0-9-]*\.[a-z0-9]+$",

@@ -384,6 +384,27 @@ def selection_metrics(best: Mapping[str, Any] | None) -> dict[str, float]:
     return metrics
 
 
+def _score_and_register(client: Any, rid: str, url: str, run_name: str, name: str, version: Any, model_uri: str,
+                        model_id: str, test_data: EvaluationData | None, step: int,
+                        version_tags: Mapping[str, str]) -> tuple[dict[str, float], Any]:
+    """Score the logged model on ``test_data``, register it (unless a retry found its version) and
+    point the ``challenger`` alias at it: ``(test metrics, version)``.
+
+    Called after the system-metrics run part has ended, never beside its thread:
+    mlflow.models.evaluate registers import hooks under MLflow's import-hook lock while the
+    thread's lazy imports take the same lock and Python's import locks in the other order.
+    Register tasks hung for good there, in the evaluator's registry and in its autologging setup.
+    """
+    with _fluent_run(rid):
+        test_metrics = {} if test_data is None else _evaluate(
+            client, rid, model_uri, model_id, test_data, step, f"{name} model {model_id}")
+        if version is None:
+            version = _register(client, name, model_uri, model_id, rid, {**version_tags, "model_id": model_id}, url,
+                                run_name)
+        client.set_registered_model_alias(name, CHALLENGER_ALIAS, version.version)
+    return test_metrics, version
+
+
 def log_model_run(
     *,
     tracking_uri: str,
@@ -449,17 +470,9 @@ def log_model_run(
             version, model_uri, model_id = _logged_model(
                 client, registered_model_name, rid, digest, retry=run_id is not None, files=files,
                 input_example=input_example, step=final_step, tags=version_tags)
-        # Scored after the system-metrics thread has stopped, never beside it: mlflow.models.evaluate
-        # registers import hooks under MLflow's import-hook lock while the thread's lazy imports
-        # take the same lock and Python's import locks in the other order. Register tasks hung
-        # for good there, in the evaluator's registry and in its autologging setup.
-        with _fluent_run(rid):
-            test_metrics = {} if test_data is None else _evaluate(
-                client, rid, model_uri, model_id, test_data, final_step, f"{registered_model_name} model {model_id}")
-            if version is None:
-                version = _register(client, registered_model_name, model_uri, model_id, rid,
-                                    {**version_tags, "model_id": model_id}, url, run_name)
-            client.set_registered_model_alias(registered_model_name, CHALLENGER_ALIAS, version.version)
+        test_metrics, version = _score_and_register(
+            client, rid, url, run_name, registered_model_name, version, model_uri, model_id, test_data, final_step,
+            version_tags)
 
     log.info("logged run %s (%d params, %d metric points) and registered %s version %s as %r in %.1f s",
              rid, n_params, n_metrics, registered_model_name, version.version, CHALLENGER_ALIAS,
