@@ -15,7 +15,7 @@ with worker 1 killing itself (SIGKILL) at a chosen step, and takes the timeline 
 
 Terms: detect (kill → failure seen), teardown (→ every role of the attempt stopped), retry
 (→ the next attempt's job start: the train operator's trigger seeing the ``failed`` status record
-(one read every ``POLL_S`` = 10 s, so up to 10 s), Airflow's retry delay, the task restart
+(one read every ``MXPIPE_TRAIN_POLL_S``, 2 s by default, so up to that), Airflow's retry delay, the task restart
 writing the next job document, and the new detached supervisor's start), cluster start
 (→ ps-lite rendezvous of the new roles, which import mxnet), restore (→ shards fetched, model
 built, checkpoint verified and loaded), first step (→ the first step's checkpoint committed).

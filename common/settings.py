@@ -31,9 +31,9 @@ DEFAULT_DATASET_URI = "s3://mxpipe/datasets/digits/digits.csv"
 DEFAULT_ARTIFACT_ROOT = "s3://mxpipe/runs"
 
 
-def _var(default: Any, name: str, doc: str, *, group: str) -> Any:
+def _var(default: Any, name: str, doc: str, *, group: str, **bounds: Any) -> Any:
     return Field(default, validation_alias=AliasChoices(name), description=doc,
-                 json_schema_extra={"env": name, "group": group})
+                 json_schema_extra={"env": name, "group": group}, **bounds)
 
 
 class Settings(BaseSettings):
@@ -84,6 +84,10 @@ class Settings(BaseSettings):
     train_deferrable: bool = _var(True, "MXPIPE_TRAIN_DEFERRABLE", "The `train` task defers while its job "
                                   "trains (no worker slot held); `0` where no triggerer runs: it polls the job "
                                   "itself, holding its slot (a retry still reconnects to the job)", group="dags")
+    train_poll_s: float = _var(2.0, "MXPIPE_TRAIN_POLL_S", "How often the `train` task (its trigger, or "
+                               "its own loop when not deferrable) reads its job's status record, in seconds: "
+                               "the longest a failed job waits before Airflow retries it (one small S3 read per "
+                               "running training per interval)", group="dags", gt=0)
     dagrun_timeout_s: float = _var(0.0, "MXPIPE_DAGRUN_TIMEOUT_S", "The training DAG's `dagrun_timeout` in "
                                    "seconds: past it the run fails and its training job is stopped (emergency "
                                    "checkpoint first; 0: none)", group="dags")

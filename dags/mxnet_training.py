@@ -144,7 +144,8 @@ def mxnet_training() -> None:
     checked >> cluster
     trained = TrainJobOperator(task_id="train", cluster=cluster, shards=shards, config=config, retries=2,
                                retry_delay=RETRY_DELAY, retry_exponential_backoff=True,
-                               execution_timeout=TRAIN_TIMEOUT, deferrable=_SETTINGS.train_deferrable).output
+                               execution_timeout=TRAIN_TIMEOUT, deferrable=_SETTINGS.train_deferrable,
+                               poll_s=_SETTINGS.train_poll_s).output
     trained >> release(cluster)
     register(shards, trained, checked, config)
 

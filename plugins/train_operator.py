@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 # A stop's bound beyond the emergency checkpoint's grace: the supervisor stopping the other
 # roles (STOP_GRACE_S each) and its last status write.
 STOP_MARGIN_S = 30.0
-POLL_S = 10.0
+# The default read interval of the job's status record (settings: MXPIPE_TRAIN_POLL_S).
+POLL_S = 2.0
 
 
 class TrainingFailed(RuntimeError):
@@ -67,6 +68,8 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
     def __init__(self, *, cluster: Any, shards: Any, config: Any, poll_s: float = POLL_S,
                  stale_after_s: float | None = None, deferrable: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if not poll_s > 0:
+            raise ValueError(f"poll_s must be a number of seconds > 0, got {poll_s!r}")
         self.cluster = cluster
         self.shards = shards
         self.config = config

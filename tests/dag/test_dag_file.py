@@ -89,7 +89,8 @@ def test_form_enums_and_defaults_follow_training_config(dag):
 def test_a_three_day_run_takes_its_limits_from_the_environment(tmp_path):
     """``MXPIPE_TRAIN_TIMEOUT_S`` and ``MXPIPE_DAGRUN_TIMEOUT_S`` become the train task's
     ``execution_timeout`` and the DAG's ``dagrun_timeout`` (unset: none), and
-    ``MXPIPE_TRAIN_DEFERRABLE=0`` the synchronous (still durable) train task."""
+    ``MXPIPE_TRAIN_DEFERRABLE=0`` the synchronous (still durable) train task, and
+    ``MXPIPE_TRAIN_POLL_S`` its status-record interval (2 s unset)."""
     import json
     import os
     import subprocess
@@ -101,7 +102,7 @@ def test_a_three_day_run_takes_its_limits_from_the_environment(tmp_path):
             "dag = DagBag(sys.argv[1]).dags['mxnet_training']\n"
             "train = dag.get_task('train')\n"
             "span = lambda t: t.total_seconds() if t is not None else None\n"
-            "print(json.dumps([span(train.execution_timeout), span(dag.dagrun_timeout), train.deferrable]))\n")
+            "print(json.dumps([span(train.execution_timeout), span(dag.dagrun_timeout), train.deferrable, train.poll_s]))\n")
 
     def parsed(**env):
         out = subprocess.run([sys.executable, "-c", code, os.path.join(repo, "dags", "mxnet_training.py")],
@@ -110,6 +111,6 @@ def test_a_three_day_run_takes_its_limits_from_the_environment(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    assert parsed() == [None, None, True]
+    assert parsed() == [None, None, True, 2.0]
     assert parsed(MXPIPE_TRAIN_TIMEOUT_S="259200", MXPIPE_DAGRUN_TIMEOUT_S="270000",
-                  MXPIPE_TRAIN_DEFERRABLE="0") == [259200.0, 270000.0, False]
+                  MXPIPE_TRAIN_DEFERRABLE="0", MXPIPE_TRAIN_POLL_S="0.5") == [259200.0, 270000.0, False, 0.5]

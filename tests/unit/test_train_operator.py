@@ -164,3 +164,10 @@ def test_a_long_execution_timeout_reaches_the_deferral_counted_from_the_jobs_sta
     left = deferred.value.timeout.total_seconds()
     assert 259200 - 7200 - 60 < left <= 259200 - 7200
     assert deferred.value.trigger.job["job_id"] == "1-a"
+
+
+@pytest.mark.parametrize("poll_s", [0, -1.0])
+def test_a_poll_interval_that_is_not_positive_is_refused(poll_s):
+    with pytest.raises(ValueError, match=f"poll_s must be a number of seconds > 0, got {poll_s!r}"):
+        _operator(poll_s=poll_s)
+
