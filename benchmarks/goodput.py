@@ -27,10 +27,11 @@ epochs for at least 10 minutes of training on this machine.
 
 ``--compare 10,100,1000,auto`` then runs a (shorter: ``--compare-epochs``, ``--compare-period-s``)
 soak per checkpoint interval, fixed or ``auto`` (Young/Daly from the measured checkpoint cost and
-``checkpoint.mtbf_s``), with the same seed, and reports each goodput.
+``checkpoint.mtbf_s``), with the same seed, and reports each goodput; ``--rounds R`` repeats that
+R times, interleaved (each round in a rotated order, its own seed), and compares the means.
 
     nice -n 5 .venv/bin/python benchmarks/goodput.py [--period-s 300] [--epochs 50] [--every-n-steps 100]
-    nice -n 5 .venv/bin/python benchmarks/goodput.py --skip-headline --compare 10,100,1000,auto
+    nice -n 5 .venv/bin/python benchmarks/goodput.py --skip-headline --compare 10,100,1000,auto [--rounds 3]
 """
 from __future__ import annotations
 
@@ -162,6 +163,7 @@ def main() -> int:
     parser.add_argument("--compare", default="", help="checkpoint intervals to compare, e.g. 10,100,1000,auto")
     parser.add_argument("--compare-epochs", type=int, default=10)
     parser.add_argument("--compare-period-s", type=float, default=60.0)
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the --compare soaks")
     parser.add_argument("--keep", help="a folder for the runs' event logs and DAG logs (default: a temp folder)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
@@ -185,10 +187,15 @@ def main() -> int:
                 print(f"parameters bit-identical to the uninterrupted run: {run['params_identical']}", flush=True)
                 report.update(reference=ref, headline=run)
             rows = []
-            for every in compare:
-                conf = conf_for(args, dataset, args.compare_epochs, every, args.compare_period_s)
-                rows.append(soak(env, root, f"compare-{every}", conf, period_s=args.compare_period_s,
-                                 seed=args.seed, max_kills=args.max_kills))
+            for rnd in range(args.rounds):
+                # Interleaved, each round in a rotated order: a drift in the machine's load falls on
+                # every interval alike rather than on whichever ran last. One seed per round: the
+                # same kill times and roles for every interval of that round.
+                for every in compare[rnd % len(compare):] + compare[:rnd % len(compare)]:
+                    conf = conf_for(args, dataset, args.compare_epochs, every, args.compare_period_s)
+                    row = soak(env, root, f"compare-{every}-r{rnd}", conf, period_s=args.compare_period_s,
+                               seed=args.seed + rnd, max_kills=args.max_kills)
+                    rows.append(row | {"round": rnd})
             if rows:
                 report["comparison"] = comparison(rows, args)
     write_json(args.json, report)
@@ -196,23 +203,32 @@ def main() -> int:
 
 
 def comparison(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    fixed = [r for r in rows if r["every_n_steps"] != "auto"]
-    auto = next((r for r in rows if r["every_n_steps"] == "auto"), None)
-    best = max(fixed, key=lambda r: r["goodput"]) if fixed else None
-    out: dict[str, Any] = {"epochs": args.compare_epochs, "period_s": args.compare_period_s,
-                           "rows": [{k: r[k] for k in ("every_n_steps", "goodput", "wall_s", "productive_s")}
+    """Per interval: every run's goodput and their mean; the best fixed interval by mean; auto's
+    difference from it, as means and per round (paired: the same kills, the same hour)."""
+    by: dict[Any, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(r["every_n_steps"], []).append(r)
+    means = {every: statistics.mean(r["goodput"] for r in runs) for every, runs in by.items()}
+    out: dict[str, Any] = {"epochs": args.compare_epochs, "period_s": args.compare_period_s, "rounds": args.rounds,
+                           "rows": [{k: r[k] for k in ("round", "every_n_steps", "goodput", "wall_s", "productive_s",
+                                                       "seconds_per_step")}
                                     | {"lost_s": [round(f["lost_s"], 2) for f in r["failures"]],
+                                       "recovery_s": [round(f["total"], 2) for f in r["failures"]],
                                        "steps_recomputed": [f["steps_recomputed"] for f in r["failures"]],
                                        "cadence_plans": r["cadence_plans"]}
-                                    for r in rows]}
-    if best is not None:
-        out["best_fixed"] = {"every_n_steps": best["every_n_steps"], "goodput": best["goodput"]}
-    if auto is not None and best is not None:
-        out["auto_minus_best_fixed"] = auto["goodput"] - best["goodput"]
-    print("comparison: " + ", ".join(f"every {r['every_n_steps']}: {r['goodput']:.4f}" for r in rows), flush=True)
-    if rows:
-        out["median_lost_s_per_failure"] = statistics.median(
-            [f["lost_s"] for r in rows for f in r["failures"]] or [0.0])
+                                    for r in rows],
+                           "mean_goodput": {str(k): v for k, v in means.items()}}
+    fixed = [every for every in by if every != "auto"]
+    if fixed:
+        best = max(fixed, key=lambda every: means[every])
+        out["best_fixed"] = {"every_n_steps": best, "mean_goodput": means[best]}
+        if "auto" in by:
+            out["auto_minus_best_fixed"] = means["auto"] - means[best]
+            paired = {r["round"]: r["goodput"] for r in by[best]}
+            out["auto_minus_best_fixed_per_round"] = [r["goodput"] - paired[r["round"]] for r in by["auto"]
+                                                      if r["round"] in paired]
+    print("comparison (mean goodput): " + ", ".join(f"every {k}: {v:.4f}" for k, v in means.items()), flush=True)
+    out["median_lost_s_per_failure"] = statistics.median([f["lost_s"] for r in rows for f in r["failures"]] or [0.0])
     return out
 
 
