@@ -4,6 +4,8 @@ machine and writes the table into benchmarks/README.md (between the report marke
     benchmarks/run                 # quick mode (about 25 minutes on 2 cores)
     benchmarks/run --full          # the long settings of every benchmark
     benchmarks/run --only P2,P7    # a subset (the other rows of the table are left out)
+    benchmarks/run --only N1,C2 --merge                   # a subset; the other rows kept from results.json
+    benchmarks/run --record G1=g1.json --merge            # a figure measured by hand (`goodput.py --json g1.json`)
 
 Each benchmark is its own script (run on its own here, one after another, so that they do not
 compete for the cores), writes its figures as JSON, and is summarised in one row: the measure,
@@ -325,27 +327,68 @@ def write_readme(block: str) -> None:
         fh.write(text)
 
 
+def recorded(bench: Bench, path: str) -> dict[str, Any]:
+    """The row of a result file written earlier by ``bench``'s script (``--json``): its figure,
+    the command that produced it (recorded in the file) and the file's date."""
+    with open(path) as fh:
+        result = json.load(fh)
+    when = dt.datetime.fromtimestamp(os.path.getmtime(path), dt.timezone.utc)
+    command = result.get("command") or " ".join(bench.command(False))
+    if not command.startswith(f"benchmarks/{bench.script}"):
+        raise ValueError(f"{path} was written by `{command}`, not by benchmarks/{bench.script} ({bench.id})")
+    figure, ratio, met = bench.summarise(result)
+    return {"id": bench.id, "measure": bench.measure, "goal": bench.goal, "command": command,
+            "date": when.date().isoformat(), "seconds": None, "figure": figure, "ratio": ratio, "met": met,
+            "raw": result}
+
+
+def previous_rows() -> dict[str, dict[str, Any]]:
+    """The rows of the last written report (``results.json``), by id; none if there is none."""
+    if not os.path.exists(RESULTS):
+        return {}
+    with open(RESULTS) as fh:
+        return {r["id"]: r for r in json.load(fh)["rows"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="long settings (hours on 2 cores)")
     parser.add_argument("--only", default="", help="comma-separated ids, e.g. P2,P7")
+    parser.add_argument("--record", action="append", default=[], metavar="ID=FILE",
+                        help="a benchmark's figure from a --json file its script wrote earlier (not run again)")
+    parser.add_argument("--merge", action="store_true", help="keep the rows of results.json that are not run now")
     parser.add_argument("--no-write", action="store_true", help="print the table, leave README.md alone")
     args = parser.parse_args()
     wanted = {x.strip() for x in args.only.split(",") if x.strip()}
-    unknown = wanted - {b.id for b in BENCHES}
+    records = dict(item.split("=", 1) for item in args.record if "=" in item)
+    if len(records) != len(args.record):
+        parser.error("--record takes ID=FILE")
+    unknown = (wanted | set(records)) - {b.id for b in BENCHES}
     if unknown:
         parser.error(f"unknown benchmark ids {sorted(unknown)}; known: {[b.id for b in BENCHES]}")
+    # With only --record, nothing is run; --only names what is.
+    to_run = wanted or (set() if records else {b.id for b in BENCHES})
+    kept = previous_rows() if args.merge else {}
     header = (f"Report of `benchmarks/run{' --full' if args.full else ''}` ({'full' if args.full else 'quick'} "
               f"mode), {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, on {machine()}. Each benchmark "
               "ran on its own, one after another; ratios are side by side within one benchmark's run.")
+    if kept:
+        header += (" Rows not measured by this report are kept from earlier ones: each row's date and command "
+                   "say when and how it was measured.")
     cache: dict[tuple[str, ...], dict[str, Any]] = {}
     rows = []
     for bench in BENCHES:
-        if wanted and bench.id not in wanted:
+        if bench.id in records:
+            rows.append(recorded(bench, records[bench.id]))
+        elif bench.id in to_run:
+            print(f"==> {bench.id}: {' '.join(bench.command(args.full))}", flush=True)
+            rows.append(run_one(bench, args.full, cache))
+        elif bench.id in kept:
+            rows.append(kept[bench.id])
             continue
-        print(f"==> {bench.id}: {' '.join(bench.command(args.full))}", flush=True)
-        rows.append(run_one(bench, args.full, cache))
-        print(f"    {rows[-1]['figure']} (ratio {rows[-1]['ratio']}, met {rows[-1]['met']}, "
+        else:
+            continue
+        print(f"    {bench.id}: {rows[-1]['figure']} (ratio {rows[-1]['ratio']}, met {rows[-1]['met']}, "
               f"{rows[-1]['seconds']} s)", flush=True)
     block = table(rows, header)
     print(block)

@@ -1,0 +1,67 @@
+"""The one benchmark report (``benchmarks/run.py``): a result file records the command that
+produced it, and ``--record`` puts such a file's figure into the table with that command, while
+``--merge`` keeps the other rows of the last report."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks import run  # noqa: E402
+from benchmarks.result_file import command_line, write_json  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_result_file_records_its_command_without_the_json_option(tmp_path, monkeypatch):
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["/x/benchmarks/goodput.py", "--period-s", "300", "--json", str(out), "--epochs", "50"])
+    write_json(str(out), {"figure": 1})
+    assert json.loads(out.read_text()) == {"figure": 1, "command": "benchmarks/goodput.py --period-s 300 --epochs 50"}
+    assert command_line(["constrained_links.py", "--json=/tmp/x", "--quick"]) == "benchmarks/constrained_links.py --quick"
+
+
+def _n1_result(command: str) -> dict:
+    point = {"rate_mbit": 50.0, "step_time_s": 0.18, "measured_comm_s": 0.176, "predicted_comm_s": 0.218,
+             "measured_over_predicted": 0.81}
+    return {"unconstrained": {"step_time_s": 0.0047}, "sweep": [point], "command": command}
+
+
+def test_record_takes_the_figure_and_command_from_the_file(tmp_path):
+    bench = next(b for b in run.BENCHES if b.id == "N1")
+    path = tmp_path / "n1.json"
+    path.write_text(json.dumps(_n1_result("benchmarks/constrained_links.py --rates 50")))
+    row = run.recorded(bench, str(path))
+    assert row["command"] == "benchmarks/constrained_links.py --rates 50"
+    assert row["ratio"] == pytest.approx(0.81) and "50 Mbit/s 180 ms" in row["figure"]
+
+
+def test_record_refuses_another_scripts_file(tmp_path):
+    bench = next(b for b in run.BENCHES if b.id == "N1")
+    path = tmp_path / "g1.json"
+    path.write_text(json.dumps(_n1_result("benchmarks/goodput.py --period-s 300")))
+    with pytest.raises(ValueError, match="not by benchmarks/constrained_links.py"):
+        run.recorded(bench, str(path))
+
+
+def test_merge_keeps_the_rows_not_measured_now(tmp_path, monkeypatch):
+    readme, results = tmp_path / "README.md", tmp_path / "results.json"
+    readme.write_text(f"# B\n\n{run.BEGIN}\nold\n{run.END}\n\n## section\n")
+    old = {"id": "P7", "measure": "parse", "goal": "g", "command": "benchmarks/parse_time.py 3", "date": "2026-01-01",
+           "seconds": 1.0, "figure": "0.1 s", "ratio": None, "met": True}
+    results.write_text(json.dumps({"header": "h", "rows": [old]}))
+    n1 = tmp_path / "n1.json"
+    n1.write_text(json.dumps(_n1_result("benchmarks/constrained_links.py --quick")))
+    monkeypatch.setattr(run, "README", str(readme))
+    monkeypatch.setattr(run, "RESULTS", str(results))
+    monkeypatch.setattr(sys, "argv", ["run.py", "--record", f"N1={n1}", "--merge"])
+    run.main()
+    text = readme.read_text()
+    assert "| P7 | parse | g | 0.1 s | — | yes | 2026-01-01 |" in text  # kept, with its own date
+    assert "| N1 |" in text and "`benchmarks/constrained_links.py --quick`" in text
+    assert text.index("| P7 |") < text.index("| N1 |")  # the report's order
+    assert text.endswith("## section\n") and "old" not in text
+    assert [r["id"] for r in json.loads(results.read_text())["rows"]] == ["P7", "N1"]
