@@ -10,9 +10,10 @@ dead group, and restarts the server on the same ports over the same data folder
 ``outage_s`` after the kill.
 
 The kill step is a multiple of the checkpoint cadence, so the checkpoint of that very step is
-the one in flight when S3 disappears: its upload fails (botocore's own retries take about 17 s
-to give up on a refused connection here) and the checkpoint writer retries it with backoff
-until S3 is back. The epoch is long enough that the loop trains through the whole outage,
+the one in flight when S3 disappears: its upload fails within about a second (the writer's
+requests fail fast, ``common.storage.fail_fast``; botocore's own retries would take 12-31 s and
+could outlast the outage silently) and the checkpoint writer retries it with backoff until S3
+is back. The epoch is long enough that the loop trains through the whole outage,
 skipping the periodic checkpoints that fall due while that one is in flight: ``copies``
 jittered copies of digits, and every step slowed by ``STEP_DELAY_S`` (``MXPIPE_FAULT_STEP_DELAY_S``,
 a sleep that leaves the arithmetic alone; the tiny MLP otherwise runs about 150 steps/s here

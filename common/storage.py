@@ -13,6 +13,8 @@ checkpoints need the bounded retries and the multipart uploads tuned here.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import logging
@@ -29,6 +31,13 @@ log = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 10
 _READ_TIMEOUT_S = 120
 _MAX_ATTEMPTS = 5
+# Inside ``fail_fast()``: one quick retry (a pooled connection the server closed) and a shorter
+# wait for an answer. botocore's own retries with jittered backoff otherwise span up to about
+# 31 s on a refused connection (measured 12-16 s), long enough to ride out a short outage
+# silently: a caller with its own logged backoff would neither see nor count the failure.
+_FAIL_FAST_MAX_ATTEMPTS = 1
+_FAIL_FAST_READ_TIMEOUT_S = 30
+_fail_fast = contextvars.ContextVar("storage_fail_fast", default=False)
 
 
 class StorageError(RuntimeError):
@@ -68,8 +77,20 @@ def _local(uri: str) -> str:
     return uri[len("file://"):] if uri.startswith("file://") else uri
 
 
-@functools.lru_cache(maxsize=4)
-def _client_for(endpoint: str | None, key_id: str | None, region: str) -> Any:
+@contextlib.contextmanager
+def fail_fast() -> Iterator[None]:
+    """S3 requests made in this block (this thread) fail within seconds when S3 is unreachable,
+    for a caller that retries on its own with backoff it logs (the checkpoint writer). The
+    connect timeout stays: it also bounds sending a request's body."""
+    token = _fail_fast.set(True)
+    try:
+        yield
+    finally:
+        _fail_fast.reset(token)
+
+
+@functools.lru_cache(maxsize=8)
+def _client_for(endpoint: str | None, key_id: str | None, region: str, fast: bool = False) -> Any:
     import boto3
     from botocore.config import Config
 
@@ -78,17 +99,18 @@ def _client_for(endpoint: str | None, key_id: str | None, region: str) -> Any:
     logging.getLogger("botocore.credentials").setLevel(logging.WARNING)
     cfg = Config(
         connect_timeout=_CONNECT_TIMEOUT_S,
-        read_timeout=_READ_TIMEOUT_S,
-        retries={"max_attempts": _MAX_ATTEMPTS, "mode": "standard"},
+        read_timeout=_FAIL_FAST_READ_TIMEOUT_S if fast else _READ_TIMEOUT_S,
+        retries={"max_attempts": _FAIL_FAST_MAX_ATTEMPTS if fast else _MAX_ATTEMPTS, "mode": "standard"},
         s3={"addressing_style": "path"},
     )
     return boto3.session.Session().client("s3", endpoint_url=endpoint, region_name=region, config=cfg)
 
 
 def s3_client() -> Any:
-    """A boto3 S3 client for the endpoint and credentials in the current environment."""
+    """A boto3 S3 client for the endpoint and credentials in the current environment (the
+    fail-fast one inside ``fail_fast()``)."""
     env = settings()
-    return _client_for(env.s3_endpoint, env.aws_access_key_id, env.aws_region)
+    return _client_for(env.s3_endpoint, env.aws_access_key_id, env.aws_region, _fail_fast.get())
 
 
 def _is_not_found(exc: Exception) -> bool:

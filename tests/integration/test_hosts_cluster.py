@@ -250,9 +250,6 @@ def test_ssh_job_reads_its_shards_and_commits_checkpoints_through_s3_over_the_li
 
 @needs_sshd
 @pytest.mark.timeout(1200)
-@pytest.mark.skip(reason="open defect since the supervisor runs detached on the first host: the job trains through "
-                         "the 20 s outage but logs no failed-and-retried checkpoint upload, so the outage checks "
-                         "fail (seen twice on 2026-12-05); it passed with the supervisor on this machine")
 def test_ssh_job_rides_out_an_s3_outage_on_the_bridge(topology, bridge_s3, tmp_path):
     from benchmarks import chaos
     from benchmarks.chaos_outage import r3

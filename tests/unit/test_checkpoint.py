@@ -209,6 +209,33 @@ def test_async_writer_gives_up_after_its_timeout(tmp_path, monkeypatch):
     assert writer.stats.failed == 1 and writer.stats.committed == 0 and writer.stats.retries >= 1
 
 
+def test_async_writer_sees_an_unreachable_s3_within_seconds_and_retries_with_backoff(monkeypatch):
+    """Every failed attempt reaches the writer (logged, counted, retried with its backoff):
+    botocore's own retries would otherwise spend 12-31 s inside one attempt on a refused
+    connection, long enough to ride out a short outage without a failure ever being seen."""
+    import socket
+    import time
+
+    from training.checkpoint import writer as checkpoint_async
+    from training.checkpoint.writer import Checkpointer
+
+    with socket.socket() as probe:  # a loopback port nothing listens on: connections are refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for key, value in {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "k",
+                       "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(checkpoint_async, "BACKOFF_FIRST_S", 0.5)
+    with storage.fail_fast():
+        storage.s3_client()  # built before the clock starts: seconds on a loaded machine
+    writer = Checkpointer(CheckpointStore("s3://down/ckpt", keep=3), asynchronous=True, upload_timeout_s=6)
+    started = time.monotonic()
+    writer.submit(snapshot_at(5))
+    writer.close(deadline=None)
+    assert writer.stats.retries >= 2 and writer.stats.failed == 1 and writer.stats.committed == 0
+    assert time.monotonic() - started < 12
+
+
 def test_step_seed_depends_on_seed_step_and_rank():
     from training.checkpoint.state import step_seed
 

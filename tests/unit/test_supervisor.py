@@ -126,3 +126,40 @@ def test_orderly_stop_terminates_workers_before_servers(tmp_path, nothing_left):
     t = {f.name: float(f.read_text()) for f in marks.iterdir()}
     assert set(t) == {"worker-0", "worker-1", "server"}
     assert max(t["worker-0"], t["worker-1"]) < t["server"]
+
+
+def test_a_status_write_stuck_on_storage_delays_neither_the_line_relay_nor_failure_detection(
+        tmp_path, nothing_left, monkeypatch):
+    """An S3 outage under the supervisor: every write of its status record hangs. Rank 0's lines
+    still reach the event log as they are printed, and a role's exit is still seen in a second."""
+    import threading
+
+    from common import storage
+    from training.launch.status import JobStatus, StatusWriter
+
+    outage_over = threading.Event()
+
+    def hung_put(uri, data, **kw):
+        outage_over.wait(10)
+        raise storage.StorageError("S3 unreachable")
+
+    monkeypatch.setattr(storage, "put_bytes", hung_put)
+    events, died = tmp_path / "events.jsonl", tmp_path / "died-at"
+    progress = ("for i in 1 2 3 4 5 6 7 8; do echo \"progress epoch=0 step=$i/9 global_step=$i loss=1\"; sleep 0.2; "
+                "done; sleep 300")
+    cluster = ScriptCluster(nothing_left, {"worker-0": progress,
+                                           "worker-1": f"echo hi; sleep 2; date +%s.%N > {died}; exit 1"})
+    status = StatusWriter(str(tmp_path / "job_status.json"), JobStatus(state="running", job_id="j"),
+                          min_interval_s=0.1, heartbeat_s=0.1)
+    try:
+        with pytest.raises(JobFailed):
+            Supervisor(_cfg(), cluster=cluster, base_env={**os.environ, "MXPIPE_EVENTS_FILE": str(events)},
+                       status=status).run("j")
+    finally:
+        outage_over.set()
+    evs = [json.loads(line) for line in events.read_text().splitlines()]
+    seen = [e["t"] for e in evs if e["event"] == "line" and e["role"] == "worker-0"]
+    assert len(seen) == 8 and max(b - a for a, b in zip(seen, seen[1:])) < 1.0, seen
+    failed = next(e for e in evs if e["event"] == "role_failed")
+    assert 0 <= failed["t"] - float(died.read_text()) < 1.0
+    assert status.status.global_step == 8  # noted for the next write that gets through

@@ -5,7 +5,9 @@ periodic save while one is in flight, emergency save, statistics) hands over a `
 (host copies, already taken); serialisation, encryption, upload and pruning happen here. A
 snapshot submitted while the previous one is still uploading **waits** for it (counted in
 ``waited``). A failed upload is retried with exponential backoff (1, 2, 4 … 30 s) until
-``upload_timeout_s``; if it still fails, the checkpoint is given up (counted in ``failed``,
+``upload_timeout_s``; each attempt's S3 requests fail fast (``common.storage.fail_fast``: no
+botocore backoff of its own that could silently outlast an outage, so every failure is seen,
+logged and counted here); if it still fails, the checkpoint is given up (counted in ``failed``,
 logged) and training goes on: an older committed one still stands. ``close()`` waits for the
 pending upload before the job exits.
 """
@@ -17,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from common import storage
 from training.checkpoint.store import CheckpointStore
 from training.checkpoint.state import Snapshot
 
@@ -97,7 +100,8 @@ class Checkpointer:
             return
         while True:
             try:
-                self.store.save(snap.step, files, snap.state)
+                with storage.fail_fast():
+                    self.store.save(snap.step, files, snap.state)
                 self.stats.committed += 1
                 self.stats.bytes += sum(len(d) for d in files.values())
                 self.stats.steps.append(snap.step)

@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from common import storage
 from common.config import TrainConfig
 from training.launch.job import JobSpec
 from training.launch.launcher import JobFailed, JobStopped, RoleCluster
@@ -130,12 +131,19 @@ def _wait(status_uri: str, job_id: str, pid: int, timeout_s: float, poll_s: floa
     """The job's final record; None if its (local) supervisor exited without one. TimeoutError
     past ``timeout_s`` or on a stale heartbeat."""
     deadline = time.monotonic() + timeout_s
+    unreadable = False
     while True:
         relay()
         try:
-            status = read_status(status_uri)
+            # Fail fast: a read riding out an outage inside botocore's retries would hold up the
+            # relay of the supervisor's lines for as long; the next poll reads again anyway.
+            with storage.fail_fast():
+                status = read_status(status_uri)
+            unreadable = False
         except Exception as exc:  # noqa: BLE001 - storage trouble: the record is read again next poll
-            log.warning("could not read the status record %s: %s", status_uri, exc)
+            if not unreadable:  # once per outage, not once per poll
+                log.warning("could not read the status record %s: %s", status_uri, exc)
+            unreadable = True
             status = None
         ours = status is not None and status.job_id == job_id
         if ours and status.state in FINAL_STATES:

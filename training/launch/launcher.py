@@ -261,6 +261,8 @@ class Supervisor:
         error: BaseException | None = None
         if self.observer is not None:
             self.observer.start()
+        if self.status is not None:  # its writes wait on storage: never in this loop or a line pump
+            self.status.start_beats(POLL_S)
         try:
             # The cluster supplies each host's base environment; the job adds what a role must
             # inherit from here (storage credentials, fault injection, ps-lite tuning).
@@ -279,6 +281,8 @@ class Supervisor:
             raise
         finally:
             self._stop_all(orderly=orderly)
+            if self.status is not None:
+                self.status.stop_beats()
             if self.observer is not None:
                 self.observer.end(*outcome_of(error))
 
@@ -327,8 +331,6 @@ class Supervisor:
             time.sleep(POLL_S)
             if self.stop_requested:
                 raise JobStopped("the job was stopped on request")
-            if self.status is not None:
-                self.status.beat()
             now = time.monotonic()
             if self.observer is not None:
                 self.observer.sync(self.local_pids())

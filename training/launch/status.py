@@ -4,7 +4,10 @@ The supervisor (``python -m training supervise``) is the only writer; the Airflo
 its trigger read it. Every write replaces the whole object (``common.storage.put_bytes``: an S3
 put, or a local write renamed into place), so a reader sees one complete record or the one
 before it, never a torn one. Writes are rate-bounded (``StatusWriter.min_interval_s``) except
-for a change of state, which is always written at once.
+for a change of state, which is always written at once. The supervisor's heartbeat and rank 0's
+progress are written from a thread of their own (``StatusWriter.start_beats``): a write that
+waits on an unreachable storage must never hold up the relay of the roles' lines, the event log
+or the detection of a failed or stalled role.
 
 Fields: ``state`` (``STATES``), ``job_id`` (unique per supervisor start), ``attempt`` (the
 Airflow try that started it, 0 outside Airflow), ``global_step`` and ``epoch`` (from rank 0's
@@ -113,9 +116,11 @@ class StatusWriter:
     """The supervisor's side: keeps the current record and writes it, rate-bounded.
 
     ``update`` changes fields and writes when the state changed or ``min_interval_s`` passed;
-    ``beat`` (called from the watch loop) writes when ``heartbeat_s`` passed. A failed write is
-    logged by the caller's ``on_error`` and retried at the next call: storage trouble must not
-    end a healthy job (the reader then sees an old heartbeat, which is the truth).
+    ``beat`` writes when ``heartbeat_s`` passed (or noted progress is due); ``progress`` only
+    notes rank 0's step, for the beats to write. A write holds no lock a caller of ``progress``
+    waits on, so a slow one delays the record alone. A failed write is logged by the caller's
+    ``on_error`` and retried at the next call: storage trouble must not end a healthy job (the
+    reader then sees an old heartbeat, which is the truth).
     """
 
     def __init__(self, uri: str, status: JobStatus, *, min_interval_s: float = MIN_WRITE_INTERVAL_S,
@@ -125,24 +130,40 @@ class StatusWriter:
         self.min_interval_s = min_interval_s
         self.heartbeat_s = heartbeat_s
         self.on_error = on_error
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the record and its bookkeeping; never held across a write
+        self.write_lock = threading.Lock()  # one write at a time
         self.written_at = float("-inf")
         self.dirty = True
+        self._stop_beats: threading.Event | None = None
 
     def update(self, **fields: Any) -> None:
         with self.lock:
-            new = replace(self.status, **fields)
-            state_changed = new.state != self.status.state
-            self.dirty = self.dirty or new != self.status
-            self.status = new
-            if state_changed or time.monotonic() - self.written_at >= self.min_interval_s:
-                self._write()
+            state_changed = self._change(**fields)
+            due = state_changed or time.monotonic() - self.written_at >= self.min_interval_s
+        if due:
+            self._write()
 
     def beat(self) -> None:
         with self.lock:
             since = time.monotonic() - self.written_at
-            if since >= self.heartbeat_s or (self.dirty and since >= self.min_interval_s):
-                self._write()
+            due = since >= self.heartbeat_s or (self.dirty and since >= self.min_interval_s)
+        if due:
+            self._write()
+
+    def start_beats(self, interval_s: float) -> None:
+        """Call ``beat`` every ``interval_s`` from a daemon thread until ``stop_beats``."""
+        stop = self._stop_beats = threading.Event()
+
+        def beats() -> None:
+            while not stop.wait(interval_s):
+                self.beat()
+
+        threading.Thread(target=beats, name="status-beats", daemon=True).start()
+
+    def stop_beats(self) -> None:
+        """End the beats; a write in flight finishes on its own (the next write waits for it)."""
+        if self._stop_beats is not None:
+            self._stop_beats.set()
 
     def finish(self, state: str, *, attempts: int = 5, wait_s: float = 2.0, **fields: Any) -> bool:
         """Write the final ``state``, retrying a failed write (bounded: ``attempts`` × ``wait_s``):
@@ -154,23 +175,36 @@ class StatusWriter:
             if not self.dirty:
                 break
             time.sleep(wait_s)
-            with self.lock:
-                self._write()
+            self._write()
         return not self.dirty
 
     def progress(self, line: str) -> None:
-        """Take rank 0's step and epoch from one of its log lines (a cheap regex; most lines miss)."""
+        """Note rank 0's step and epoch from one of its log lines (a cheap regex; most lines
+        miss). Never writes: the beats do, within the rate bound."""
         got = progress_of(line)
-        if got is not None and got[1] >= self.status.global_step:
-            self.update(epoch=got[0], global_step=got[1])
+        if got is not None:
+            with self.lock:
+                if got[1] >= self.status.global_step:
+                    self._change(epoch=got[0], global_step=got[1])
+
+    def _change(self, **fields: Any) -> bool:
+        """Apply ``fields`` to the record (the caller holds ``lock``); True if the state changed."""
+        new = replace(self.status, **fields)
+        state_changed = new.state != self.status.state
+        self.dirty = self.dirty or new != self.status
+        self.status = new
+        return state_changed
 
     def _write(self) -> None:
-        self.status = replace(self.status, heartbeat=time.time())
-        try:
-            storage.put_bytes(self.uri, self.status.to_json())
-        except Exception as exc:  # noqa: BLE001 - any storage error: keep supervising, retry later
-            if self.on_error is not None:
-                self.on_error(exc)
-            return
-        self.written_at = time.monotonic()
-        self.dirty = False
+        with self.write_lock:
+            with self.lock:
+                record = self.status = replace(self.status, heartbeat=time.time())
+            try:
+                storage.put_bytes(self.uri, record.to_json())
+            except Exception as exc:  # noqa: BLE001 - any storage error: keep supervising, retry later
+                if self.on_error is not None:
+                    self.on_error(exc)
+                return
+            with self.lock:
+                self.written_at = time.monotonic()
+                self.dirty = self.status != record  # a change noted during the write is still due
