@@ -93,9 +93,10 @@ class Background:
 
 @pytest.fixture(scope="module", autouse=True)
 def background(stack, s3_server, digits_uri) -> Iterator[Background]:
-    """The runs that only wait, triggered as the stack is up. The run-timeout run goes first (its
-    limit counts from the run's start); the others once its shards are written, so they reuse
-    them rather than write the same files at once."""
+    """The runs that only wait, triggered as the stack is up. The run-timeout run goes first, and
+    the others once it has provisioned: its limit counts from the run's start, so its shard and
+    validate tasks do not queue behind theirs, and they reuse its shards rather than write the
+    same files at once."""
     cfg = stack[0]
     pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="operator-run")
 
@@ -113,7 +114,8 @@ def background(stack, s3_server, digits_uri) -> Iterator[Background]:
         return final
 
     run_timeout = watch(RUN_TIMEOUT, training(RUN_TIMEOUT, timeout_s=DAGRUN_TIMEOUT_S), epochs=40)
-    wait_for_task_state(cfg.airflow_url, RUN_TIMEOUT, run_timeout.run_id, "shard", "success", timeout_s=300)
+    wait_for_task_state(cfg.airflow_url, RUN_TIMEOUT, run_timeout.run_id, "provision", "success",
+                        timeout_s=DAGRUN_TIMEOUT_S)
     runs = Background(train_timeout=watch(TRAIN_TIMEOUT, training(TRAIN_TIMEOUT), epochs=40),
                       run_timeout=run_timeout, reference=watch(REFERENCE, succeeded(REFERENCE)),
                       sync_reference=watch(SYNC_REFERENCE, succeeded(SYNC_REFERENCE)))
