@@ -114,3 +114,19 @@ def test_a_three_day_run_takes_its_limits_from_the_environment(tmp_path):
     assert parsed() == [None, None, True, 2.0]
     assert parsed(MXPIPE_TRAIN_TIMEOUT_S="259200", MXPIPE_DAGRUN_TIMEOUT_S="270000",
                   MXPIPE_TRAIN_DEFERRABLE="0", MXPIPE_TRAIN_POLL_S="0.5") == [259200.0, 270000.0, False, 0.5]
+
+
+def test_the_factory_builds_the_dag_under_another_id_with_its_own_limits(dag):
+    """``plugins.training_dag`` is what the DAG file calls: another id and other limits give the
+    same tasks (the operator tests' variants run side by side on one stack); a negative limit is
+    refused naming the DAG."""
+    from plugins.training_dag import training_dag
+
+    variant = training_dag("mxnet_training_probe", train_timeout_s=90, dagrun_timeout_s=300, deferrable=False)
+    train = variant.get_task("train")
+    assert variant.dag_id == "mxnet_training_probe" and variant.max_active_runs == 1
+    assert {t.task_id for t in variant.tasks} == {t.task_id for t in dag.tasks}
+    assert (train.execution_timeout.total_seconds(), variant.dagrun_timeout.total_seconds(), train.deferrable) == \
+        (90.0, 300.0, False)
+    with pytest.raises(ValueError, match="mxnet_training_probe: a timeout must be >= 0"):
+        training_dag("mxnet_training_probe", train_timeout_s=-1, dagrun_timeout_s=0, deferrable=True)

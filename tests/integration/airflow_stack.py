@@ -20,9 +20,11 @@ from infra.stack_config import StackConfig, connections_env
 @contextlib.contextmanager
 def airflow_stack(home: Path, s3_server: Any, mlflow_server: Any, dags: Mapping[str, str], *,
                   extra_env: Mapping[str, str] | None = None,
-                  components: Iterable[str] = AIRFLOW_COMPONENTS) -> Iterator[StackConfig]:
-    """Start the stack, wait (bounded) until every DAG of ``dags`` (dag_id → file) is parsed."""
-    cfg = StackConfig.with_free_ports(home)
+                  components: Iterable[str] = AIRFLOW_COMPONENTS,
+                  dags_folder: Path | None = None) -> Iterator[StackConfig]:
+    """Start the stack, wait (bounded) until every DAG of ``dags`` (dag_id → file) is parsed.
+    ``dags_folder``: where the dag-processor looks (the repository's ``dags/`` unless given)."""
+    cfg = StackConfig.with_free_ports(home, **({"dags_folder": dags_folder} if dags_folder else {}))
     handles = start_airflow(cfg, client_env=stack_client_env(home, s3_server, mlflow_server, extra_env),
                             components=components)
     try:

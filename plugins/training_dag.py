@@ -1,0 +1,153 @@
+"""The training DAG's definition, built from explicit arguments (``training_dag``).
+
+``dags/mxnet_training.py`` builds the shipped DAG with the settings (``MXPIPE_TRAIN_TIMEOUT_S``,
+``MXPIPE_DAGRUN_TIMEOUT_S``, ``MXPIPE_TRAIN_DEFERRABLE``); a deployment or a test stack can build
+more DAGs of the same pipeline under other ids with other limits, side by side on one Airflow
+(each run's S3 partition, cluster and MLflow tags are keyed by its own DAG id). The schedule,
+``max_active_runs``, retry delay and the train task's poll interval (``MXPIPE_TRAIN_POLL_S``) come
+from the settings for every DAG built here.
+
+Parse-time light like a DAG file: Airflow's SDK and the project's light task module only.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+from airflow.sdk import (DAG, AssetAlias, AssetOrTimeSchedule, CronTriggerTimetable, dag, get_current_context,
+                         setup, task, teardown)
+
+from common.settings import settings
+from plugins import callbacks
+from plugins.assets import MODEL, SHARDS, SOURCE_DATASET
+from plugins.connections import with_connections
+from plugins import pipeline_tasks as tasks
+from plugins.params import training_params
+from plugins.review import model_asset
+from plugins.train_operator import TrainJobOperator
+
+# The model name is a run-time Param, so the "new version of <name>" Asset the review DAG waits
+# on is emitted through an alias (Airflow creates the Asset if no DAG declared it yet).
+REGISTERED_MODEL = AssetAlias(name="mxpipe.registered_model")
+
+
+def _schedule(cron: str) -> AssetOrTimeSchedule | None:
+    """The cron, or an update of the source dataset Asset, whichever comes first."""
+    if cron.lower() == "none":
+        return None
+    return AssetOrTimeSchedule(timetable=CronTriggerTimetable(cron, timezone="UTC"), assets=[SOURCE_DATASET])
+
+
+def _emit(asset: object, extra: dict) -> None:
+    """Attach this run's concrete location to the asset event (the URI names the collection)."""
+    get_current_context()["outlet_events"][asset].extra = extra
+
+
+def _ids() -> tuple[str, str, int]:
+    ctx = get_current_context()
+    return ctx["dag"].dag_id, ctx["run_id"], ctx["ti"].try_number
+
+
+def _limit(seconds: float) -> timedelta | None:
+    return timedelta(seconds=seconds) if seconds else None
+
+
+def training_dag(dag_id: str, *, train_timeout_s: float, dagrun_timeout_s: float, deferrable: bool,
+                 doc_md: str | None = None) -> DAG:
+    """The pipeline as a DAG named ``dag_id``.
+
+    ``train_timeout_s``: the train task's limit, counted from its job's start (0: none); the job's
+    own limit is the cluster.job_timeout_s Param, and a hung job is caught by stall detection.
+    ``dagrun_timeout_s``: a whole run's limit (0: none); the deferred train task's trigger is
+    cancelled when the run times out, and its on_kill stops the job. ``deferrable``: the train
+    task defers while its job trains, or polls it in its own process (no triggerer needed).
+    """
+    if train_timeout_s < 0 or dagrun_timeout_s < 0:
+        raise ValueError(f"{dag_id}: a timeout must be >= 0 (0: none), got train_timeout_s={train_timeout_s}, "
+                         f"dagrun_timeout_s={dagrun_timeout_s}")
+    current = settings()
+    retry_delay = timedelta(seconds=current.retry_delay_s)
+
+    @dag(
+        dag_id=dag_id,
+        schedule=_schedule(current.schedule),
+        catchup=False,
+        # One active run unless configured: runs of one DAG share the dataset's shard cache.
+        max_active_runs=current.max_active_runs,
+        dagrun_timeout=_limit(dagrun_timeout_s),
+        params=training_params(),
+        tags=["mxnet", "training"],
+        # A one-line summary (dag, task, attempt, why) of every failed or retried attempt.
+        default_args={"retries": 0, "on_failure_callback": callbacks.on_failure,
+                      "on_retry_callback": callbacks.on_retry},
+        doc_md=doc_md,
+    )
+    def mxnet_training() -> None:
+        @task(outlets=[SHARDS])
+        @with_connections
+        def shard(params: dict | None = None) -> dict:
+            dag_id, run_id, _ = _ids()
+            config, out = tasks.shard(params, dag_id, run_id)
+            get_current_context()["ti"].xcom_push(key=tasks.CONFIG_XCOM_KEY, value=config)
+            _emit(SHARDS, {"shards_prefix": out["shards_prefix"], "manifest_digest": out["manifest_digest"]})
+            return out
+
+        # Airflow maps only over a task's whole return value: this hands the shard list over.
+        @task
+        def shard_names(shards: dict) -> list:
+            return shards["shard_names"]
+
+        # One task per shard (named by the shard); a data failure fails it without a retry
+        # (AirflowFailException); the one retry is for infrastructure errors.
+        @task(map_index_template="{{ task.op_kwargs['shard_name'] }}", retries=1, retry_delay=timedelta(seconds=5))
+        @with_connections
+        def validate_shard(shard_name: str, shards: dict, config: dict) -> dict:
+            dag_id, run_id, _ = _ids()
+            return tasks.validate_shard(config, shards, shard_name, dag_id, run_id)
+
+        # Runs when the shards exist and every shard task is done, even failed ones: it writes the
+        # whole report and fails with every failure listed; provision runs only if it succeeds.
+        @task(trigger_rule="all_done_min_one_success")
+        @with_connections
+        def validate(shards: dict, config: dict) -> dict:
+            dag_id, run_id, _ = _ids()
+            return tasks.validate(config, shards, dag_id, run_id)
+
+        @setup
+        @with_connections
+        def provision(config: dict, params: dict | None = None) -> dict:
+            dag_id, run_id, _ = _ids()
+            return tasks.provision(config, params, dag_id, run_id)
+
+        @teardown
+        @with_connections
+        def release(cluster: dict) -> dict:
+            return tasks.teardown(cluster)
+
+        @task(retries=2, retry_delay=retry_delay, outlets=[MODEL, REGISTERED_MODEL])
+        @with_connections
+        def register(shards: dict, trained: dict, validation: dict, config: dict, params: dict | None = None) -> dict:
+            dag_id, run_id, try_number = _ids()
+            out = tasks.register(config, params, shards, trained, validation, dag_id, run_id, try_number)
+            _emit(MODEL, {"name": out["registered_model_name"], "version": str(out["version"]),
+                          "run_url": out["run_url"]})
+            # What model_review reads (plugins.review._from_events): which version to review.
+            get_current_context()["outlet_events"][REGISTERED_MODEL].add(
+                model_asset(out["registered_model_name"]),
+                extra={"registered_model_name": out["registered_model_name"], "version": str(out["version"])})
+            return out
+
+        shards = shard()
+        config = shards[tasks.CONFIG_XCOM_KEY]
+        per_shard = validate_shard.partial(shards=shards, config=config).expand(shard_name=shard_names(shards))
+        checked = validate(shards, config)
+        per_shard >> checked
+        cluster = provision(config)
+        checked >> cluster
+        trained = TrainJobOperator(task_id="train", cluster=cluster, shards=shards, config=config, retries=2,
+                                   retry_delay=retry_delay, retry_exponential_backoff=True,
+                                   execution_timeout=_limit(train_timeout_s), deferrable=deferrable,
+                                   poll_s=current.train_poll_s).output
+        trained >> release(cluster)
+        register(shards, trained, checked, config)
+
+    return mxnet_training()
