@@ -41,7 +41,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
 
 from benchmarks.dag_services import embedded_services, use_in_this_process  # noqa: E402
-from benchmarks.recovery import upload_digits  # noqa: E402
+from benchmarks.dag_stack import upload  # noqa: E402
 from benchmarks.result_file import write_json  # noqa: E402
 
 # Long enough (about 20 steps an epoch, 0.4 s a step) to outlast the sampling and the act after it.
@@ -196,7 +196,7 @@ def main() -> int:
             use_in_this_process(services)
             s3, mlflow = _servers(cfg, services)
             dataset = f"s3://{cfg.bucket}/datasets/digits.csv"
-            upload_digits({**os.environ, **services}, dataset)
+            upload({**os.environ, **services}, dataset)
             with jobs_stopped_on_the_way_out([]) as runs:
                 result = {"deferrable": deferrable_runs(root, s3, mlflow, dataset, args.sample_s, runs),
                           "synchronous": synchronous_runs(root, s3, mlflow, dataset, args.sample_s, runs)}

@@ -65,3 +65,19 @@ def test_merge_keeps_the_rows_not_measured_now(tmp_path, monkeypatch):
     assert text.index("| P7 |") < text.index("| N1 |")  # the report's order
     assert text.endswith("## section\n") and "old" not in text
     assert [r["id"] for r in json.loads(results.read_text())["rows"]] == ["P7", "N1"]
+
+
+def test_every_benchmark_script_imports():
+    """A script the report runs must at least import: a helper renamed elsewhere once broke one
+    unnoticed until the report ran it."""
+    import importlib
+    import pathlib
+
+    folder = pathlib.Path(run.REPO) / "benchmarks"
+    broken = {}
+    for path in sorted(folder.glob("*.py")):
+        try:
+            importlib.import_module(f"benchmarks.{path.stem}")
+        except Exception as exc:  # noqa: BLE001 - every failure is reported at once
+            broken[path.name] = f"{type(exc).__name__}: {exc}"
+    assert not broken, broken
