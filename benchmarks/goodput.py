@@ -205,8 +205,12 @@ def main() -> int:
 def comparison(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     """Per interval: every run's goodput and their mean; the best fixed interval by mean; auto's
     difference from it, as means and per round (paired: the same kills, the same hour)."""
+    # Goodput at a failure rate compares only runs that took the same number of failures: a run
+    # that ended before a kill was due (a faster stretch of the machine) lost less for that
+    # reason alone. Such runs are listed, not averaged.
+    full = [r for r in rows if len(r["failures"]) == args.max_kills]
     by: dict[Any, list[dict[str, Any]]] = {}
-    for r in rows:
+    for r in full:
         by.setdefault(r["every_n_steps"], []).append(r)
     means = {every: statistics.mean(r["goodput"] for r in runs) for every, runs in by.items()}
     out: dict[str, Any] = {"epochs": args.compare_epochs, "period_s": args.compare_period_s, "rounds": args.rounds,
@@ -217,7 +221,10 @@ def comparison(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
                                        "steps_recomputed": [f["steps_recomputed"] for f in r["failures"]],
                                        "cadence_plans": r["cadence_plans"]}
                                     for r in rows],
-                           "mean_goodput": {str(k): v for k, v in means.items()}}
+                           "mean_goodput": {str(k): v for k, v in means.items()},
+                           "runs_averaged": {str(k): len(v) for k, v in by.items()},
+                           "left_out": [f"{r['name']}: {len(r['failures'])} of {args.max_kills} kills landed"
+                                        for r in rows if r not in full]}
     fixed = [every for every in by if every != "auto"]
     if fixed:
         best = max(fixed, key=lambda every: means[every])
