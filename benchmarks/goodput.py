@@ -166,7 +166,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the --compare soaks")
     parser.add_argument("--keep", help="a folder for the runs' event logs and DAG logs (default: a temp folder)")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--summarise", metavar="FILE", help="recompute the comparison's statistics in a --json "
+                        "file written earlier (its runs are kept; nothing is run)")
     args = parser.parse_args()
+    if args.summarise:
+        with open(args.summarise) as fh:
+            report = json.load(fh)
+        c = report["comparison"]
+        kept = {k: c[k] for k in ("epochs", "period_s", "rounds", "rows") if k in c}
+        report["comparison"] = kept | {"max_kills": c.get("max_kills", args.max_kills)} | summarise(
+            c["rows"], c.get("max_kills", args.max_kills))
+        with open(args.summarise, "w") as fh:  # its recorded command stays the one that measured it
+            json.dump(report, fh, indent=2)
+        return 0
     compare = [cadence(v.strip()) for v in args.compare.split(",") if v.strip()]
     if args.skip_headline and not compare:
         parser.error("--skip-headline needs --compare")
@@ -203,39 +215,52 @@ def main() -> int:
 
 
 def comparison(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    """Per interval: every run's goodput and their mean; the best fixed interval by mean; auto's
-    difference from it, as means and per round (paired: the same kills, the same hour)."""
-    # Goodput at a failure rate compares only runs that took the same number of failures: a run
-    # that ended before a kill was due (a faster stretch of the machine) lost less for that
-    # reason alone. Such runs are listed, not averaged.
-    full = [r for r in rows if len(r["failures"]) == args.max_kills]
+    """The comparison's runs, reduced to what is reported, and their statistics (``summarise``)."""
+    reduced = [{k: r[k] for k in ("round", "every_n_steps", "goodput", "wall_s", "productive_s", "seconds_per_step")}
+               | {"lost_s": [round(f["lost_s"], 2) for f in r["failures"]],
+                  "recovery_s": [round(f["total"], 2) for f in r["failures"]],
+                  "steps_recomputed": [f["steps_recomputed"] for f in r["failures"]],
+                  "cadence_plans": r["cadence_plans"]}
+               for r in rows]
+    out = {"epochs": args.compare_epochs, "period_s": args.compare_period_s, "rounds": args.rounds,
+           "max_kills": args.max_kills, "rows": reduced}
+    return out | summarise(reduced, args.max_kills)
+
+
+def summarise(rows: list[dict[str, Any]], max_kills: int) -> dict[str, Any]:
+    """Per interval, over the runs that took every kill: mean wall time and mean goodput; the
+    best fixed interval by each; auto's difference from it, as means and per round (paired: the
+    same kill times, the same stretch of the machine's load).
+
+    Every run trains the same steps and is killed at the same times, so the wall time to finish
+    is the whole cost of a cadence: recomputed steps, and also the slowdown of the steps while
+    uploads run, which goodput counts as productive time (a kept step is productive however
+    long it took). Goodput is reported beside it as defined for the headline."""
+    # A run that ended before a kill was due (a faster stretch of the machine) took fewer
+    # failures and lost less for that reason alone: it is listed, not averaged.
+    full = [r for r in rows if len(r["lost_s"]) == max_kills]
     by: dict[Any, list[dict[str, Any]]] = {}
     for r in full:
         by.setdefault(r["every_n_steps"], []).append(r)
-    means = {every: statistics.mean(r["goodput"] for r in runs) for every, runs in by.items()}
-    out: dict[str, Any] = {"epochs": args.compare_epochs, "period_s": args.compare_period_s, "rounds": args.rounds,
-                           "rows": [{k: r[k] for k in ("round", "every_n_steps", "goodput", "wall_s", "productive_s",
-                                                       "seconds_per_step")}
-                                    | {"lost_s": [round(f["lost_s"], 2) for f in r["failures"]],
-                                       "recovery_s": [round(f["total"], 2) for f in r["failures"]],
-                                       "steps_recomputed": [f["steps_recomputed"] for f in r["failures"]],
-                                       "cadence_plans": r["cadence_plans"]}
-                                    for r in rows],
-                           "mean_goodput": {str(k): v for k, v in means.items()},
-                           "runs_averaged": {str(k): len(v) for k, v in by.items()},
-                           "left_out": [f"{r['name']}: {len(r['failures'])} of {args.max_kills} kills landed"
-                                        for r in rows if r not in full]}
-    fixed = [every for every in by if every != "auto"]
-    if fixed:
-        best = max(fixed, key=lambda every: means[every])
-        out["best_fixed"] = {"every_n_steps": best, "mean_goodput": means[best]}
+    out: dict[str, Any] = {"runs_averaged": {str(k): len(v) for k, v in by.items()},
+                           "left_out": [f"every {r['every_n_steps']}, round {r['round']}: {len(r['lost_s'])} of "
+                                        f"{max_kills} kills landed" for r in rows if r not in full]}
+    for measure, better in (("wall_s", min), ("goodput", max)):
+        means = {every: statistics.mean(r[measure] for r in runs) for every, runs in by.items()}
+        out[f"mean_{measure}"] = {str(k): v for k, v in means.items()}
+        fixed = [every for every in by if every != "auto"]
+        if not fixed:
+            continue
+        best = better(fixed, key=lambda every: means[every])
+        out[f"best_fixed_by_{measure}"] = {"every_n_steps": best, f"mean_{measure}": means[best]}
         if "auto" in by:
-            out["auto_minus_best_fixed"] = means["auto"] - means[best]
-            paired = {r["round"]: r["goodput"] for r in by[best]}
-            out["auto_minus_best_fixed_per_round"] = [r["goodput"] - paired[r["round"]] for r in by["auto"]
-                                                      if r["round"] in paired]
-    print("comparison (mean goodput): " + ", ".join(f"every {k}: {v:.4f}" for k, v in means.items()), flush=True)
-    out["median_lost_s_per_failure"] = statistics.median([f["lost_s"] for r in rows for f in r["failures"]] or [0.0])
+            paired = {r["round"]: r[measure] for r in by[best]}
+            out[f"auto_minus_best_fixed_{measure}"] = means["auto"] - means[best]
+            out[f"auto_minus_best_fixed_{measure}_per_round"] = [r[measure] - paired[r["round"]] for r in by["auto"]
+                                                                 if r["round"] in paired]
+        print(f"comparison (mean {measure}): " + ", ".join(f"every {k}: {v:.4g}" for k, v in means.items()),
+              flush=True)
+    out["median_lost_s_per_failure"] = statistics.median([x for r in rows for x in r["lost_s"]] or [0.0])
     return out
 
 

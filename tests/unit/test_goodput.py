@@ -161,3 +161,23 @@ def _wait_dead(pid: int, timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_the_cadence_comparison_averages_runs_with_every_kill_and_ranks_by_wall_time():
+    from benchmarks.goodput import summarise
+
+    def run(rnd, every, wall, goodput, kills=2):
+        return {"round": rnd, "every_n_steps": every, "wall_s": wall, "goodput": goodput, "lost_s": [5.0] * kills}
+
+    rows = [run(0, 10, 130, 0.85), run(0, 100, 110, 0.80), run(0, "auto", 105, 0.82),
+            run(1, 10, 126, 0.86), run(1, 100, 100, 0.81, kills=1), run(1, "auto", 108, 0.83),
+            run(2, 100, 112, 0.79), run(2, "auto", 109, 0.80)]
+    out = summarise(rows, max_kills=2)
+    assert out["left_out"] == ["every 100, round 1: 1 of 2 kills landed"]
+    assert out["runs_averaged"] == {"10": 2, "100": 2, "auto": 3}
+    assert out["mean_wall_s"]["100"] == 111  # the run that missed a kill (100 s) is not averaged
+    # By wall time the best fixed interval is 100, by goodput 10 (slower steps, more productive seconds).
+    assert out["best_fixed_by_wall_s"] == {"every_n_steps": 100, "mean_wall_s": 111}
+    assert out["best_fixed_by_goodput"]["every_n_steps"] == 10
+    assert out["auto_minus_best_fixed_wall_s"] == pytest.approx((105 + 108 + 109) / 3 - 111)
+    assert out["auto_minus_best_fixed_wall_s_per_round"] == [105 - 110, 109 - 112]  # rounds 0 and 2: paired
