@@ -372,9 +372,13 @@ def main() -> int:
     header = (f"Report of `benchmarks/run{' --full' if args.full else ''}` ({'full' if args.full else 'quick'} "
               f"mode), {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, on {machine()}. Each benchmark "
               "ran on its own, one after another; ratios are side by side within one benchmark's run.")
-    if kept:
-        header += (" Rows not measured by this report are kept from earlier ones: each row's date and command "
-                   "say when and how it was measured.")
+    if not to_run:
+        header = (f"Report of `benchmarks/run`, assembled {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC on "
+                  f"{machine().split(';')[0]} from result files of the scripts run by hand (`--record`)"
+                  f"{' and the rows of the previous report (`--merge`)' if kept else ''}.")
+    if kept or records:
+        header += (" Rows not measured by this report's own runs are kept from earlier ones or recorded from a "
+                   "script's result file: each row's date and command say when and how it was measured.")
     cache: dict[tuple[str, ...], dict[str, Any]] = {}
     rows = []
     for bench in BENCHES:
