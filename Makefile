@@ -10,8 +10,11 @@ setup:
 demo: setup
 	$(PY) scripts/demo.py
 
+# Two pytest workers, each taking whole files (module fixtures and a file's order stay on one):
+# most of the integration tier waits on real jobs, servers and Airflow, so two share 2 cores
+# well. The 30 slowest tests are listed at the end.
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile --durations=30
 
 test-fast: setup
 	$(PY) -m pytest -m "unit or dag"
