@@ -87,13 +87,18 @@ def _check(ref, cfg):
     return warm_start_checkpoint({"warm_start": ref}, DAG_ID, "manual__2026-12-03T11:00:00+00:00", cfg)
 
 
-def _version_params(uri, tmp):
-    """The arrays of a registered version's exported ``-NNNN.params`` file, as downloaded from MLflow."""
+def _version_params(uri, tmp, tracking_uri):
+    """The arrays of a registered version's exported ``-NNNN.params`` file, as downloaded from MLflow
+    (the server named explicitly: a test run earlier in this process may have left MLflow's fluent
+    API pointing elsewhere, see ``training.tracking.registry._tracking_uri``)."""
     import mlflow
 
     from training.tracking.pyfunc_model import _import_mxnet
 
-    local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp))
+    name, version = uri[len("models:/"):].split("/")
+    # models:/ URIs resolve through the fluent registry URI: ask the server for the files' location.
+    source = mlflow.MlflowClient(tracking_uri, registry_uri=tracking_uri).get_model_version_download_uri(name, version)
+    local = mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(tmp), tracking_uri=tracking_uri)
     found = [os.path.join(d, f) for d, _, fs in os.walk(local) for f in fs if f.endswith(".params")]
     assert len(found) == 1, found
     return [v.asnumpy() for v in _import_mxnet().nd.load(found[0]).values()]
@@ -131,7 +136,8 @@ def test_a_job_warm_started_from_the_version_starts_from_its_parameters(register
     ckpt = store_for(job.checkpoint_prefix, job.config.checkpoint).latest()
     with np.load(io.BytesIO(ckpt.files["params.npz"])) as arrays:
         trained = [arrays[k].copy() for k in arrays.files]
-    exported = _version_params(f"models:/{registered['name']}/{registered['version']['version']}", tmp_path)
+    exported = _version_params(f"models:/{registered['name']}/{registered['version']['version']}", tmp_path,
+                               registered["tracking_uri"])
     assert _same_arrays(trained, exported)
 
 
