@@ -12,6 +12,7 @@ Parse-time light like a DAG file: Airflow's SDK and the project's light task mod
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from airflow.sdk import (DAG, AssetAlias, AssetOrTimeSchedule, CronTriggerTimetable, dag, get_current_context,
                          setup, task, teardown)
@@ -82,72 +83,87 @@ def training_dag(dag_id: str, *, train_timeout_s: float, dagrun_timeout_s: float
         doc_md=doc_md,
     )
     def mxnet_training() -> None:
-        @task(outlets=[SHARDS])
-        @with_connections
-        def shard(params: dict | None = None) -> dict:
-            dag_id, run_id, _ = _ids()
-            config, out = tasks.shard(params, dag_id, run_id)
-            get_current_context()["ti"].xcom_push(key=tasks.CONFIG_XCOM_KEY, value=config)
-            _emit(SHARDS, {"shards_prefix": out["shards_prefix"], "manifest_digest": out["manifest_digest"]})
-            return out
-
-        # Airflow maps only over a task's whole return value: this hands the shard list over.
-        @task
-        def shard_names(shards: dict) -> list:
-            return shards["shard_names"]
-
-        # One task per shard (named by the shard); a data failure fails it without a retry
-        # (AirflowFailException); the one retry is for infrastructure errors.
-        @task(map_index_template="{{ task.op_kwargs['shard_name'] }}", retries=1, retry_delay=timedelta(seconds=5))
-        @with_connections
-        def validate_shard(shard_name: str, shards: dict, config: dict) -> dict:
-            dag_id, run_id, _ = _ids()
-            return tasks.validate_shard(config, shards, shard_name, dag_id, run_id)
-
-        # Runs when the shards exist and every shard task is done, even failed ones: it writes the
-        # whole report and fails with every failure listed; provision runs only if it succeeds.
-        @task(trigger_rule="all_done_min_one_success")
-        @with_connections
-        def validate(shards: dict, config: dict) -> dict:
-            dag_id, run_id, _ = _ids()
-            return tasks.validate(config, shards, dag_id, run_id)
-
-        @setup
-        @with_connections
-        def provision(config: dict, params: dict | None = None) -> dict:
-            dag_id, run_id, _ = _ids()
-            return tasks.provision(config, params, dag_id, run_id)
-
-        @teardown
-        @with_connections
-        def release(cluster: dict) -> dict:
-            return tasks.teardown(cluster)
-
-        @task(retries=2, retry_delay=retry_delay, outlets=[MODEL, REGISTERED_MODEL])
-        @with_connections
-        def register(shards: dict, trained: dict, validation: dict, config: dict, params: dict | None = None) -> dict:
-            dag_id, run_id, try_number = _ids()
-            out = tasks.register(config, params, shards, trained, validation, dag_id, run_id, try_number)
-            _emit(MODEL, {"name": out["registered_model_name"], "version": str(out["version"]),
-                          "run_url": out["run_url"]})
-            # What model_review reads (plugins.review._from_events): which version to review.
-            get_current_context()["outlet_events"][REGISTERED_MODEL].add(
-                model_asset(out["registered_model_name"]),
-                extra={"registered_model_name": out["registered_model_name"], "version": str(out["version"])})
-            return out
-
-        shards = shard()
-        config = shards[tasks.CONFIG_XCOM_KEY]
-        per_shard = validate_shard.partial(shards=shards, config=config).expand(shard_name=shard_names(shards))
-        checked = validate(shards, config)
-        per_shard >> checked
-        cluster = provision(config)
-        checked >> cluster
-        trained = TrainJobOperator(task_id="train", cluster=cluster, shards=shards, config=config, retries=2,
-                                   retry_delay=retry_delay, retry_exponential_backoff=True,
-                                   execution_timeout=_limit(train_timeout_s), deferrable=deferrable,
-                                   poll_s=current.train_poll_s).output
-        trained >> release(cluster)
-        register(shards, trained, checked, config)
+        shards, config, checked = _checked_shards()
+        _train_and_register(shards, config, checked, retry_delay=retry_delay, train_timeout_s=train_timeout_s,
+                            deferrable=deferrable, poll_s=current.train_poll_s)
 
     return mxnet_training()
+
+
+def _checked_shards() -> tuple[Any, Any, Any]:
+    """Inside the DAG: shard the source, validate every shard, then the whole set; the shards,
+    the run's config (the shard task's XCom) and the validation's result."""
+    @task(outlets=[SHARDS])
+    @with_connections
+    def shard(params: dict | None = None) -> dict:
+        dag_id, run_id, _ = _ids()
+        config, out = tasks.shard(params, dag_id, run_id)
+        get_current_context()["ti"].xcom_push(key=tasks.CONFIG_XCOM_KEY, value=config)
+        _emit(SHARDS, {"shards_prefix": out["shards_prefix"], "manifest_digest": out["manifest_digest"]})
+        return out
+
+    # Airflow maps only over a task's whole return value: this hands the shard list over.
+    @task
+    def shard_names(shards: dict) -> list:
+        return shards["shard_names"]
+
+    # One task per shard (named by the shard); a data failure fails it without a retry
+    # (AirflowFailException); the one retry is for infrastructure errors.
+    @task(map_index_template="{{ task.op_kwargs['shard_name'] }}", retries=1, retry_delay=timedelta(seconds=5))
+    @with_connections
+    def validate_shard(shard_name: str, shards: dict, config: dict) -> dict:
+        dag_id, run_id, _ = _ids()
+        return tasks.validate_shard(config, shards, shard_name, dag_id, run_id)
+
+    # Runs when the shards exist and every shard task is done, even failed ones: it writes the
+    # whole report and fails with every failure listed; provision runs only if it succeeds.
+    @task(trigger_rule="all_done_min_one_success")
+    @with_connections
+    def validate(shards: dict, config: dict) -> dict:
+        dag_id, run_id, _ = _ids()
+        return tasks.validate(config, shards, dag_id, run_id)
+
+    shards = shard()
+    config = shards[tasks.CONFIG_XCOM_KEY]
+    per_shard = validate_shard.partial(shards=shards, config=config).expand(shard_name=shard_names(shards))
+    checked = validate(shards, config)
+    per_shard >> checked
+    return shards, config, checked
+
+
+def _train_and_register(shards: Any, config: Any, checked: Any, *, retry_delay: timedelta, train_timeout_s: float,
+                        deferrable: bool, poll_s: float) -> None:
+    """Inside the DAG: provision the cluster once validation passed, train on it, always release
+    it, and register the trained model."""
+    @setup
+    @with_connections
+    def provision(config: dict, params: dict | None = None) -> dict:
+        dag_id, run_id, _ = _ids()
+        return tasks.provision(config, params, dag_id, run_id)
+
+    @teardown
+    @with_connections
+    def release(cluster: dict) -> dict:
+        return tasks.teardown(cluster)
+
+    @task(retries=2, retry_delay=retry_delay, outlets=[MODEL, REGISTERED_MODEL])
+    @with_connections
+    def register(shards: dict, trained: dict, validation: dict, config: dict, params: dict | None = None) -> dict:
+        dag_id, run_id, try_number = _ids()
+        out = tasks.register(config, params, shards, trained, validation, dag_id, run_id, try_number)
+        _emit(MODEL, {"name": out["registered_model_name"], "version": str(out["version"]),
+                      "run_url": out["run_url"]})
+        # What model_review reads (plugins.review._from_events): which version to review.
+        get_current_context()["outlet_events"][REGISTERED_MODEL].add(
+            model_asset(out["registered_model_name"]),
+            extra={"registered_model_name": out["registered_model_name"], "version": str(out["version"])})
+        return out
+
+    cluster = provision(config)
+    checked >> cluster
+    trained = TrainJobOperator(task_id="train", cluster=cluster, shards=shards, config=config, retries=2,
+                               retry_delay=retry_delay, retry_exponential_backoff=True,
+                               execution_timeout=_limit(train_timeout_s), deferrable=deferrable,
+                               poll_s=poll_s).output
+    trained >> release(cluster)
+    register(shards, trained, checked, config)
