@@ -2,7 +2,7 @@
 
 Owns: the committed-manifest store on S3 or a folder (``store``), client-side envelope
 encryption (``crypto``), what a worker puts in a checkpoint and how it is restored
-(``state``), the background writer (``writer``) and the loop's checkpoint policy (cadence,
+(``state``), the background uploader (``uploader``) and the loop's checkpoint policy (cadence,
 skip-while-busy, statistics, emergency save, final commit check: ``manager``). The protocol is in
 docs/architecture.md ("Checkpoint protocol"). May import ``common`` only.
 """
