@@ -12,7 +12,7 @@ Nothing here imports Airflow, MXNet, MLflow or Great Expectations, so any layer 
 - ``paths``: every artifact path as a function of run (or dataset) identity.
 - ``preprocessing``: a manifest's table preprocessing record, as readers use it.
 - ``procs``: everything process-level: process groups, their records, leftovers, ports, usage.
-- ``records``: the record codec shared by the sharder (writer) and the trainer (reader).
+- ``record_codec``: the codec of shard records, shared by the sharder (writer) and the trainer (reader).
 - ``roles``: the roles of one ps-lite job and the environment each is started with.
 - ``settings``: every environment variable the project reads, in one typed place.
 - ``storage``: all storage I/O (S3 and local folders) of the pipeline.
