@@ -8,7 +8,7 @@ Starts its own SeaweedFS (``infra.s3_service.start_s3`` on free ports in a temp 
 ResNet-18 (``gluon.model_zoo.vision.resnet18_v1``, 11.2 M parameters, 45 MB; with SGD
 momentum, 90 MB of params + states per checkpoint) on 32x32 inputs in one process with the
 worker's own pieces (``make_trainer`` on a local kvstore, ``checkpoint_state.snapshot``,
-``CheckpointManager`` with its ``Checkpointer``, ``CheckpointStore``), checkpointing every few
+``CheckpointManager`` with its ``CheckpointUploader``, ``CheckpointStore``), checkpointing every few
 steps: once without checkpoints, once with the synchronous writer and once with the asynchronous one.
 
 - P2: fraction of the loop's wall time blocked by checkpointing in steady state (the snapshot

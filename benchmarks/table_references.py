@@ -36,7 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-# Before anything imports mxnet (it would block scikit-learn's import, see common/records.py).
+# Before anything imports mxnet (it would block scikit-learn's import, see common/record_codec.py).
 from sklearn.datasets import load_diabetes, load_wine  # noqa: E402
 from sklearn.linear_model import LogisticRegression, Ridge  # noqa: E402
 from sklearn.metrics import r2_score  # noqa: E402
@@ -48,7 +48,7 @@ import pandas as pd  # noqa: E402
 
 from benchmarks.dag_services import embedded_services, use_in_this_process  # noqa: E402
 from benchmarks.result_file import write_json  # noqa: E402
-from common import records, storage  # noqa: E402
+from common import record_codec, storage  # noqa: E402
 from common.manifest import download_shard, load_manifest, record_width  # noqa: E402
 from tests.integration.airflow_runs import airflow_env, run_confs  # noqa: E402
 from tests.integration.cities_table import UNSEEN_ROWS, cities_table  # noqa: E402
@@ -79,7 +79,7 @@ def split_rows(shards_prefix: str, work: str) -> tuple[dict[str, Any], dict[str,
     ids: dict[str, list[np.ndarray]] = {}
     for shard in manifest["shards"]:
         paths = download_shard(manifest, shards_prefix, shard["name"], work)
-        ids.setdefault(shard["split"], []).append(records.read_all(*paths, record_width(manifest))[2])
+        ids.setdefault(shard["split"], []).append(record_codec.read_all(*paths, record_width(manifest))[2])
     return manifest, {k: np.sort(np.concatenate(v)).astype(np.int64) for k, v in ids.items()}
 
 

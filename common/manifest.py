@@ -110,7 +110,7 @@ def shard_entry(manifest: dict[str, Any], shard_name: str) -> dict[str, Any]:
 def download_shard(manifest: dict[str, Any], prefix: str, shard_name: str, local_dir: str) -> tuple[str, str]:
     """Download one shard's ``.idx``/``.rec`` pair into ``local_dir`` and verify it.
 
-    Returns ``(idx_path, rec_path)`` for ``common.records.read_all``. A missing file, or one whose
+    Returns ``(idx_path, rec_path)`` for ``common.record_codec.read_all``. A missing file, or one whose
     size or sha256 differs from the manifest, is a ``DataError`` naming the URI.
     """
     entry = shard_entry(manifest, shard_name)

@@ -1,9 +1,21 @@
 """Shard a source dataset into per-worker RecordIO shards with a manifest, and validate them.
 
-``sources`` (find + fingerprint the files) → ``readers`` / ``images`` (stream bounded chunks) →
-``assign`` (seeded stratified split, balanced shards) → ``shard`` (write, commit manifest last).
-``suites`` (GX suites per dataset kind) → ``validate`` (per shard) → ``cross`` (cross-shard checks,
-drift) → ``report`` (JSON, HTML, failure message).
+Sharding is ``sources`` → ``readers`` / ``images`` → ``preprocess`` → ``assign`` → ``shard``;
+validation is ``suites`` → ``validate`` → ``cross`` → ``report``.
+
+- ``sources``: find the files of a source dataset, fingerprint them, open them as byte streams.
+- ``filesystems``: which fsspec filesystem reads a source URI, with which options and errors.
+- ``readers``: stream a table source (CSV, CSV.gz, Parquet; one or many files) as bounded chunks.
+- ``images``: stream an image folder (images + ``labels.csv``) as bounded chunks of features.
+- ``preprocess``: table preprocessing, fitted on the train split at shard time, applied to all.
+- ``assign``: seeded, streaming assignment of rows to train/val/test and to balanced train shards.
+- ``shard``: write the RecordIO shards, committing the manifest last.
+- ``suites``: Great Expectations suites, one function per dataset kind, and the code that runs them.
+- ``validate``: one Great Expectations run per committed shard, then the cross-shard checks.
+- ``cross``: checks that need every shard at once (cross-shard consistency, drift).
+- ``report``: the validation report: JSON, a small HTML page, the failure message.
+- ``errors``: the deterministic failure kinds of the data stage (never worth a retry).
+- ``__main__``: the command line of the data stage; runs with no Airflow at all.
 
 Nothing here imports Airflow, and importing this package is cheap: pandas, pyarrow, mxnet and
 Great Expectations are imported by the functions that need them.

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common import records
+from common import record_codec
 from common.preprocessing import UNKNOWN
 from data_checks.errors import DataError
 
@@ -159,7 +159,7 @@ def rewrite(paths: list[tuple[str, str]], splits: list[str], n_train: int, layou
 
     def train() -> Iterator[np.ndarray]:
         for idx, rec in paths[:n_train]:
-            for block in records.iter_blocks(idx, rec, width, rows):
+            for block in record_codec.iter_blocks(idx, rec, width, rows):
                 yield block.features[:, :nf]
 
     record = fit(train, layout, codes, data)
@@ -167,8 +167,8 @@ def rewrite(paths: list[tuple[str, str]], splits: list[str], n_train: int, layou
     imputed: dict[str, dict[str, int]] = {}
     for (idx, rec), split in zip(paths, splits):
         tmp_idx, tmp_rec = idx + ".new", rec + ".new"
-        with records.RecordWriter(tmp_idx, tmp_rec) as writer:
-            for block in records.iter_blocks(idx, rec, width, rows):
+        with record_codec.RecordWriter(tmp_idx, tmp_rec) as writer:
+            for block in record_codec.iter_blocks(idx, rec, width, rows):
                 X, counts = transform(record, block.features[:, :nf], slots)
                 for name, count in counts.items():
                     imputed.setdefault(split, {})[name] = imputed.get(split, {}).get(name, 0) + count

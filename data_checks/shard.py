@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common import records, storage
+from common import record_codec, storage
 from common.manifest import FORMAT_VERSION, download_shard, load_manifest, manifest_digest, manifest_uri, to_json_bytes
 from data_checks import preprocess, sources
 from data_checks.assign import SPLITS, TRAIN, Assigner, SplitBlock, split_summary
@@ -177,7 +177,7 @@ class _Shards:
     def __init__(self, tmp: str, names: list[str]) -> None:
         self.names = names
         self.paths = [(os.path.join(tmp, f"{n}.idx"), os.path.join(tmp, f"{n}.rec")) for n in names]
-        self.writers = [records.RecordWriter(idx, rec) for idx, rec in self.paths]
+        self.writers = [record_codec.RecordWriter(idx, rec) for idx, rec in self.paths]
         self.hist: list[dict[int, int]] = [{} for _ in names]
 
     def write(self, dest: np.ndarray, source: np.ndarray, X: np.ndarray, classes: np.ndarray,
@@ -245,7 +245,7 @@ def _shard(plan: sources.SourcePlan, cfg: TrainConfig, params: dict[str, Any], f
         _check_splits(shards, ordered, plan.spec, n_train, regression)
         if not np.array_equal(mapping, np.arange(len(mapping))):
             for idx, rec in shards.paths:
-                records.rewrite_labels(idx, rec, mapping)
+                record_codec.rewrite_labels(idx, rec, mapping)
         lay = reader.layout
         prep = None
         if plan.kind == "table" and preprocess.needed(cfg.data, lay):

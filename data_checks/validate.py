@@ -61,7 +61,7 @@ def validate_shard(manifest_prefix: str, shard_name: str, cfg: "TrainConfig", *,
     entry = next((s for s in manifest["shards"] if s["name"] == shard_name), None)
     if entry is None:
         raise DataError(f"shard {shard_name!r} is not in the manifest under {prefix}")
-    from common.records import read_shard
+    from common.record_codec import read_shard
 
     result: dict[str, Any] = {"shard": shard_name, "split": entry["split"], "expected_rows": entry["count"]}
     with tempfile.TemporaryDirectory(prefix="validate-") as tmp:

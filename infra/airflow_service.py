@@ -19,8 +19,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from common.procs import GroupRecord
 from common.settings import settings
-from infra.processes import ServiceHandle, http_get, launch, running_handle, stop_all, wait_until
+from infra.processes import http_get, launch, running_handle, stop_all, wait_until
 from infra.stack_config import (
     BIN_DIR,
     HOST,
@@ -99,7 +100,7 @@ def airflow_migrate(cfg: StackConfig, env: Mapping[str, str], *, timeout_s: floa
     (cfg.home / "airflow").mkdir(parents=True, exist_ok=True)
     handle = launch("airflow-db-migrate", [str(BIN_DIR / "airflow"), "db", "migrate"], env, cfg.home)
     try:
-        rc = handle._popen.wait(timeout=timeout_s)  # type: ignore[union-attr]
+        rc = handle.wait(timeout_s)
     except subprocess.TimeoutExpired as exc:
         raise ServiceError(f"airflow db migrate took over {timeout_s:.0f}s") from exc
     finally:
@@ -138,7 +139,7 @@ def _airflow_ready(base_url: str, components: Iterable[str], since: float) -> bo
 
 def start_airflow(cfg: StackConfig, *, client_env: Mapping[str, str] | None = None,
                   components: Iterable[str] = AIRFLOW_COMPONENTS,
-                  timeout_s: float = 300.0) -> list[ServiceHandle]:
+                  timeout_s: float = 300.0) -> list[GroupRecord]:
     """Migrate the DB once, start each component in its own session, wait until healthy.
 
     ``client_env`` (what the tasks find in their environment) defaults to the stack's S3 and
@@ -149,7 +150,7 @@ def start_airflow(cfg: StackConfig, *, client_env: Mapping[str, str] | None = No
     env = airflow_process_env(cfg, client_env)
     airflow_migrate(cfg, env)
     since = 0.0  # heartbeats must be newer than the first launch (the DB keeps old jobs)
-    handles: list[ServiceHandle] = []
+    handles: list[GroupRecord] = []
     try:
         for comp in components:
             name = f"airflow-{comp}"
@@ -186,7 +187,7 @@ def start_airflow(cfg: StackConfig, *, client_env: Mapping[str, str] | None = No
     return handles
 
 
-def stop_airflow(handles: Iterable[ServiceHandle], timeout: float = 30.0) -> bool:
+def stop_airflow(handles: Iterable[GroupRecord], timeout: float = 30.0) -> bool:
     """Stop the components in parallel (the triggerer alone takes ~10 s to wind down)."""
     return stop_all(handles, timeout)
 

@@ -15,7 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from infra.processes import ServiceHandle, launch, wait_until
+from common.procs import GroupRecord
+from infra.processes import launch, wait_until
 from infra.stack_config import (
     BIN_DIR,
     REGION,
@@ -82,7 +83,7 @@ def _check_auth_enforced(endpoint: str) -> None:
     raise ServiceError(f"S3 at {endpoint} answers unsigned requests: credentials not enforced")
 
 
-def start_s3(cfg: StackConfig, *, timeout_s: float = 60.0) -> ServiceHandle:
+def start_s3(cfg: StackConfig, *, timeout_s: float = 60.0) -> GroupRecord:
     """Start ``weed mini`` with the home's credentials enforced; create the bucket."""
     creds = load_credentials(cfg.home)
     check_ports_free(cfg.weed_ports, "s3")
@@ -102,7 +103,7 @@ def start_s3(cfg: StackConfig, *, timeout_s: float = 60.0) -> ServiceHandle:
     return handle
 
 
-def stop_s3(handle: ServiceHandle, timeout: float = 20.0) -> bool:
+def stop_s3(handle: GroupRecord, timeout: float = 20.0) -> bool:
     ok = handle.stop(timeout)
     if ok and handle.port:  # weed leaves unix sockets named after its ports in /tmp
         cfg_ports = [int(a.split("=")[1]) for a in handle.cmd if ".port" in a and "=" in a]

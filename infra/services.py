@@ -34,8 +34,9 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from common.cli import parser as cli_parser
+from common.procs import GroupRecord
 from infra.airflow_service import AIRFLOW_COMPONENTS, airflow_env, start_airflow
-from infra.processes import ServiceHandle, http_get, launch, load_handle, running_handle, stop_all, wait_http
+from infra.processes import http_get, launch, load_handle, running_handle, stop_all, wait_http
 from infra.s3_service import start_s3, stop_s3
 from infra.stack_config import (
     BIN_DIR,
@@ -54,7 +55,7 @@ from infra.stack_config import (
 SERVICES = ("s3", "mlflow", "airflow")
 
 
-def start_mlflow(cfg: StackConfig, *, timeout_s: float = 180.0, workers: int = 1) -> ServiceHandle:
+def start_mlflow(cfg: StackConfig, *, timeout_s: float = 180.0, workers: int = 1) -> GroupRecord:
     """``mlflow server`` with a SQLite backend and artifacts proxied to S3."""
     creds = load_credentials(cfg.home)
     check_ports_free([cfg.mlflow_port], "mlflow")
@@ -84,7 +85,7 @@ def start_mlflow(cfg: StackConfig, *, timeout_s: float = 180.0, workers: int = 1
 # the stack (CLI)
 
 
-def _handles(home: Path, only: Iterable[str]) -> list[tuple[str, ServiceHandle | None]]:
+def _handles(home: Path, only: Iterable[str]) -> list[tuple[str, GroupRecord | None]]:
     names = []
     for svc in only:
         names += [f"airflow-{c}" for c in AIRFLOW_COMPONENTS] if svc == "airflow" else [svc]

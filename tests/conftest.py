@@ -80,7 +80,7 @@ class S3Server:
     secret_key: str
     env: dict[str, str]
     config: object  # infra.stack_config.StackConfig of the test stack (ports, home)
-    handle: object = field(repr=False)  # infra.processes.ServiceHandle
+    handle: object = field(repr=False)  # common.procs.GroupRecord
 
 
 @dataclass

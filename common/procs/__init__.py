@@ -5,10 +5,14 @@ fork helpers that would outlive a plain ``kill pid``).
 - ``groups``: start-time identity (a recycled pid is never mistaken for ours), group and session
   membership, environment tags, and ``stop_groups``, the one SIGTERM → grace → SIGKILL
   escalation, used for role groups and services alike.
-- ``records``: ``GroupSpawner`` and the records of the groups it starts, so a different process
-  (an Airflow teardown task, a reaper) can stop them later; ``exec_role`` for another host.
+- ``records``: ``GroupRecord``, one started group (a role's, or a service's with its log, port
+  and pid file) and how it is stopped; ``GroupSpawner``, which records the groups it starts so a
+  different process (an Airflow teardown task, a reaper) can stop them later; ``exec_role`` for
+  another host.
 - ``leftovers``: ``Watch``, the proof that a run left no process running.
 - ``ports``: ``free_port``.
+- ``usage``: what process trees consume (core-seconds, CPU %, resident memory), per named tree.
+- ``__main__``: ``python -m common.procs``, the host-side helpers below.
 
 The same records work on another host: ``python -m common.procs exec-role --record F -- ARGV``
 makes the role lead its own group, writes its record and ``exec``s the role (same pid), and

@@ -1,9 +1,11 @@
-"""Role groups: started each in a session of its own, recorded so another process can stop them.
+"""Process groups we start, each in a session of its own, recorded so another process can stop them.
 
-A ``GroupSpawner`` can record each group it starts in a folder (one ``<name>.json`` each: name,
-pid, pgid, start time), so a different process (an Airflow teardown task, a reaper) can find
-and stop them later; the start time tells the process we started from a recycled pid.
-``exec_role`` writes the same record on another host and becomes the role.
+A ``GroupRecord`` is one such group: its leader's pid, process group and start time (the start
+time tells the process we started from a recycled pid), and for a service (``infra.processes``)
+its log, port, command line and the file the record is kept in. A ``GroupSpawner`` can record
+each group it starts in a folder (one ``<name>.json`` each), so a different process (an Airflow
+teardown task, a reaper) can find and stop them later; ``exec_role`` writes the same record on
+another host and becomes the role.
 """
 from __future__ import annotations
 
@@ -13,22 +15,99 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
-from common.procs.groups import group_members, kill_groups, start_time, still_ours
+from common.procs.groups import group_members, is_running, kill_groups, start_time, still_ours, stop_groups
 
 log = logging.getLogger(__name__)
 
+SIGKILL_WAIT_S = 10.0  # how long a stopped service's SIGKILLed processes get to disappear
 
-@dataclass(frozen=True)
+
+@dataclass
 class GroupRecord:
+    """One started process group: the leader of its own session and process group."""
+
     name: str
     pid: int
     pgid: int
-    start_time: int
+    start_time: int  # common.procs.start_time, to tell our process from a reused pid
+    # What a service's record adds (infra.processes.launch); a role's record leaves them unset.
+    log_path: str | None = None
+    port: int | None = None
+    cmd: tuple[str, ...] = ()
+    started_at: float = 0.0
+    pid_file: str | None = None  # where this record is kept; removed once the group is stopped
+    # The launched leader, when this process started it: stopping collects its exit status.
+    _popen: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
 
     def may_be_ours(self) -> bool:
+        """False if the pid now belongs to another process (then its group is not ours)."""
         return still_ours(self.pid, self.start_time)
+
+    def is_running(self) -> bool:
+        return is_running(self.pid, self.start_time)
+
+    def processes(self) -> list[int]:
+        """Pids of the group's live processes, with its whole session and their descendants."""
+        return [p.pid for p in group_members([self.pgid], sessions=True)] if self.may_be_ours() else []
+
+    def stop(self, timeout: float = 20.0) -> bool:
+        """SIGTERM the whole session, SIGKILL what is left after ``timeout``; True if all gone."""
+        if not self.may_be_ours():
+            log.warning("%s: pid %s was reused by another process; not signalling", self.name, self.pid)
+            self._remove_pid_file()
+            return True
+        left = stop_groups([self.pgid], grace_s=timeout, kill_wait_s=SIGKILL_WAIT_S, sessions=True)
+        self.reap()
+        if left:
+            log.error("%s: processes %s survived SIGKILL", self.name, [p.pid for p in left])
+            return False
+        self._remove_pid_file()
+        return True
+
+    def wait(self, timeout: float) -> int:
+        """The exit status of a leader this process launched, waiting up to ``timeout`` seconds
+        (``subprocess.TimeoutExpired`` after that)."""
+        if self._popen is None:
+            raise ValueError(f"{self.name}: pid {self.pid} was not launched by this process; cannot wait for it")
+        return self._popen.wait(timeout=timeout)
+
+    def reap(self) -> None:
+        """Collect the exit status of a leader this process launched, if it has exited (so no
+        zombie is left)."""
+        if self._popen is not None:
+            self._popen.poll()
+
+    def _remove_pid_file(self) -> None:
+        if self.pid_file:
+            Path(self.pid_file).unlink(missing_ok=True)
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of the group's log ("" without one)."""
+        if not self.log_path:
+            return ""
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, fh.tell() - 16384))
+                text = fh.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def to_json(self) -> str:
+        """The record as a file holds it: the fields that are set (a role's: name, pid, pgid,
+        start time)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)
+                if not f.name.startswith("_") and getattr(self, f.name) != f.default}
+        return json.dumps(data, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "GroupRecord":
+        data = json.loads(text)
+        return cls(**data | {"cmd": tuple(data.get("cmd", ()))})
 
 
 class GroupSpawner:
@@ -50,7 +129,7 @@ class GroupSpawner:
         self.records.append(rec)
         if self.record_dir:
             with open(os.path.join(self.record_dir, f"{name}.json"), "w") as fh:
-                json.dump(asdict(rec), fh)
+                fh.write(rec.to_json())
         return proc
 
     def kill_all(self, *, grace_s: float = 5.0) -> int:
@@ -65,7 +144,7 @@ def load_records(record_dir: str) -> list[GroupRecord]:
         if fname.endswith(".json"):
             try:
                 with open(os.path.join(record_dir, fname)) as fh:
-                    out.append(GroupRecord(**json.load(fh)))
+                    out.append(GroupRecord.from_json(fh.read()))
             except (OSError, ValueError, TypeError) as exc:
                 log.warning("skipping unreadable process record %s: %s", fname, exc)
     return out
@@ -130,7 +209,7 @@ def exec_role(record: str, argv: Sequence[str], env: Mapping[str, str] | None = 
                       pgid=os.getpgrp(), start_time=start_time(os.getpid()) or -1)
     tmp = f"{record}.tmp"
     with open(tmp, "w") as fh:
-        json.dump(asdict(rec), fh)
+        fh.write(rec.to_json())
     os.replace(tmp, record)
     sys.stdout.flush()
     if env is None:

@@ -59,7 +59,7 @@ def killed_and_restarted(cfg: StackConfig, client_env: Mapping[str, str], compon
 
     for comp in components:
         handle = load_handle(cfg.home, f"airflow-{comp}")
-        if handle is not None and handle.owns_group():
+        if handle is not None and handle.may_be_ours():
             for proc in group_members([handle.pgid], sessions=True):
                 with contextlib.suppress(OSError):
                     proc.send_signal(signal.SIGKILL)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common import storage
-from common.procs import group_members
+from common.procs import GroupRecord, group_members
 from infra.airflow_client import (
     DagNotFound,
     task_states,
@@ -20,7 +20,7 @@ from infra.airflow_client import (
     wait_for_dag_run,
 )
 from infra.airflow_service import start_airflow, stop_airflow
-from infra.processes import ServiceHandle, launch
+from infra.processes import launch
 from infra.s3_service import s3_client, start_s3, stop_s3
 from infra.stack_config import StackConfig
 
@@ -97,9 +97,9 @@ def test_stop_never_signals_a_reused_pid(tmp_path: Path, nothing_left) -> None:
     handle = launch("sleeper", ["sleep", "60"], dict(os.environ), tmp_path)
     nothing_left.session(handle.pgid)
     try:
-        stale = ServiceHandle.from_json(handle.to_json())
+        stale = GroupRecord.from_json(handle.to_json())
         stale.start_time += 1  # as if the pid had been reused since the pid file was written
-        assert not stale.owns_group() and not stale.is_running()
+        assert not stale.may_be_ours() and not stale.is_running()
         assert stale.stop(timeout=1)
         assert handle.is_running()
     finally:

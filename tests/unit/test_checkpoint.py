@@ -155,11 +155,11 @@ def test_key_from_env_rejects_bad_values(monkeypatch):
 def test_async_writer_waits_for_the_upload_in_flight(tmp_path, monkeypatch):
     import threading
 
-    from training.checkpoint.writer import Checkpointer
+    from training.checkpoint.uploader import CheckpointUploader
 
     store = CheckpointStore(str(tmp_path), keep=5)
     gate = hold_uploads(store, monkeypatch)
-    writer = Checkpointer(store, asynchronous=True)
+    writer = CheckpointUploader(store, asynchronous=True)
     writer.submit(snapshot_at(10))
     assert writer.busy
     threading.Timer(0.3, gate.set).start()
@@ -172,8 +172,8 @@ def test_async_writer_waits_for_the_upload_in_flight(tmp_path, monkeypatch):
 
 
 def test_async_writer_retries_storage_errors_with_backoff(tmp_path, monkeypatch):
-    from training.checkpoint import writer as checkpoint_async
-    from training.checkpoint.writer import Checkpointer
+    from training.checkpoint import uploader as checkpoint_async
+    from training.checkpoint.uploader import CheckpointUploader
 
     monkeypatch.setattr(checkpoint_async, "BACKOFF_FIRST_S", 0.01)
     store = CheckpointStore(str(tmp_path), keep=3)
@@ -187,15 +187,15 @@ def test_async_writer_retries_storage_errors_with_backoff(tmp_path, monkeypatch)
         return real_put(uri, data, **kw)
 
     monkeypatch.setattr(storage, "put_bytes", flaky_put)
-    writer = Checkpointer(store, asynchronous=True, upload_timeout_s=10)
+    writer = CheckpointUploader(store, asynchronous=True, upload_timeout_s=10)
     writer.submit(snapshot_at(5))
     writer.close()
     assert writer.stats.retries == 2 and writer.stats.committed == 1 and store.committed_steps() == [5]
 
 
 def test_async_writer_gives_up_after_its_timeout(tmp_path, monkeypatch):
-    from training.checkpoint import writer as checkpoint_async
-    from training.checkpoint.writer import Checkpointer
+    from training.checkpoint import uploader as checkpoint_async
+    from training.checkpoint.uploader import CheckpointUploader
 
     monkeypatch.setattr(checkpoint_async, "BACKOFF_FIRST_S", 0.05)
 
@@ -203,7 +203,7 @@ def test_async_writer_gives_up_after_its_timeout(tmp_path, monkeypatch):
         raise storage.StorageError("s3 down")
 
     monkeypatch.setattr(storage, "put_bytes", dead_put)
-    writer = Checkpointer(CheckpointStore(str(tmp_path), keep=3), asynchronous=True, upload_timeout_s=0.3)
+    writer = CheckpointUploader(CheckpointStore(str(tmp_path), keep=3), asynchronous=True, upload_timeout_s=0.3)
     writer.submit(snapshot_at(5))
     writer.close(deadline=None)
     assert writer.stats.failed == 1 and writer.stats.committed == 0 and writer.stats.retries >= 1
@@ -216,8 +216,8 @@ def test_async_writer_sees_an_unreachable_s3_within_seconds_and_retries_with_bac
     import socket
     import time
 
-    from training.checkpoint import writer as checkpoint_async
-    from training.checkpoint.writer import Checkpointer
+    from training.checkpoint import uploader as checkpoint_async
+    from training.checkpoint.uploader import CheckpointUploader
 
     with socket.socket() as probe:  # a loopback port nothing listens on: connections are refused
         probe.bind(("127.0.0.1", 0))
@@ -228,7 +228,7 @@ def test_async_writer_sees_an_unreachable_s3_within_seconds_and_retries_with_bac
     monkeypatch.setattr(checkpoint_async, "BACKOFF_FIRST_S", 0.5)
     with storage.fail_fast():
         storage.s3_client()  # built before the clock starts: seconds on a loaded machine
-    writer = Checkpointer(CheckpointStore("s3://down/ckpt", keep=3), asynchronous=True, upload_timeout_s=6)
+    writer = CheckpointUploader(CheckpointStore("s3://down/ckpt", keep=3), asynchronous=True, upload_timeout_s=6)
     started = time.monotonic()
     writer.submit(snapshot_at(5))
     writer.close(deadline=None)

@@ -7,7 +7,7 @@ import pytest
 from common.config import CheckpointConfig, ConfigError
 from tests.unit.checkpoint_support import snapshot_at
 from training.checkpoint import cadence
-from training.checkpoint.cadence import AutoCadence, Plan, interval_s
+from training.checkpoint.cadence import AutoCadence, CadencePlan, interval_s
 from training.checkpoint.manager import CheckpointManager
 from training.checkpoint.store import CheckpointStore
 
@@ -26,13 +26,13 @@ def test_daly_interval_is_youngs_for_a_cheap_checkpoint_and_the_mtbf_for_a_dear_
 
 
 def test_plan_in_steps_with_one_upload_in_flight_as_the_floor():
-    plan = Plan.make(blocked_s=0.1, upload_s=0.9, step_s=0.05, mtbf_s=600)
+    plan = CadencePlan.make(blocked_s=0.1, upload_s=0.9, step_s=0.05, mtbf_s=600)
     assert plan.cost_s == pytest.approx(1.0)
     assert plan.every_n_steps == math.ceil(interval_s(1.0, 600) / 0.05)
     # A failure every 2 s: Daly says 2 s of training, but the upload takes 3 s; shorter would only skip.
-    slow = Plan.make(blocked_s=0.01, upload_s=3.0, step_s=0.1, mtbf_s=2)
+    slow = CadencePlan.make(blocked_s=0.01, upload_s=3.0, step_s=0.1, mtbf_s=2)
     assert slow.interval_s == 3.0 and slow.every_n_steps == 30
-    assert Plan.make(blocked_s=0.01, upload_s=0.01, step_s=10.0, mtbf_s=1).every_n_steps == 1
+    assert CadencePlan.make(blocked_s=0.01, upload_s=0.01, step_s=10.0, mtbf_s=1).every_n_steps == 1
 
 
 def test_auto_starts_at_the_bootstrap_plans_once_measured_and_replans_only_on_drift(caplog):

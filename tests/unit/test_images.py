@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from common import records
+from common import record_codec
 from data_checks import DataError, DataValidationError
 from data_checks.shard import download_shard, shard_dataset
 from data_checks.validate import validate_shards
@@ -52,7 +52,7 @@ def test_grey_images_become_scaled_chw_features_and_validate(tmp_path):
     assert manifest["feature_scaling"] == "pixel / 255" and manifest["id_column"] == "file"
     names = list(pixels)  # row ids are labels.csv rows
     for shard in manifest["shards"]:
-        X, y, ids = records.read_all(*download_shard(manifest, str(tmp_path / "shards"), shard["name"],
+        X, y, ids = record_codec.read_all(*download_shard(manifest, str(tmp_path / "shards"), shard["name"],
                                                      str(tmp_path)), 30)
         for row, features, label in zip(ids, X, y):
             name = names[row]
@@ -66,7 +66,7 @@ def test_rgb_images_keep_channels_first(tmp_path):
     pixels = make_folder(tmp_path / "imgs", n=9, mode="RGB")
     manifest = shard_dataset(config(tmp_path / "imgs", input_shape=(3, 6, 5)), str(tmp_path / "shards"))
     shard = manifest["shards"][0]
-    X, _, ids = records.read_all(*download_shard(manifest, str(tmp_path / "shards"), shard["name"],
+    X, _, ids = record_codec.read_all(*download_shard(manifest, str(tmp_path / "shards"), shard["name"],
                                                  str(tmp_path)), 90)
     name = list(pixels)[int(ids[0])]
     np.testing.assert_allclose(X[0].reshape(3, 6, 5), pixels[name].transpose(2, 0, 1) / 255.0, rtol=1e-6)

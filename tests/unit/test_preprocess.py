@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from common import records
+from common import record_codec
 from common.config import ClusterConfig, DataConfig, TrainConfig
 from training.tracking.evaluation import raw_frame
 from data_checks import DataValidationError
@@ -39,7 +39,7 @@ def split_rows(manifest: dict, prefix: str, tmp) -> dict[str, tuple[np.ndarray, 
     """Per split: the shard features and their source row numbers."""
     out: dict[str, list] = {}
     for shard in manifest["shards"]:
-        X, _, ids = records.read_all(*download_shard(manifest, prefix, shard["name"], str(tmp)),
+        X, _, ids = record_codec.read_all(*download_shard(manifest, prefix, shard["name"], str(tmp)),
                                      manifest["num_features"])
         out.setdefault(shard["split"], []).append((X, ids))
     return {k: (np.concatenate([p[0] for p in v]), np.concatenate([p[1] for p in v])) for k, v in out.items()}

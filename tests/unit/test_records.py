@@ -7,11 +7,11 @@ from sklearn.datasets import load_digits  # noqa: F401
 import numpy as np
 import pytest
 
-from common import records
+from common import record_codec
 
 pytestmark = pytest.mark.unit
 
-MAGIC_AS_FLOAT = np.array([records.MAGIC], "<u4").view("<f4")[0]
+MAGIC_AS_FLOAT = np.array([record_codec.MAGIC], "<u4").view("<f4")[0]
 
 
 def mxnet_pair(tmp_path, name: str, X: np.ndarray, y: np.ndarray, ids: np.ndarray, hashes: np.ndarray):
@@ -36,9 +36,9 @@ def test_batch_writer_writes_mxnet_bytes_and_reads_them_back(tmp_path, with_magi
     if with_magic:  # dmlc escapes a payload word equal to the magic number by splitting the record
         X[3, 0] = X[3, 8] = MAGIC_AS_FLOAT
         X[17, :] = MAGIC_AS_FLOAT
-        hashes[30] = records.MAGIC
+        hashes[30] = record_codec.MAGIC
     idx, rec = str(tmp_path / "ours.idx"), str(tmp_path / "ours.rec")
-    with records.RecordWriter(idx, rec) as writer:
+    with record_codec.RecordWriter(idx, rec) as writer:
         writer.write_batch(X[:25], y[:25], ids[:25], hashes[:25])
         writer.write(X[25], int(y[25]), int(ids[25]), int(hashes[25]))
         writer.write_batch(X[26:], y[26:], ids[26:], hashes[26:])
@@ -46,13 +46,13 @@ def test_batch_writer_writes_mxnet_bytes_and_reads_them_back(tmp_path, with_magi
     assert open(idx, "rb").read() == open(ref_idx, "rb").read()
     assert open(rec, "rb").read() == open(ref_rec, "rb").read()
 
-    shard = records.read_shard(idx, rec, 9)
+    shard = record_codec.read_shard(idx, rec, 9)
     np.testing.assert_array_equal(shard.features, X)
     np.testing.assert_array_equal(shard.labels, y)
     np.testing.assert_array_equal(shard.row_ids, ids)
     np.testing.assert_array_equal(shard.id_hashes, hashes)
     with pytest.raises(ValueError, match="has 9 features, expected 8"):
-        records.read_shard(idx, rec, 8)
+        record_codec.read_shard(idx, rec, 8)
 
 
 def test_labels_are_rewritten_in_place(tmp_path):
@@ -61,10 +61,10 @@ def test_labels_are_rewritten_in_place(tmp_path):
     X[5, 1] = MAGIC_AS_FLOAT  # an escaped record must keep its label position
     y = np.arange(12) % 4
     idx, rec = str(tmp_path / "a.idx"), str(tmp_path / "a.rec")
-    with records.RecordWriter(idx, rec) as writer:
+    with record_codec.RecordWriter(idx, rec) as writer:
         writer.write_batch(X, y, np.arange(12))
-    records.rewrite_labels(idx, rec, np.array([3, 2, 1, 0]))
-    X2, y2, ids2 = records.read_all(idx, rec, 3)
+    record_codec.rewrite_labels(idx, rec, np.array([3, 2, 1, 0]))
+    X2, y2, ids2 = record_codec.read_all(idx, rec, 3)
     np.testing.assert_array_equal(y2, 3 - y)
     np.testing.assert_array_equal(X2, X)
     np.testing.assert_array_equal(ids2, np.arange(12))

@@ -7,7 +7,7 @@ import os
 import shutil
 import tracemalloc
 
-# Before anything imports mxnet: common.records keeps mxnet from importing scikit-learn by
+# Before anything imports mxnet: common.record_codec keeps mxnet from importing scikit-learn by
 # blocking the name, which would also block load_digits if it came later.
 from sklearn.datasets import load_digits
 
@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from common import records, storage
+from common import record_codec, storage
 from data_checks import DataError
 from data_checks.assign import SplitBlock, expected_bounds
 from data_checks.shard import download_shard, load_manifest, manifest_digest, shard_content_addressed, shard_dataset
@@ -63,7 +63,7 @@ def load_all(manifest: dict, prefix: str, local_dir: str) -> dict[str, tuple[np.
     out = {}
     for shard in manifest["shards"]:
         idx, rec = download_shard(manifest, prefix, shard["name"], local_dir)
-        out[shard["name"]] = records.read_all(idx, rec, manifest["num_features"])
+        out[shard["name"]] = record_codec.read_all(idx, rec, manifest["num_features"])
     return out
 
 
@@ -299,7 +299,7 @@ def test_formats_small_classes_and_string_labels(tmp_path):
     assert sum(h.get("3", 0) for n, h in hist.items() if n.startswith("train")) == 2
     assert all(set(hist[s]) == {"0", "1", "2"} for s in ("val", "test"))
     assert json.loads(open(tmp_path / "out-t.parquet" / "manifest.json").read()) == manifest
-    X, y, ids = records.read_all(*download_shard(manifest, str(tmp_path / "out-t.parquet"), "val", str(tmp_path)), 2)
+    X, y, ids = record_codec.read_all(*download_shard(manifest, str(tmp_path / "out-t.parquet"), "val", str(tmp_path)), 2)
     names = np.array(manifest["classes"])[y]
     np.testing.assert_array_equal(names, frame["label"].to_numpy()[ids])  # labels remapped to sorted order
 
@@ -313,7 +313,7 @@ def test_declared_classes_order_and_id_column(tmp_path):
     # Declared order first; a value outside the declared set is kept, after them, for validation to flag.
     assert manifest["classes"] == ["c", "b", "a", "zebra"] and manifest["declared_classes"] == ["c", "b", "a"]
     assert manifest["feature_columns"] == ["x"] and manifest["id_column"] == "uid"
-    shard = records.read_shard(*download_shard(manifest, str(tmp_path / "out"), "train-00000", str(tmp_path)), 1)
+    shard = record_codec.read_shard(*download_shard(manifest, str(tmp_path / "out"), "train-00000", str(tmp_path)), 1)
     assert len(set(shard.id_hashes.tolist())) == len(shard.id_hashes) and (shard.id_hashes != 0).all()
     from data_checks.readers import hash_ids
 

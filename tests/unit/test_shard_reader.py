@@ -1,4 +1,4 @@
-"""The memory-mapped shard reader against ``records.read_all`` (local files; no servers)."""
+"""The memory-mapped shard reader against ``record_codec.read_all`` (local files; no servers)."""
 from __future__ import annotations
 
 # Before anything imports mxnet (see test_shard.py).
@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from common import records
+from common import record_codec
 from data_checks.shard import download_shard, shard_dataset
 from training.feed import data
 from common.config import ClusterConfig, DataConfig, TrainConfig
@@ -19,7 +19,7 @@ from training.feed.shard_reader import LoadedShard, MappedShard, ShardSet, open_
 
 pytestmark = pytest.mark.unit
 
-MAGIC_AS_FLOAT = np.array([records.MAGIC], "<u4").view("<f4")[0]
+MAGIC_AS_FLOAT = np.array([record_codec.MAGIC], "<u4").view("<f4")[0]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_mapped_shards_equal_read_all_and_gather_like_the_concatenated_split(sha
     for s in shards:
         idx, rec = download_shard(manifest, prefix, s["name"], str(tmp_path))
         source, labels = open_shard(idx, rec, f)
-        X, y, _ = records.read_all(idx, rec, f)
+        X, y, _ = record_codec.read_all(idx, rec, f)
         assert isinstance(source, MappedShard) and source.num_rows == len(y) == s["count"]
         np.testing.assert_array_equal(source.features(np.arange(len(y))), X)
         np.testing.assert_array_equal(labels, y)
@@ -70,10 +70,10 @@ def test_a_shard_without_the_fixed_layout_is_loaded_into_memory_with_a_warning(t
     X[7, 2] = MAGIC_AS_FLOAT  # dmlc splits this record: the shard's records differ in size
     y = np.arange(30) % 3
     idx, rec = str(tmp_path / "a.idx"), str(tmp_path / "a.rec")
-    with records.RecordWriter(idx, rec) as writer:
+    with record_codec.RecordWriter(idx, rec) as writer:
         writer.write_batch(X, y, np.arange(30))
-    with pytest.raises(records.LayoutError, match="not 52 bytes apart"):
-        records.scan_fixed_layout(idx, rec, 5)
+    with pytest.raises(record_codec.LayoutError, match="not 52 bytes apart"):
+        record_codec.scan_fixed_layout(idx, rec, 5)
     with caplog.at_level(logging.WARNING, logger="training.feed.shard_reader"):
         source, labels = open_shard(idx, rec, 5)
     assert isinstance(source, LoadedShard)
@@ -87,20 +87,20 @@ def test_a_shard_without_the_fixed_layout_is_loaded_into_memory_with_a_warning(t
 def test_a_record_framed_differently_is_refused_by_the_scan(tmp_path):
     X = np.ones((4, 2), np.float32)
     idx, rec = str(tmp_path / "b.idx"), str(tmp_path / "b.rec")
-    with records.RecordWriter(idx, rec) as writer:
+    with record_codec.RecordWriter(idx, rec) as writer:
         writer.write_batch(X, np.zeros(4), np.arange(4))
     words = np.memmap(rec, dtype="<u4", mode="r+")
-    words[(8 + records.record_bytes(2)) // 4 * 2 + 2] = 1  # record 2's flag word
+    words[(8 + record_codec.record_bytes(2)) // 4 * 2 + 2] = 1  # record 2's flag word
     words.flush()
     del words
-    with pytest.raises(records.LayoutError, match="near row 0"):
-        records.scan_fixed_layout(idx, rec, 2)
+    with pytest.raises(record_codec.LayoutError, match="near row 0"):
+        record_codec.scan_fixed_layout(idx, rec, 2)
     with pytest.raises(ValueError, match="record 2"):  # the fallback reader refuses it too
         open_shard(idx, rec, 2)
 
 
 def test_an_empty_shard_opens(tmp_path):
     idx, rec = str(tmp_path / "e.idx"), str(tmp_path / "e.rec")
-    records.RecordWriter(idx, rec).close()
+    record_codec.RecordWriter(idx, rec).close()
     source, labels = open_shard(idx, rec, 3)
     assert source.num_rows == 0 and len(labels) == 0

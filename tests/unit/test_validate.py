@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from common import storage
-from common.records import RecordWriter
+from common.record_codec import RecordWriter
 from data_checks import DataValidationError
 from data_checks.shard import shard_dataset
 from data_checks.validate import finish_validation, load_outcome, save_outcome, validate_shard, validate_shards

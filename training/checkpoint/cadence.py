@@ -49,7 +49,7 @@ def interval_s(cost_s: float, mtbf_s: float) -> float:
 
 
 @dataclass(frozen=True)
-class Plan:
+class CadencePlan:
     """One choice of the interval and what it was made from (all seconds)."""
 
     every_n_steps: int
@@ -64,7 +64,7 @@ class Plan:
         return self.blocked_s + self.upload_s
 
     @classmethod
-    def make(cls, blocked_s: float, upload_s: float, step_s: float, mtbf_s: float) -> Plan:
+    def make(cls, blocked_s: float, upload_s: float, step_s: float, mtbf_s: float) -> CadencePlan:
         seconds = max(interval_s(blocked_s + upload_s, mtbf_s), upload_s)
         return cls(max(1, math.ceil(seconds / step_s)), seconds, blocked_s, upload_s, step_s, mtbf_s)
 
@@ -84,13 +84,13 @@ class AutoCadence:
     def __init__(self, mtbf_s: float) -> None:
         self.mtbf_s = mtbf_s
         self.every_n_steps = BOOTSTRAP_STEPS
-        self.plan: Plan | None = None
+        self.plan: CadencePlan | None = None
         self.replans = 0
         self._blocked_s: float | None = None
         self._upload_s: float | None = None
         self._step_s: float | None = None
 
-    def measured(self, blocked_s: float, upload_s: float | None, step_s: float | None) -> Plan | None:
+    def measured(self, blocked_s: float, upload_s: float | None, step_s: float | None) -> CadencePlan | None:
         """One checkpoint's blocked time and, when known, the mean duration of the uploads finished
         since the last call and the step time since the previous save; returns the new plan when
         it changed (logged), else None."""
@@ -104,7 +104,7 @@ class AutoCadence:
         if self.plan is not None and not self.plan.drifted(self._blocked_s, self._upload_s, self._step_s):
             return None
         first = self.plan is None
-        self.plan = Plan.make(self._blocked_s, self._upload_s, self._step_s, self.mtbf_s)
+        self.plan = CadencePlan.make(self._blocked_s, self._upload_s, self._step_s, self.mtbf_s)
         self.every_n_steps = self.plan.every_n_steps
         self.replans += 0 if first else 1
         log.info("checkpoint cadence (auto)%s: %s", "" if first else f", re-planned (drift > {DRIFT:.0%})",

@@ -1,7 +1,7 @@
 """The training loop's checkpoint policy: when to save, what a save may skip, what it cost.
 
 Rank 0 is the only writer of checkpoints. Every worker has a ``CheckpointManager`` and the loop
-calls the same methods on every rank; on the others (``rank`` != 0) it has no writer: ``save``,
+calls the same methods on every rank; on the others (``rank`` != 0) it has no uploader: ``save``,
 ``emergency`` and ``finish`` do nothing but ``emergency``'s log line, while ``due`` answers as on
 rank 0. That is on purpose: the loop reads its step losses back (a sync) where a checkpoint is
 due, on every worker, so a non-zero rank never runs far ahead of rank 0's saves, and the steps
@@ -17,9 +17,9 @@ at which the tests and chaos runs inject faults keep their meaning relative to t
   (``dist_sync`` already meets at every step's push/pull), so an exact resume stays exact.
 - A periodic save due while the previous one is still uploading is **skipped** (counted in
   ``skipped``, logged; the next due one is taken instead); one that must exist (epoch end,
-  emergency) **waits** for it (``training.checkpoint.writer``). The skip is decided before the
+  emergency) **waits** for it (``training.checkpoint.uploader``). The skip is decided before the
   snapshot, so a skipped save costs the loop nothing.
-- Statistics: the writer's ``CheckpointStats`` plus what the loop paid, ``blocked_s`` (snapshot,
+- Statistics: the uploader's ``CheckpointStats`` plus what the loop paid, ``blocked_s`` (snapshot,
   waits for the upload in flight, a synchronous write, the final wait at ``finish``).
 - SIGTERM (``emergency``): a checkpoint of the current step written and committed within
   ``preempt_grace_s`` of the signal (the caller then exits).
@@ -37,7 +37,7 @@ from common.config import CheckpointConfig
 from training.checkpoint.cadence import AutoCadence
 from training.checkpoint.state import Snapshot
 from training.checkpoint.store import CheckpointStore
-from training.checkpoint.writer import Checkpointer, CheckpointStats
+from training.checkpoint.uploader import CheckpointStats, CheckpointUploader
 
 __all__ = ["CheckpointManager"]
 
@@ -51,14 +51,14 @@ class CheckpointManager:
                  snapshot: Callable[[int], Snapshot], *, rank: int = 0, resumed_step: int | None = None) -> None:
         self.cfg = cfg
         self.rank = rank
-        self._writer = (Checkpointer(store, asynchronous=cfg.async_upload, upload_timeout_s=cfg.upload_timeout_s)
+        self._uploader = (CheckpointUploader(store, asynchronous=cfg.async_upload, upload_timeout_s=cfg.upload_timeout_s)
                         if rank == 0 else None)
-        self.stats: CheckpointStats | None = self._writer.stats if self._writer is not None else None
+        self.stats: CheckpointStats | None = self._uploader.stats if self._uploader is not None else None
         self._snapshot = snapshot
         self._steps_per_epoch = steps_per_epoch
         self._auto = AutoCadence(cfg.mtbf_s) if cfg.every_n_steps == "auto" else None
         self._every_n_steps = self._auto.every_n_steps if self._auto is not None else cfg.every_n_steps
-        self._uploads_seen = (0, 0.0)  # the writer's finished uploads and their seconds, at the last plan
+        self._uploads_seen = (0, 0.0)  # the uploader's finished uploads and their seconds, at the last plan
         self._last_save_step: int | None = None
         self._every_n_seconds = cfg.every_n_seconds
         self._resumed_step = resumed_step  # a job resumed at its final step commits nothing new
@@ -67,7 +67,7 @@ class CheckpointManager:
     def due(self, global_step: int, step_in_epoch: int, now: float) -> bool:
         """Whether a periodic checkpoint is due after ``global_step`` (``step_in_epoch`` steps of
         the epoch done; ``now`` from ``time.monotonic``). Called after every step: arithmetic only.
-        Without a writer the clock of ``every_n_seconds`` never restarts (nothing is saved), so
+        Without an uploader the clock of ``every_n_seconds`` never restarts (nothing is saved), so
         once that long has passed it is due at every step, as it has always been on those ranks."""
         return ((global_step % self._every_n_steps == 0
                  or (self._every_n_seconds > 0 and now - self._last_save >= self._every_n_seconds))
@@ -79,19 +79,19 @@ class CheckpointManager:
         ``must=False`` (periodic): skipped while the previous one is still uploading. ``must=True``
         (epoch end, emergency): waits for it, until ``deadline`` (monotonic) if given.
         """
-        if self._writer is None:
+        if self._uploader is None:
             return False
         started = time.monotonic()
-        if not must and self._writer.busy:
+        if not must and self._uploader.busy:
             self.stats.skipped += 1
             log.info("checkpoint at step %d skipped: the previous one is still uploading", global_step)
             return False
-        upload_s = self._upload_since_last_plan() if self._auto is not None and not self._writer.busy else None
+        upload_s = self._upload_since_last_plan() if self._auto is not None and not self._uploader.busy else None
         # Between two periodic saves (after an epoch-end one too): steps only, engine drained at both ends.
         step_s = None
         if not must and self._last_save_step is not None and global_step > self._last_save_step:
             step_s = (started - self._last_save) / (global_step - self._last_save_step)
-        self._writer.submit(self._snapshot(global_step), deadline=deadline)
+        self._uploader.submit(self._snapshot(global_step), deadline=deadline)
         self._last_save = time.monotonic()
         self._last_save_step = global_step
         self.stats.blocked_s += self._last_save - started
@@ -102,7 +102,7 @@ class CheckpointManager:
 
     def _upload_since_last_plan(self) -> float | None:
         """The mean duration of the uploads finished since the last call (None: none). Read only
-        while no upload runs: the writer updates its counts and seconds one after the other."""
+        while no upload runs: the uploader updates its counts and seconds one after the other."""
         finished = (self.stats.committed + self.stats.failed, self.stats.upload_s)
         count, seconds = finished[0] - self._uploads_seen[0], finished[1] - self._uploads_seen[1]
         self._uploads_seen = finished
@@ -112,7 +112,7 @@ class CheckpointManager:
         """SIGTERM at ``requested_at`` (monotonic): write ``global_step`` (``save``; False when the
         epoch-end checkpoint of this step was just submitted) and wait for it to commit, all
         within ``preempt_grace_s`` of the signal."""
-        if self._writer is None:
+        if self._uploader is None:
             log.warning("SIGTERM on worker %d at step %d: exiting (only rank 0 writes checkpoints)", self.rank,
                         global_step)
             return
@@ -128,7 +128,7 @@ class CheckpointManager:
     def finish(self, global_step: int) -> dict[str, Any] | None:
         """Wait for the last upload; the job's checkpoint statistics (None on ranks other than 0).
         Raises if the final checkpoint (``global_step``'s) was not committed."""
-        if self._writer is None:
+        if self._uploader is None:
             return None
         self._close(None)
         if self.stats.steps[-1:] != [global_step] and global_step != self._resumed_step:
@@ -139,6 +139,6 @@ class CheckpointManager:
 
     def _close(self, deadline: float | None) -> None:
         started = time.monotonic()
-        self._writer.close(deadline)
+        self._uploader.close(deadline)
         self.stats.blocked_s += time.monotonic() - started
         log.info("checkpoint stats: %s", self.stats.as_dict())

@@ -27,7 +27,7 @@ and are pruned the same way, so a run started by the previous version resumes.
 
 Options (``CheckpointConfig``): server-side encryption headers on every object (``sse``), and
 client-side envelope encryption (``training.checkpoint.crypto``); large files go up in parts.
-Asynchronous writing is ``training.checkpoint.writer``; what a worker puts in a checkpoint is
+Asynchronous uploading is ``training.checkpoint.uploader``; what a worker puts in a checkpoint is
 ``training.checkpoint.state``.
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from common import records
+from common import record_codec
 from common.manifest import download_shard, load_manifest, manifest_digest, record_width
 from training.feed.shard_reader import ShardSet
 
@@ -49,7 +49,7 @@ def fetch_split(manifest: dict[str, Any], shards_prefix: str, shards: list[dict[
     xs, ys = [], []
     for shard in shards:
         idx_path, rec_path = download_shard(manifest, shards_prefix, shard["name"], work_dir)
-        X, y, _ = records.read_all(idx_path, rec_path, record_width(manifest))
+        X, y, _ = record_codec.read_all(idx_path, rec_path, record_width(manifest))
         xs.append(X)
         ys.append(y)
     f = manifest["num_features"]

@@ -1,7 +1,7 @@
 """Random access to a worker's train rows without holding its shards in process memory.
 
 Why a memory map: every record of a shard the sharder writes has the same size
-(``common.records``), so a ``.rec`` file is an array of fixed-size structs on disk. A numpy
+(``common.record_codec``), so a ``.rec`` file is an array of fixed-size structs on disk. A numpy
 memmap with that struct dtype makes ``rows[idx]`` a gather from the page cache: the kernel
 reads the pages a batch touches and may drop them again under memory pressure, so a worker's
 footprint follows its batches, not its shards (image shards are many times a worker's RAM).
@@ -11,7 +11,7 @@ are gathered with the features and split off, so nothing more is held.
 
 Fallback: a shard that is valid RecordIO but not the fixed layout (dmlc splits a record whose
 payload holds the magic word; another writer) is loaded into memory through
-``common.records.read_all``, with a warning naming the file and the reason. The sharder makes
+``common.record_codec.read_all``, with a warning naming the file and the reason. The sharder makes
 such records only for a float whose bits equal the magic number, so this is rare.
 
 Why it survives the download folder being removed: the worker downloads into a temporary folder
@@ -27,7 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
-from common import records
+from common import record_codec
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class MappedShard:
 
     def __init__(self, rec_path: str, num_rows: int, num_features: int) -> None:
         self.num_rows = num_rows
-        dtype = records.record_dtype(num_features)
+        dtype = record_codec.record_dtype(num_features)
         # A zero-length file cannot be mapped; an empty shard has nothing to gather anyway.
         self._features = (np.memmap(rec_path, dtype=dtype, mode="r", shape=(num_rows,))["features"] if num_rows
                           else np.empty((0, num_features), np.float32))
@@ -68,10 +68,10 @@ class LoadedShard:
 def open_shard(idx_path: str, rec_path: str, num_features: int) -> tuple[FeatureSource, np.ndarray]:
     """The shard's feature source and its labels (int32), mapped when the layout allows it."""
     try:
-        labels = records.scan_fixed_layout(idx_path, rec_path, num_features)
-    except records.LayoutError as exc:
+        labels = record_codec.scan_fixed_layout(idx_path, rec_path, num_features)
+    except record_codec.LayoutError as exc:
         log.warning("shard %s loaded into memory, it cannot be mapped: %s", rec_path, exc)
-        X, y, _ = records.read_all(idx_path, rec_path, num_features)
+        X, y, _ = record_codec.read_all(idx_path, rec_path, num_features)
         return LoadedShard(X), y
     return MappedShard(rec_path, len(labels), num_features), labels
 

@@ -1,11 +1,13 @@
 """Starting and supervising a job: the job spec, the role launcher and the supervisor.
 
-Owns: ``JobSpec`` and the exit-code contract between roles and their supervisor (``job``),
-and the ``Supervisor`` that starts scheduler, servers and workers through a cluster's
-transport and ends the whole job on the first failure, stall or timeout (``launcher``), the
-job's status record (``status``), the supervisor as a command of its own, started detached
-by a cluster (``supervise``), and running a job that way and waiting on it (``detached``: the
-one way a job runs, for the CLI, the tests and the benchmarks). May
-import ``common``; never ``training.loop`` (roles are separate processes, started by command
+- ``job``: ``JobSpec`` and the exit-code contract between roles and their supervisor.
+- ``launcher``: the ``Supervisor`` that starts scheduler, servers and workers through a cluster's
+  transport and ends the whole job on the first failure, stall or timeout.
+- ``status``: the job's status record.
+- ``supervise``: the supervisor as a command of its own, started detached by a cluster.
+- ``detached``: running a job that way and waiting on it (the one way a job runs, for the CLI,
+  the tests and the benchmarks).
+
+May import ``common``; never ``training.loop`` (roles are separate processes, started by command
 line) nor ``training.tracking``.
 """

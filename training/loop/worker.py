@@ -21,7 +21,7 @@ data position, metric history (``training.loop.resume``), and every step re-seed
 parameters as an uninterrupted one (``training.checkpoint.state``). With the optimizer on the
 servers the optimizer state restarts from zero (logged). When rank 0 checkpoints, what a save
 may skip, the save statistics and the emergency checkpoint on SIGTERM are
-``training.checkpoint.manager`` (the upload runs in the background, ``training.checkpoint.writer``);
+``training.checkpoint.manager`` (the upload runs in the background, ``training.checkpoint.uploader``);
 on SIGTERM every worker exits with ``EXIT_PREEMPTED`` (retryable). Test faults
 (``training.loop.faults``) are read from the environment once, before the loop.
 

@@ -1,11 +1,19 @@
 """Everything MLflow: runs, parameters, the pyfunc model, registration, review, warm start.
 
-Owns: flattening the config into MLflow params (``mlflow_params``), the run's extras (plots,
-dataset input: ``run_extras``), the self-contained pyfunc model file (``pyfunc_model``),
-logging and registering a trained job (``registry``), scoring a model on a test split
-(``evaluation``), the challenger-vs-champion comparison (``review``), the automatic gate
-before a human review (``gate``) and resolving a ``models:/`` warm start to a checkpoint
-(``warm_start``). Runs in Airflow tasks and CLIs, never
+- ``mlflow_params``: flattening the config into MLflow params.
+- ``run_extras``: the run's extras (plots, dataset input).
+- ``pyfunc_model``: the self-contained pyfunc model file.
+- ``registry``: logging and registering a trained job.
+- ``evaluation``: scoring a model on a test split.
+- ``review``: the challenger-vs-champion comparison.
+- ``gate``: the automatic gate before a human review.
+- ``warm_start``: resolving a ``models:/`` warm start to a checkpoint.
+- ``server``: where the MLflow tracking server is, the one resolver every task and CLI uses.
+- ``runs``: the MLflow runs a DAG run writes to, and the bounded client settings of every call.
+- ``live``: the DAG run's MLflow run while its training runs: curves, system metrics, end state.
+- ``cost``: what a run consumed, as MLflow metrics (core-seconds per role, GPU-seconds).
+
+Runs in Airflow tasks and CLIs, never
 in a role process. May import ``common`` and ``training.feed``/``training.checkpoint`` (to read
 test splits and checkpoints); never ``training.loop``.
 """

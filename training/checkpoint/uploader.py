@@ -1,4 +1,4 @@
-"""Write checkpoints from a background thread, at most one in flight.
+"""Upload checkpoints from a background thread, at most one in flight.
 
 The training loop's checkpoint manager (``training.checkpoint.manager``: cadence, skipping a
 periodic save while one is in flight, emergency save, statistics) hands over a ``Snapshot``
@@ -31,7 +31,7 @@ BACKOFF_MAX_S = 30.0
 
 @dataclass
 class CheckpointStats:
-    """What happened to a job's checkpoints. The writer counts the uploads (committed, waited,
+    """What happened to a job's checkpoints. The uploader counts the uploads (committed, waited,
     failed, retries, upload_s, bytes, steps); the manager what the loop paid (skipped, blocked_s)."""
 
     committed: int = 0
@@ -48,8 +48,9 @@ class CheckpointStats:
         return {k: v for k, v in self.__dict__.items() if k != "steps"} | {"last_step": self.steps[-1:] or None}
 
 
-class Checkpointer:
-    """Synchronous or asynchronous writer of snapshots into a ``CheckpointStore``."""
+class CheckpointUploader:
+    """Writes snapshots into a ``CheckpointStore``: serialised, encrypted and uploaded in a
+    background thread (``asynchronous``) or in the caller's."""
 
     def __init__(self, store: CheckpointStore, *, asynchronous: bool = True, upload_timeout_s: float = 300.0) -> None:
         self.store = store
