@@ -150,7 +150,10 @@ def test_auto_cadence_plans_from_the_measured_cost_and_resumes_exactly(shards, r
     plans = re.findall(r"checkpoint cadence \(auto\).*: (every \d+ steps .*MTBF 2s.*)", caplog.text)
     assert plans, caplog.text[-3000:]
     print("auto cadence plans:", *plans, sep="\n  ")
-    assert int(plans[0].split()[1]) < 40 and "step time 1" in plans[0]  # ~0.1 s steps: measured, not queued
+    # ~0.1 s steps: the plan's step time is measured (tens of ms at least), not the Python loop's
+    # queueing speed (well under 1 ms a step); a loaded machine only makes it longer.
+    step_ms = float(re.search(r"step time ([\d.]+)ms", plans[0]).group(1))
+    assert int(plans[0].split()[1]) < 40 and 50.0 <= step_ms < 2000.0, plans[0]
     newest = CheckpointStore(job.checkpoint_prefix).committed_steps()[0]
     diff = _resumes_exactly(job, s3_prefix, tmp_path, caplog, reference, expect_step=newest,
                             reference_steps=reference_steps)
