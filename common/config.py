@@ -145,8 +145,8 @@ class DataConfig(_Strict):
                                         "r.")
     shards_per_worker: int = Field(1, ge=1, description="Train shards per worker when `data.num_shards` is 0.")
     val_fraction: Number = Field(0.1, gt=0, lt=0.5,
-                                 description="Share of the rows held out for validation (split stratified by label, "
-                                             "seeded).")
+                                 description="Share of the rows held out for validation (seeded; stratified by "
+                                             "label for classification).")
     test_fraction: Number = Field(0.2, gt=0, lt=0.5,
                                   description="Share of the rows held out for the test split that `register` and "
                                               "the review score.")
@@ -444,7 +444,9 @@ class ClusterConfig(_Strict):
     # Bounds of the distributed job (seconds). A worker that logs nothing for stall_timeout_s
     # is considered hung: ps-lite never recovers from a lost peer by itself. job_timeout_s 0 is
     # no limit (a multi-day run); stall detection still ends a hung job.
-    start_timeout_s: Number = Field(120.0, gt=0, description="Seconds a role may take to print its first line.")
+    start_timeout_s: Number = Field(120.0, gt=0,
+                                    description="Seconds a worker may take to print its first line (importing MXNet, "
+                                                "joining the job).")
     stall_timeout_s: Number = Field(120.0, gt=0,
                                     description="Seconds a worker may print nothing before the job ends as stalled.")
     job_timeout_s: Number = Field(0.0, ge=0, description="Seconds the whole job may run; 0 = no limit.")

@@ -73,7 +73,7 @@ def configuration_md() -> str:
              "key, a value of the wrong type (`\"3\"` for an integer) or one out of bounds is refused when "
              "the config is built, naming the field. Combinations of fields are checked too (the models' "
              "validators); the messages name the fields involved. How a run's config is assembled from a "
-             "recipe, a file and the trigger form is in the README (Configuration).", ""]
+             "recipe, a file and the trigger form: [README, Configure a run](../README.md#configure-a-run).", ""]
     top = [(name, prop) for name, prop in schema["properties"].items() if "$ref" not in prop]
     for section, ref in schema["properties"].items():
         if "$ref" not in ref:
@@ -121,8 +121,9 @@ def environment_md() -> str:
              "## Read by the project", "",
              "Every variable the project's own code interprets is a field of `common.settings.Settings` "
              "(read through `common.settings.settings()`); a bad value fails naming the variable. "
-             "Airflow deployments give S3 and MLflow as connections instead (README: Connections and "
-             "Variables); the AWS credentials are read by boto3 itself.", "",
+             "Airflow deployments give S3 and MLflow as connections instead ([README, Connections and "
+             "Variables](../README.md#connections-and-variables)); the AWS credentials are read by boto3 "
+             "itself.", "",
              env_table(), "",
              "## Passed on to the roles", "",
              f"A cluster backend starts every role of a job with the variables of the job's environment "

@@ -6,7 +6,8 @@ Names are resolved by parsing the source (``ast``), never by importing it: a dot
 attributes of it; ``Class.attr`` through every project class of that name (and its project
 bases); a path (``training/loop/worker.py``, ``tests/unit/test_shard.py::test_x``) as a file and,
 after ``::``, a test in it; ``python -m pkg`` as a module; ``section.field`` as a field of
-``TrainConfig``; ``MXPIPE_*`` as a variable of ``common.settings.Settings`` or one the code sets.
+``TrainConfig``; ``MXPIPE_*`` as a variable of ``common.settings.Settings`` or one the code sets;
+a Markdown link to a file of the repository as that file, and its ``#anchor`` as a heading in it.
 What cannot be told from prose (a lowercase word, a third-party name such as ``mlflow.pyfunc``, a
 path under a run's prefix) is left alone. A failure lists ``file:line`` and why, per reference.
 """
@@ -295,11 +296,36 @@ def bad_references(path: Path) -> list[str]:
         for span in spans:
             found += [f"{rel}:{number}: `{span.strip()}`: {why}" for why in check_span(span)]
         for target in ([] if fenced else re.findall(r"\]\(([^)\s]+)\)", line)):
-            local = target.split("#", 1)[0]
-            if local and "://" not in local and not local.startswith("mailto:") \
-                    and not (path.parent / local).resolve().exists():
-                found.append(f"{rel}:{number}: link ({target}): no file {local} beside {rel}")
+            why = _link(path, target)
+            if why:
+                found.append(f"{rel}:{number}: link ({target}): {why}")
     return found
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors of a Markdown page's headings, as GitHub makes them: lowercase, punctuation
+    dropped, spaces as hyphens."""
+    anchors, fenced = set(), False
+    for line in page.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def _link(page: Path, target: str) -> str | None:
+    """Why a link of ``page`` to a file of the repository (and a heading in it) goes nowhere."""
+    local, _, anchor = target.partition("#")
+    if "://" in local or local.startswith("mailto:"):
+        return None
+    linked = (page.parent / local).resolve() if local else page
+    if not linked.exists():
+        return f"no file {local} beside {page.name}"
+    if anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+        return f"{linked.name} has no heading #{anchor}"
+    return None
 
 
 @pytest.mark.parametrize("span,ok", [
@@ -335,11 +361,13 @@ def test_a_bad_reference_is_reported_at_its_line(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("# Page\n\nThe DAG is `plugins.training_dag.training_dag`.\n"
                     "The task was `plugins.pipeline_tasks.train`; see [the design](missing.md).\n"
+                    "[Back](#no-such-heading) to [the page](#page).\n"
                     "```bash\n.venv/bin/python benchmarks/no_such_benchmark.py\n```\n")
     assert bad_references(page) == [
         "page.md:4: `plugins.pipeline_tasks.train`: plugins.pipeline_tasks defines no train",
         "page.md:4: link (missing.md): no file missing.md beside page.md",
-        "page.md:6: `.venv/bin/python benchmarks/no_such_benchmark.py`: no file or folder "
+        "page.md:5: link (#no-such-heading): page.md has no heading #no-such-heading",
+        "page.md:7: `.venv/bin/python benchmarks/no_such_benchmark.py`: no file or folder "
         "benchmarks/no_such_benchmark.py",
     ]
 
