@@ -41,7 +41,7 @@ _MODULE_FLAG = re.compile(rf"python -m ({_IDENT}(?:\.{_IDENT})*)")
 EXTERNAL_NAMES = frozenset({
     "NaiveEngine", "CustomOp", "Custom", "Init", "Pull", "PushPull", "PushPullDefault", "Reduce",
     "IdentitiesOnly", "StrictHostKeyChecking", "ArtifactPrefix", "ClientToken", "Success", "DurationSeconds",
-    "ETag", "CONFIG_NET_SCH_NETEM",
+    "ETag", "CONFIG_NET_SCH_NETEM", "_allreduce_grads",
 })
 # Characters of a placeholder or a runtime location, not a file of the repository.
 _PLACEHOLDER = set("$<>{}*…[]")
@@ -275,6 +275,10 @@ def check_span(span: str) -> list[str]:
             why = f"{head} is neither defined nor used anywhere in the code (a third-party name: EXTERNAL_NAMES)"
     elif len(parts) == 1 and called and "_" in head and head not in index().used:
         why = f"no function {head} anywhere in the code"
+    elif len(parts) == 1 and re.fullmatch(r"_?[a-z][a-z0-9]*(_[a-z0-9]+)+", head):
+        # A snake_case name: a function, a field, a metric or a key, which the code spells somewhere.
+        if head not in index().used and head not in index().strings:
+            why = f"{head} is neither defined, used nor written anywhere in the code"
     return [why] if why else []
 
 
@@ -347,6 +351,8 @@ def _link(page: Path, target: str) -> str | None:
     ("MXPIPE_NO_SUCH_VARIABLE", False),
     ("NoSuchClassAnywhere", False),
     ("_no_such_helper()", False),
+    ("track_best", True),
+    ("no_such_helper", False),
     # Not the repository's, or not a name at all: left alone.
     ("mlflow.models.evaluate", True),
     ("s3://mxpipe/runs/{dag_id}", True),
