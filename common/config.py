@@ -130,57 +130,107 @@ class DataConfig(_Strict):
 
     # A file (CSV, CSV.gz, Parquet), a glob of them (``s3://b/data/part-*.parquet``), or a folder
     # ending in "/": its table files, or an image folder when it holds ``labels.csv``.
-    source_uri: str = ""
-    label_column: str = Field("label", min_length=1)
+    source_uri: str = Field("",
+                            description="The source: a table file (CSV, CSV.gz, Parquet), a glob of them, or a "
+                                        "folder ending in `/` (its table files, or an image folder with a "
+                                        "`labels.csv`); a local path or a URI fsspec reads.")
+    label_column: str = Field("label", min_length=1,
+                              description="The column that holds the label (the default target of a regression).")
     # Train shards; 0 means num_workers * shards_per_worker. Worker r of W reads shards i with
     # i % W == r, so any shard count gives every record to exactly one worker per epoch (also
     # after a resume with another W); a multiple of W keeps the workers' shares equal.
-    num_shards: int = Field(0, ge=0)
-    shards_per_worker: int = Field(1, ge=1)
-    val_fraction: Number = Field(0.1, gt=0, lt=0.5)
-    test_fraction: Number = Field(0.2, gt=0, lt=0.5)
+    num_shards: int = Field(0, ge=0,
+                            description="Train shards to write; 0 = `cluster.num_workers` × "
+                                        "`data.shards_per_worker`. Worker r of W reads the shards i with i % W == "
+                                        "r.")
+    shards_per_worker: int = Field(1, ge=1, description="Train shards per worker when `data.num_shards` is 0.")
+    val_fraction: Number = Field(0.1, gt=0, lt=0.5,
+                                 description="Share of the rows held out for validation (seeded; stratified by "
+                                             "label for classification).")
+    test_fraction: Number = Field(0.2, gt=0, lt=0.5,
+                                  description="Share of the rows held out for the test split that `register` and "
+                                              "the review score.")
     # Shape of one example for convolutional models, e.g. (1, 8, 8); empty = flat features.
     # Image sources record their (C, H, W) here when it is left empty.
-    input_shape: PositiveInts = ()
+    input_shape: PositiveInts = Field((),
+                                      description="Shape of one example for the image models, e.g. [1, 8, 8]; empty "
+                                                  "= flat features. An image source records its (C, H, W) here when "
+                                                  "left empty.")
     # A shard may hold at most this many times the mean number of train records.
-    max_shard_imbalance: Number = Field(1.5, ge=1.0)
+    max_shard_imbalance: Number = Field(1.5, ge=1.0,
+                                        description="Largest number of train records a shard may hold, as a "
+                                                    "multiple of the mean (validation).")
     # Largest total variation distance between a train shard's label distribution and the
     # whole train split's (checked on shards with at least 10 rows per class).
-    max_label_skew: Number = Field(0.25, gt=0, le=1)
+    max_label_skew: Number = Field(0.25, gt=0, le=1,
+                                   description="Largest total variation distance between a train shard's label "
+                                               "distribution and the whole train split's (validation; shards with "
+                                               "at least 10 rows per class).")
     # Optional id column: not a feature; its values must be unique (checked by validation).
-    id_column: str = ""
+    id_column: str = Field("",
+                           description="Optional id column: not a feature, and its values must be unique "
+                                       "(validation).")
     # Optional declared label set, in class-index order; a label outside it fails validation.
-    classes: Labels = ()
+    classes: Labels = Field((),
+                            description="Optional declared label set, in class-index order; a label outside it "
+                                        "fails validation.")
     # Optional declared feature columns (in this order); empty = every other column.
-    feature_columns: Strings = ()
+    feature_columns: Strings = Field((),
+                                     description="Optional feature columns, in this order; empty = every column but "
+                                                 "the label and id.")
     # Optional (min, max) every feature must lie in; image pixels are always checked in [0, 1].
-    feature_range: Numbers = ()
+    feature_range: Numbers = Field((),
+                                   description="Optional [min, max] every feature must lie in (validation); image "
+                                               "pixels are always checked in [0, 1].")
     # Rows per chunk while sharding: memory follows this, not the dataset (output is the same).
-    chunk_rows: int = Field(50_000, ge=1, le=10_000_000)
+    chunk_rows: int = Field(50_000, ge=1, le=10_000_000,
+                            description="Rows read per chunk while sharding: the sharder's memory follows this, not "
+                                        "the dataset's size; the output does not depend on it.")
     # Label distribution drift against the last validated manifest of the same dataset:
     # total variation distance above drift_threshold is reported ("warn") or fails ("fail").
-    drift_action: Literal[DRIFT_ACTIONS] = "warn"
-    drift_threshold: Number = Field(0.1, gt=0, le=1)
+    drift_action: Literal[DRIFT_ACTIONS] = Field("warn",
+                                                 description="What label drift against the dataset's last validated "
+                                                             "manifest does: nothing, a warning, or a failed "
+                                                             "validation.")
+    drift_threshold: Number = Field(0.1, gt=0, le=1,
+                                    description="Total variation distance of the label distribution above which "
+                                                "drift is reported.")
     # Train batches a background thread prepares ahead of the step (training.feed.prefetch); bounds the
     # memory of prepared batches. 0 = none: each batch is built inline when the step needs it.
     # (The bounds are checked below, in the message that says what 0 means.)
-    prefetch_batches: int = Field(2, json_schema_extra={"minimum": 0, "maximum": 64})
+    prefetch_batches: int = Field(2, json_schema_extra={"minimum": 0, "maximum": 64},
+                                  description="Train batches a background thread prepares ahead of the step; 0 = "
+                                              "built inline when the step needs them.")
     # Regression (model.task='regression') only: the float target columns, in output order;
     # empty = the one column data.label_column. Optional (min, max) every target must lie in
     # (checked by validation, like feature_range).
-    target_columns: Strings = ()
-    target_range: Numbers = ()
+    target_columns: Strings = Field((),
+                                    description="Regression only: the float target columns, in output order; empty "
+                                                "= `data.label_column`.")
+    target_range: Numbers = Field((),
+                                  description="Regression only: optional [min, max] every target must lie in "
+                                              "(validation).")
     # Table preprocessing, fitted on the train split at shard time, recorded in the manifest and
     # baked into the registered model (data_checks.preprocess): numeric features standardised
     # with the train mean and std; string columns are categorical (train vocabulary + an unknown
     # bucket, one-hot); missing values per ``missing_values``.
-    standardize: bool = True
-    missing_values: Literal[MISSING_VALUES] = "fail"
+    standardize: bool = Field(True,
+                              description="Standardise numeric features with the train split's mean and std (fitted "
+                                          "at shard time, part of the registered model).")
+    missing_values: Literal[MISSING_VALUES] = Field("fail",
+                                                    description="What a missing table value does: fail validation, "
+                                                                "or take the train split's median (numeric) or most "
+                                                                "frequent value (text).")
     # Without data.classes, a class with at most rare_label_rows rows, or fewer than
     # rare_label_ratio x the median class's rows, looks accidental (a typo, a stray value).
-    rare_label_action: Literal[RARE_LABEL_ACTIONS] = "warn"
-    rare_label_rows: int = Field(5, ge=0)
-    rare_label_ratio: Number = Field(0.01, ge=0, lt=1)
+    rare_label_action: Literal[RARE_LABEL_ACTIONS] = Field("warn",
+                                                           description="Without `data.classes`: what a label that "
+                                                                       "looks accidental (see `rare_label_rows`, "
+                                                                       "`rare_label_ratio`) does in validation.")
+    rare_label_rows: int = Field(5, ge=0, description="A class with at most this many rows looks accidental.")
+    rare_label_ratio: Number = Field(0.01, ge=0, lt=1,
+                                     description="A class with fewer rows than this times the median class's looks "
+                                                 "accidental.")
 
     @model_validator(mode="after")
     def _combinations(self) -> DataConfig:
@@ -225,30 +275,46 @@ def _code_uri(uri: str) -> str:
 
 
 class ModelConfig(_Strict):
+    """The network: a zoo model or a factory of your own, and the task it is trained for."""
+
     # A network of the zoo (MODELS) or an import path "package.module:factory": the factory is
     # called as factory(num_outputs=..., input_shape=..., options=...) and returns a HybridBlock
     # (training.loop.custom_model). The schema's pattern admits both.
     name: Annotated[str, AfterValidator(_model_name),
-                    Field(json_schema_extra={"pattern": MODEL_NAME_PATTERN})] = "mlp"
+                    Field(json_schema_extra={"pattern": MODEL_NAME_PATTERN},
+                          description="A network of the zoo (`mlp`, `lenet`, `resnet18`, `resnet50`) or a factory "
+                                      "of your own, `package.module:factory`, returning a HybridBlock.")] = "mlp"
     # The factory's own settings, any JSON object; a zoo network takes none.
-    options: Annotated[dict[str, JsonValue], Field(strict=False)] = Field(default_factory=dict)
+    options: Annotated[dict[str, JsonValue], Field(strict=False)] = Field(
+        default_factory=dict,
+        description="Keyword settings passed to a custom network's factory as `options`; a zoo network takes none.")
     # The custom network's code, packed and staged with the run (common.model_code); empty: the
     # module is importable on every role already (installed in the image).
     code_uri: Annotated[str, AfterValidator(_code_uri),
-                        Field(json_schema_extra={"pattern": CODE_URI_PATTERN.replace("^(", "^$|^(")})] = ""
-    hidden: PositiveInts = (128, 64)
-    dropout: Number = Field(0.0, ge=0, lt=1)
+                        Field(json_schema_extra={"pattern": CODE_URI_PATTERN.replace("^(", "^$|^(")},
+                              description="A custom network's code (a folder or one .py file; an absolute path or "
+                                          "s3:// URI), staged with the run; empty = importable on every role "
+                                          "already.")] = ""
+    hidden: PositiveInts = Field((128, 64), description="Hidden layer widths of the `mlp`.")
+    dropout: Number = Field(0.0, ge=0, lt=1, description="Dropout rate.")
     # Model parallelism inside a worker: "split" puts contiguous stages of the model's blocks on
     # the worker's cluster.devices_per_worker contexts, one stage each (data parallelism across
     # workers stays: hybrid). See training/loop/placement.py for what MXNet 1.9 gluon allows.
-    placement: Literal[PLACEMENTS] = "replicated"
+    placement: Literal[PLACEMENTS] = Field("replicated",
+                                           description="`replicated`: every context of a worker holds the whole "
+                                                       "model; `split`: the model's blocks are split over the "
+                                                       "worker's contexts (zoo networks only).")
     # "classification": labels are classes (softmax cross-entropy, accuracy); "regression": float
     # targets (data.target_columns), one output each (RMSE, MAE, R²). See training/loop/metrics.py.
-    task: Literal[TASKS] = "classification"
+    task: Literal[TASKS] = Field("classification",
+                                 description="`classification` (labels are classes) or `regression` (float targets, "
+                                             "one output each).")
     # The task's loss (TASK_LOSSES); "auto" = its first. huber_rho: where Huber turns from
     # quadratic to linear (gluon HuberLoss's rho).
-    loss: Literal[LOSSES] = "auto"
-    huber_rho: Number = Field(1.0, gt=0)
+    loss: Literal[LOSSES] = Field("auto",
+                                  description="The task's loss; `auto` = `softmax_cross_entropy` for "
+                                              "classification, `l2` for regression.")
+    huber_rho: Number = Field(1.0, gt=0, description="Where the Huber loss turns from quadratic to linear.")
 
     @model_validator(mode="after")
     def _combinations(self) -> ModelConfig:
@@ -268,45 +334,70 @@ class ModelConfig(_Strict):
 
 
 class OptimConfig(_Strict):
-    optimizer: Literal[OPTIMIZERS] = "adam"
-    learning_rate: Number = Field(0.002, gt=0, le=10)
-    momentum: Number = Field(0.9, ge=0, lt=1)
-    weight_decay: Number = Field(0.0, ge=0)
+    """The optimizer, the batch and epochs, the learning-rate schedule and early stopping."""
+
+    optimizer: Literal[OPTIMIZERS] = Field("adam", description="MXNet optimizer.")
+    learning_rate: Number = Field(0.002, gt=0, le=10,
+                                  description="Peak learning rate (scaled by the global batch when "
+                                              "`optim.lr_scaling` is `linear`).")
+    momentum: Number = Field(0.9, ge=0, lt=1, description="Momentum of `sgd` and `nag`.")
+    weight_decay: Number = Field(0.0, ge=0, description="Weight decay (L2).")
     # Per-worker batch of one forward/backward (a micro-batch when accumulate_steps > 1); one
     # optimizer step consumes batch_size * accumulate_steps samples per worker, so the global
     # batch is batch_size * accumulate_steps * num_workers (``TrainConfig.global_batch``).
-    batch_size: int = Field(32, ge=1, le=65536)
-    epochs: int = Field(20, ge=1, le=10000)
+    batch_size: int = Field(32, ge=1, le=65536,
+                            description="Rows per worker in one forward/backward pass; global batch = this × "
+                                        "`optim.accumulate_steps` × workers.")
+    epochs: int = Field(20, ge=1, le=10000, description="Training epochs.")
     # Gradient accumulation: k forward/backward passes add into the gradients (grad_req='add'),
     # then one kvstore push and one optimizer step.
-    accumulate_steps: int = Field(1, ge=1, le=1024)
+    accumulate_steps: int = Field(1, ge=1, le=1024,
+                                  description="Forward/backward passes whose gradients add up before one push and "
+                                              "optimizer step.")
     # Learning rate over optimizer steps (not micro-batches). Warmup rises linearly from 0 to
     # the (scaled) learning rate over ``warmup_steps``. "step" multiplies by lr_decay_factor at
     # the start of each epoch in lr_decay_epochs; "cosine" and "poly" (power poly_power) decay
     # to final_lr at the last step. The position is a function of the global step, so a
     # resumed job continues the same curve (training.loop.optim).
-    lr_schedule: Literal[LR_SCHEDULES] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    lr_decay_epochs: Ints = ()
-    lr_decay_factor: Number = Field(0.1, gt=0, lt=1)
-    final_lr: Number = Field(0.0, ge=0)
-    poly_power: Number = Field(2.0, gt=0)
-    lr_scaling: Literal[LR_SCALINGS] = "none"
-    base_batch: int = Field(32, ge=1)
+    lr_schedule: Literal[LR_SCHEDULES] = Field("constant",
+                                               description="Learning rate over optimizer steps: constant, `step` (× "
+                                                           "`lr_decay_factor` at each epoch of `lr_decay_epochs`), "
+                                                           "`cosine` or `poly` (to `final_lr` at the last step).")
+    warmup_steps: int = Field(0, ge=0,
+                              description="Optimizer steps over which the learning rate rises linearly from 0.")
+    lr_decay_epochs: Ints = Field((),
+                                  description="Epochs at whose start the `step` schedule decays the rate (given "
+                                              "exactly with `step`).")
+    lr_decay_factor: Number = Field(0.1, gt=0, lt=1, description="Factor of each `step` decay.")
+    final_lr: Number = Field(0.0, ge=0, description="Learning rate the `cosine` and `poly` schedules end at.")
+    poly_power: Number = Field(2.0, gt=0, description="Power of the `poly` schedule.")
+    lr_scaling: Literal[LR_SCALINGS] = Field("none",
+                                             description="`linear`: learning rate × global batch ÷ "
+                                                         "`optim.base_batch`; `none`: as written.")
+    base_batch: int = Field(32, ge=1,
+                            description="The global batch `optim.learning_rate` is written for, with `lr_scaling` "
+                                        "`linear`.")
     # "fp16" runs forward/backward through mxnet.contrib.amp (dynamic loss scaling) and needs
     # GPU contexts; untested here, where there is no GPU.
-    precision: Literal[PRECISIONS] = "fp32"
+    precision: Literal[PRECISIONS] = Field("fp32",
+                                           description="`fp16` runs forward/backward through MXNet AMP and needs "
+                                                       "GPU contexts.")
     # Early stopping (training.loop.early_stop): after every epoch, ``early_stopping_metric``
     # (a validation metric of the epoch record, e.g. val_accuracy or val_loss; its direction is
     # training.loop.metrics.higher_is_better) is compared with the best so far; a change of
     # more than ``early_stopping_min_delta`` in the good direction is a new best, and after
     # ``early_stopping_patience`` epochs without one the job stops (0 = off: every epoch runs).
-    early_stopping_patience: int = Field(0, ge=0)
+    early_stopping_patience: int = Field(0, ge=0,
+                                         description="Stop after this many epochs without an improvement of the "
+                                                     "watched metric; 0 = off.")
     # (The pattern is for the form's schema; the check below says what is wrong in words.)
     # "auto": the task's first-ranked metric (val_accuracy; val_rmse for regression).
     early_stopping_metric: str = Field("auto",
-                                       json_schema_extra={"pattern": r"^(auto|val_[A-Za-z_][A-Za-z0-9_]*)$"})
-    early_stopping_min_delta: Number = Field(0.0, ge=0)
+                                       json_schema_extra={"pattern": r"^(auto|val_[A-Za-z_][A-Za-z0-9_]*)$"},
+                                       description="The validation metric early stopping watches (e.g. "
+                                                   "`val_accuracy`, `val_loss`); `auto` = `val_accuracy`, or "
+                                                   "`val_rmse` for regression.")
+    early_stopping_min_delta: Number = Field(0.0, ge=0, description="An improvement must exceed this to count.")
 
     @model_validator(mode="after")
     def _combinations(self) -> OptimConfig:
@@ -338,41 +429,61 @@ def unsafe_combination(kvstore: str, optimizer_on: str) -> str | None:
 
 
 class ClusterConfig(_Strict):
+    """The distributed job: where its roles run, how many, the kvstore, and its time bounds."""
+
     # Where the roles run (BACKENDS); the machines of "hosts" and "ec2" are described outside the
     # config, in the settings files infra.cluster_settings reads.
-    backend: Literal[BACKENDS] = "local"
-    kvstore: Literal[KVSTORES] = "dist_sync"
-    num_workers: int = Field(2, ge=1, le=256)
-    num_servers: int = Field(1, ge=1, le=64)
+    backend: Literal[BACKENDS] = Field("local",
+                                       description="Where the roles run: local processes, a host list over SSH "
+                                                   "(`hosts`), or EC2 instances; the machines are described outside "
+                                                   "the config.")
+    kvstore: Literal[KVSTORES] = Field("dist_sync",
+                                       description="MXNet kvstore mode; `local` and `device` run a single worker.")
+    num_workers: int = Field(2, ge=1, le=256, description="Worker processes.")
+    num_servers: int = Field(1, ge=1, le=64, description="Parameter-server processes.")
     # Bounds of the distributed job (seconds). A worker that logs nothing for stall_timeout_s
     # is considered hung: ps-lite never recovers from a lost peer by itself. job_timeout_s 0 is
     # no limit (a multi-day run); stall detection still ends a hung job.
-    start_timeout_s: Number = Field(120.0, gt=0)
-    stall_timeout_s: Number = Field(120.0, gt=0)
-    job_timeout_s: Number = Field(0.0, ge=0)
+    start_timeout_s: Number = Field(120.0, gt=0,
+                                    description="Seconds a worker may take to print its first line (importing MXNet, "
+                                                "joining the job).")
+    stall_timeout_s: Number = Field(120.0, gt=0,
+                                    description="Seconds a worker may print nothing before the job ends as stalled.")
+    job_timeout_s: Number = Field(0.0, ge=0, description="Seconds the whole job may run; 0 = no limit.")
     # Threads per role process; on a small machine several roles share the cores.
-    threads_per_role: int = Field(1, ge=1)
+    threads_per_role: int = Field(1, ge=1, description="Compute threads per role process.")
     # "workers" keeps the optimizer state on every worker (Trainer.save_states works: exact
     # resume); "servers" keeps it on the servers. Both match single-process training in the
     # reference tests (docs/kvstore-correctness.md). "auto" (kept as written, so that changing
     # only the kvstore of a config stays valid) means "servers" for dist_async, the only
     # placement it has, and "workers" otherwise; ``optimizer_placement`` resolves it.
-    optimizer_on: Literal[("auto", *OPTIMIZER_PLACEMENTS)] = "auto"
+    optimizer_on: Literal[("auto", *OPTIMIZER_PLACEMENTS)] = Field("auto",
+                                                                   description="Where the optimizer runs: on the "
+                                                                               "servers or on every worker; `auto` "
+                                                                               "= `servers` for `dist_async`, else "
+                                                                               "`workers`.")
     # Contexts per worker: the batch is split evenly over [cpu(0) .. cpu(n-1)] (or gpu(i)) and
     # their gradients are summed by the kvstore before the push.
-    device: Literal[DEVICE_TYPES] = "cpu"
-    devices_per_worker: int = Field(1, ge=1, le=16)
+    device: Literal[DEVICE_TYPES] = Field("cpu", description="Context type of the workers.")
+    devices_per_worker: int = Field(1, ge=1, le=16,
+                                    description="Contexts per worker; the batch is split evenly over them.")
     # 2-bit compression of every push (values become -t, 0, +t; the rest is carried to the next
     # push). Only where the reference test covers it (COMPRESSION_KVSTORES). t is compared with
     # each worker's unscaled gradient (the sum over its batch_size rows), so it must be chosen
     # for the job: 0.5 (MXNet's default, kept so existing runs keep their resume digest) does
     # not train the digits MLP at batch 32, 8-128 do (docs/kvstore-correctness.md).
-    gradient_compression: Literal[GRADIENT_COMPRESSIONS] = "none"
-    compression_threshold: Number = Field(0.5, gt=0)
+    gradient_compression: Literal[GRADIENT_COMPRESSIONS] = Field("none",
+                                                                 description="2-bit compression of every push "
+                                                                             "(error feedback); `dist_sync` only.")
+    compression_threshold: Number = Field(0.5, gt=0,
+                                          description="Threshold of 2-bit compression, compared with each worker's "
+                                                      "unscaled gradient: choose it for the job.")
     # Every role process flushes denormal floats to zero (x86 FTZ/DAZ, common.fpmode): Adam's
     # moments of dead units decay into the denormal range, where each operation on them is
     # many times slower (the LeNet benchmark's steps: 1.5x). Changes only values below 1.2e-38.
-    flush_denormals: bool = True
+    flush_denormals: bool = Field(True,
+                                  description="Every role flushes denormal floats to zero (x86 FTZ/DAZ); changes "
+                                              "only values below 1.2e-38.")
 
     @model_validator(mode="after")
     def _combinations(self) -> ClusterConfig:
@@ -412,42 +523,63 @@ class CheckpointConfig(_Strict):
     # Cadence: every N global steps and/or every T seconds (0 = off), and always at epoch end.
     # "auto": N from the measured cost of a checkpoint and ``mtbf_s`` (Young/Daly,
     # training.checkpoint.cadence).
-    every_n_steps: Annotated[int, Field(ge=1)] | Literal["auto"] = 50
-    every_n_seconds: Number = Field(0.0, ge=0)
+    every_n_steps: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        50, description="Checkpoint every N global steps (and at every epoch end); `auto` = from the measured cost of a "
+                        "checkpoint and `checkpoint.mtbf_s`.")
+    every_n_seconds: Number = Field(0.0, ge=0, description="Also checkpoint every this many seconds; 0 = off.")
     # Mean time between failures of the whole job, in seconds (used by every_n_steps="auto").
-    mtbf_s: Number = Field(86400.0, gt=0)
+    mtbf_s: Number = Field(86400.0, gt=0,
+                           description="The job's mean time between failures, in seconds, for `every_n_steps` "
+                                       "`auto`.")
     # Retention: the newest ``keep`` committed (at least 2: a torn newest one needs a fallback),
     # plus (if > 0) the oldest committed checkpoint of every window of ``keep_every_n_steps``
     # steps, forever.
-    keep: int = Field(3, ge=2)
-    keep_every_n_steps: int = Field(0, ge=0)
+    keep: int = Field(3, ge=2, description="Newest committed checkpoints kept.")
+    keep_every_n_steps: int = Field(0, ge=0,
+                                    description="Also keep, forever, the oldest committed checkpoint of every "
+                                                "window of this many steps; 0 = off.")
     # Serialise and upload in a background thread (the loop blocks only for the host copy).
     # A periodic checkpoint due while the previous is still uploading is skipped (counted);
     # epoch-end, final and emergency checkpoints wait for it.
-    async_upload: bool = True
+    async_upload: bool = Field(True,
+                               description="Serialise and upload in a background thread; a periodic checkpoint due "
+                                           "while one uploads is skipped.")
     # One checkpoint's upload is retried with exponential backoff for at most this long.
-    upload_timeout_s: Number = Field(300.0, gt=0)
+    upload_timeout_s: Number = Field(300.0, gt=0,
+                                     description="Seconds one checkpoint's upload is retried (with backoff) before "
+                                                 "it is given up.")
     # SIGTERM: rank 0 writes an emergency checkpoint within this many seconds, then exits 75.
-    preempt_grace_s: Number = Field(30.0, gt=0)
+    preempt_grace_s: Number = Field(30.0, gt=0,
+                                    description="Seconds rank 0 has after SIGTERM to commit an emergency "
+                                                "checkpoint.")
     # S3 server-side encryption of every checkpoint object (SSE_MODES).
-    sse: Literal[SSE_MODES] = ""
-    sse_kms_key_id: str = ""
+    sse: Literal[SSE_MODES] = Field("", description="S3 server-side encryption of every checkpoint object.")
+    sse_kms_key_id: str = Field("", description="KMS key id, with `checkpoint.sse` `aws:kms`.")
     # Client-side AES-256-GCM envelope encryption: the NAME of the environment variable that
     # holds the 32-byte key (hex or base64); "" = off. The key itself is never in the config.
-    encryption_key_env: str = ""
+    encryption_key_env: str = Field("",
+                                    description="Client-side AES-256-GCM encryption: the NAME of the environment "
+                                                "variable that holds the 32-byte key (hex or base64); empty = off.")
     # Allow resuming with another number of workers (data assignment recomputed; see worker).
-    elastic: bool = False
+    elastic: bool = Field(False,
+                          description="Accept a checkpoint written with another number of workers (a continuation, "
+                                      "not an exact replay).")
     # Per-step metrics (train loss, learning rate; logged to MLflow as ``*_step`` at the global
     # step): every N-th step, at most ``max_step_metrics`` records (over the cap the stride
     # doubles and every other record is dropped: training.loop.metrics.StepRecorder). Here, not in
     # ``optim``: they change nothing that is trained (left out of the resume digest), and the
     # records up to a checkpoint live in its train state.
-    step_metrics_every_n: int = Field(1, ge=1)
-    max_step_metrics: int = Field(2000, ge=2, le=100_000)
+    step_metrics_every_n: int = Field(1, ge=1, description="Record the train loss and learning rate every N-th step.")
+    max_step_metrics: int = Field(2000, ge=2, le=100_000,
+                                  description="Most per-step records kept; over it the stride doubles and every "
+                                              "other record is dropped.")
     # Which parameters the job exports and register registers (EXPORT_EPOCHS): with "best" (or
     # "auto" and early stopping on) the best validation epoch's, from its epoch-end checkpoint,
     # which retention then never deletes while it is the best.
-    export_epoch: Literal[EXPORT_EPOCHS] = "auto"
+    export_epoch: Literal[EXPORT_EPOCHS] = Field("auto",
+                                                 description="Which epoch's parameters are exported and registered: "
+                                                             "`best` validation epoch, `last`, or `auto` (`best` "
+                                                             "when early stopping is on).")
 
     @model_validator(mode="after")
     def _combinations(self) -> CheckpointConfig:
@@ -460,12 +592,19 @@ class CheckpointConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    data: DataConfig = Field(default_factory=DataConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    seed: int = Field(42, ge=0, lt=2**31)
+    """A run's whole configuration, section by section."""
+
+    data: DataConfig = Field(default_factory=DataConfig,
+                             description="The source and how it is split, sharded, validated and preprocessed.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The network and the task.")
+    optim: OptimConfig = Field(default_factory=OptimConfig,
+                               description="Optimizer, batch, epochs, schedule, early stopping.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig,
+                                   description="The distributed job: backend, kvstore, roles, bounds.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
+                                         description="When rank 0 checkpoints, what is kept, how it is protected.")
+    seed: int = Field(42, ge=0, lt=2**31,
+                      description="Seed of the split, the data order, initialisation and every random draw.")
 
     @model_validator(mode="after")
     def _combinations(self) -> TrainConfig:

@@ -3,7 +3,7 @@
 Each field of ``Settings`` is one variable (its alias is the variable's name), with its type,
 default and what it does. Code reads ``settings().field``; nothing else in the project calls
 ``os.environ.get`` for its own configuration (``tests/unit/test_settings.py`` walks the code to
-check, and checks the README's table of variables against this class). A bad value fails with
+check, and docs/environment.md's table of variables against this class). A bad value fails with
 pydantic's error, which names the variable and the expected type.
 
 ``settings()`` builds a fresh object from the current environment on each call (under 1 ms):
@@ -37,7 +37,7 @@ def _var(default: Any, name: str, doc: str, *, group: str, **bounds: Any) -> Any
 
 
 class Settings(BaseSettings):
-    """The project's environment variables (see the README's "Environment variables" table)."""
+    """The project's environment variables (their table: docs/environment.md)."""
 
     model_config = SettingsConfigDict(case_sensitive=True, extra="ignore", populate_by_name=False,
                                       frozen=True)
@@ -167,7 +167,7 @@ def secret(name: str) -> str | None:
 
 
 def env_table() -> str:
-    """The README's table of variables, generated from ``Settings``."""
+    """The table of variables in docs/environment.md, generated from ``Settings`` (scripts/gen_docs.py)."""
     rows = ["| variable | type | default | what it does |", "|---|---|---|---|"]
     for field in Settings.model_fields.values():
         extra = field.json_schema_extra or {}

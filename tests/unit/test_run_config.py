@@ -153,7 +153,8 @@ def test_shortcut_fields_take_their_schema_from_the_config(form):
     for name, (section, field) in SHORTCUTS.items():
         own = section_schema(section)["properties"][field]
         schema = form[name].schema
-        for key in set(own) - {"default", "title"} - narrowed.get(name, set()):
+        # A shortcut's description is the form's own (it names its field); the rest is the field's.
+        for key in set(own) - {"default", "title", "description"} - narrowed.get(name, set()):
             assert schema[key] == own[key], (name, key)
         assert form[name].value == getattr(getattr(recipe("digits"), section), field) or name == "dataset_uri"
     assert form["device"].schema["enum"] == ["cpu", "gpu"]
