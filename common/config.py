@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, JsonValue, ValidationError,
                       ValidatorFunctionWrapHandler, WrapValidator, model_validator)
 
+from common.errors import DeterministicError
 from common.task_metrics import TASK_METRICS
 from pydantic.fields import FieldInfo
 
@@ -83,7 +84,7 @@ SSE_MODES = ("", "AES256", "aws:kms")
 EXPORT_EPOCHS = ("auto", "best", "last")
 
 
-class ConfigError(ValueError):
+class ConfigError(DeterministicError, ValueError):
     """An invalid configuration value; deterministic, so never worth a retry."""
 
 
