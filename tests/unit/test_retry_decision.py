@@ -130,12 +130,13 @@ def test_a_deterministic_error_inside_the_job_is_not_retried(shards, tmp_path, n
 def test_every_bad_input_error_is_a_deterministic_error_and_a_plain_value_error_is_not():
     from common.config import ConfigError
     from data_checks.errors import DataValidationError
+    from infra.cluster_settings import ClusterSettingsError
     from training.checkpoint.crypto import CheckpointKeyError
     from training.tracking.gate import GateConfigError
     from training.tracking.mlflow_params import ParamConflictError
     from training.tracking.warm_start import WarmStartError
 
-    for kind in (ConfigError, DataError, DataValidationError, CheckpointKeyError,
+    for kind in (ConfigError, DataError, DataValidationError, ClusterSettingsError, CheckpointKeyError,
                  GateConfigError, ParamConflictError, WarmStartError):
         assert issubclass(kind, DeterministicError) and issubclass(kind, ValueError), kind
     assert not issubclass(ValueError, DeterministicError)
