@@ -72,8 +72,8 @@ def cluster_options(backend: str, source: SettingsSource | None = None) -> dict[
     if not isinstance(raw, wanted):
         raise ClusterSettingsError(f"{where}: expected a JSON {'list of hosts' if wanted is list else 'object'}, "
                                    f"got {type(raw).__name__}")
-    # Checked here, where the settings' origin is known, so a typo fails the run's first task by
-    # name; the options keep the document as written (the cluster's record holds it).
+    # Checked here, where the settings' origin is known, so a typo fails the provision task (or
+    # the reaper) naming it; the options keep the document as written (the cluster's record).
     if backend == "hosts":
         from infra.transport import HostSpec
 
