@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, JsonValue, ValidationError,
                       ValidatorFunctionWrapHandler, WrapValidator, model_validator)
 
+from common.errors import DeterministicError
 from common.task_metrics import TASK_METRICS
 from pydantic.fields import FieldInfo
 
@@ -83,7 +84,7 @@ SSE_MODES = ("", "AES256", "aws:kms")
 EXPORT_EPOCHS = ("auto", "best", "last")
 
 
-class ConfigError(ValueError):
+class ConfigError(DeterministicError, ValueError):
     """An invalid configuration value; deterministic, so never worth a retry."""
 
 
@@ -111,8 +112,8 @@ Numbers = Annotated[tuple[Number, ...], Field(strict=False)]
 Labels = Annotated[tuple[int | str, ...], Field(strict=False)]
 
 
-class _Strict(BaseModel):
-    """Strict, closed and frozen; a construction that fails raises ``ConfigError``."""
+class StrictModel(BaseModel):
+    """The base of every config section and of the deployment settings (infra.strict_settings): strict, closed and frozen; a construction that fails raises ``ConfigError``."""
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
@@ -125,7 +126,7 @@ class _Strict(BaseModel):
             raise ConfigError(_message(type(self), exc)) from None
 
 
-class DataConfig(_Strict):
+class DataConfig(StrictModel):
     """Where the source table is and how it is split and sharded."""
 
     # A file (CSV, CSV.gz, Parquet), a glob of them (``s3://b/data/part-*.parquet``), or a folder
@@ -274,7 +275,7 @@ def _code_uri(uri: str) -> str:
     return uri
 
 
-class ModelConfig(_Strict):
+class ModelConfig(StrictModel):
     """The network: a zoo model or a factory of your own, and the task it is trained for."""
 
     # A network of the zoo (MODELS) or an import path "package.module:factory": the factory is
@@ -333,7 +334,7 @@ class ModelConfig(_Strict):
         return TASK_LOSSES[self.task][0] if self.loss == "auto" else self.loss
 
 
-class OptimConfig(_Strict):
+class OptimConfig(StrictModel):
     """The optimizer, the batch and epochs, the learning-rate schedule and early stopping."""
 
     optimizer: Literal[OPTIMIZERS] = Field("adam", description="MXNet optimizer.")
@@ -428,7 +429,7 @@ def unsafe_combination(kvstore: str, optimizer_on: str) -> str | None:
     return None
 
 
-class ClusterConfig(_Strict):
+class ClusterConfig(StrictModel):
     """The distributed job: where its roles run, how many, the kvstore, and its time bounds."""
 
     # Where the roles run (BACKENDS); the machines of "hosts" and "ec2" are described outside the
@@ -513,7 +514,7 @@ class ClusterConfig(_Strict):
         return "servers" if self.kvstore == "dist_async" else "workers"
 
 
-class CheckpointConfig(_Strict):
+class CheckpointConfig(StrictModel):
     """When rank 0 checkpoints, what is kept, how it is protected (training/checkpoint/).
 
     None of these fields changes what is trained: a resume may change them (they are left out
@@ -591,7 +592,7 @@ class CheckpointConfig(_Strict):
         return self
 
 
-class TrainConfig(_Strict):
+class TrainConfig(StrictModel):
     """A run's whole configuration, section by section."""
 
     data: DataConfig = Field(default_factory=DataConfig,

@@ -7,8 +7,11 @@ machines themselves are the deployment's, not the run's: a JSON list of hosts
 (``infra.transport.HostSpec`` fields) for ``hosts``, a JSON object of
 ``infra.ec2_cluster.Ec2Options`` fields (region, launch template, subnet, spot, ...) for ``ec2``.
 Given text (a ``SettingsSource`` whose text is set) wins; otherwise ``MXPIPE_HOSTS_FILE`` /
-``MXPIPE_EC2_FILE`` name the file. Missing or malformed settings are a ``ClusterSettingsError``
-(the same settings fail the same way), naming where they came from.
+``MXPIPE_EC2_FILE`` name the file. The settings are checked as strictly as the config
+(``infra.strict_settings``): an unknown key is refused with the nearest known one, a value of
+the wrong type is refused. Missing or malformed settings are a ``ClusterSettingsError`` (the
+same settings fail the same way, so the task fails without a retry), each line naming where
+they came from (``Airflow Variable mxpipe_ec2: unknown config key 'spto' (did you mean 'spot'?)``).
 """
 from __future__ import annotations
 
@@ -21,12 +24,9 @@ from common.config import ClusterConfig
 from common.settings import settings
 from infra.cluster import ClusterSpec
 from infra.cluster import reap as reap_records
+from infra.strict_settings import ClusterSettingsError, StrictSettings
 
 log = logging.getLogger(__name__)
-
-
-class ClusterSettingsError(ValueError):
-    """A backend's settings are missing or malformed: deterministic, not worth a retry."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,31 @@ def cluster_options(backend: str, source: SettingsSource | None = None) -> dict[
     if not isinstance(raw, wanted):
         raise ClusterSettingsError(f"{where}: expected a JSON {'list of hosts' if wanted is list else 'object'}, "
                                    f"got {type(raw).__name__}")
-    return {"hosts": raw} if backend == "hosts" else raw
+    # Checked here, where the settings' origin is known, so a typo fails the provision task (or
+    # the reaper) naming it; the options keep the document as written (the cluster's record).
+    if backend == "hosts":
+        from infra.transport import HostSpec
+
+        _check([line for i, host in enumerate(raw) for line in _problems(HostSpec, host, f"{where}: hosts[{i}]")])
+        return {"hosts": raw}
+    from infra.ec2_cluster import Ec2Options
+
+    _check(_problems(Ec2Options, raw, where))
+    return raw
+
+
+def _problems(model: type[StrictSettings], raw: Any, where: str) -> list[str]:
+    """What is wrong with ``raw`` as a ``model``, one line per problem starting with ``where``."""
+    try:
+        model.from_dict(raw)
+    except ClusterSettingsError as exc:
+        return [f"{where}: {line}" for line in str(exc).splitlines()]
+    return []
+
+
+def _check(problems: list[str]) -> None:
+    if problems:
+        raise ClusterSettingsError("\n".join(problems))
 
 
 def cluster_spec(run_tag: str, cluster: ClusterConfig, instance_type: str = "",

@@ -44,12 +44,16 @@ import posixpath
 import shlex
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from common.config import Number
 from common.roles import JobLaunch, Role, role_argv, role_env
 from infra.cluster import (STOP_JOB_GRACE_S, Cluster, ClusterSpec, ProvisionError, cluster_id_for,
                            supervise_argv)
+from infra.strict_settings import StrictSettings
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +62,19 @@ LIVE_STATES = ["pending", "running"]
 NOT_TERMINATED = ["pending", "running", "stopping", "stopped", "shutting-down"]
 
 
-@dataclass(frozen=True)
-class Ec2Options:
-    """Where and how to launch (``spec.options`` of an ``ec2`` ClusterSpec)."""
+class Ec2Options(StrictSettings):
+    """Where and how to launch (``spec.options`` of an ``ec2`` ClusterSpec): the ``mxpipe_ec2``
+    Airflow Variable or the ``MXPIPE_EC2_FILE`` file."""
 
-    launch_template: str
+    launch_template: str = ""  # required: refused when empty (_launch_template)
     region: str = "us-east-1"
     endpoint_url: str = ""  # empty: AWS itself; tests point it at a moto server
     launch_template_version: str = "$Latest"
     instance_type: str = ""  # overrides the template's (ClusterSpec.instance_type wins)
+    # What the ClusterSpec takes from these settings (infra.cluster_settings): the GPUs of an
+    # instance its workers use, and the trainer image the user data pulls.
+    devices_per_worker: int = Field(0, ge=0)
+    image: str = ""
     subnet_id: str = ""
     spot: bool = False
     # A ``cluster`` placement group (one rack: the low-latency network ps-lite wants), made
@@ -76,25 +84,25 @@ class Ec2Options:
     workdir: str = "/opt/mxpipe"
     state_dir: str = "/var/run/mxpipe-roles"
     interface: str = "ens5"
-    scheduler_port: int = 9091
-    running_timeout_s: float = 600.0
-    status_timeout_s: float = 900.0
-    terminate_timeout_s: float = 600.0
-    poll_s: float = 5.0
-    status_poll_s: float = 2.0
+    scheduler_port: int = Field(9091, ge=1, le=65535)
+    running_timeout_s: Number = 600.0
+    status_timeout_s: Number = 900.0
+    terminate_timeout_s: Number = 600.0
+    poll_s: Number = 5.0
+    status_poll_s: Number = 2.0
 
-    def __post_init__(self) -> None:
-        for name in ("running_timeout_s", "status_timeout_s", "terminate_timeout_s", "poll_s", "status_poll_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"ec2 option {name} must be a number of seconds > 0, got {value!r}")
-
+    @field_validator("running_timeout_s", "status_timeout_s", "terminate_timeout_s", "poll_s", "status_poll_s")
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "Ec2Options":
-        if not raw.get("launch_template"):
-            raise ValueError("the ec2 backend needs options['launch_template'] (see infra/cloudformation)")
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
+    def _seconds(cls, value: float, info: ValidationInfo) -> float:
+        if not value > 0:
+            raise ValueError(f"ec2 option {info.field_name} must be a number of seconds > 0, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _launch_template(self) -> Ec2Options:
+        if not self.launch_template:
+            raise ValueError("the ec2 backend needs launch_template (see infra/cloudformation)")
+        return self
 
 
 def _clients(opts: Ec2Options) -> tuple[Any, Any]:

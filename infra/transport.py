@@ -21,21 +21,24 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
+
+from pydantic import Field, model_validator
+
+from common.config import Strings
+from infra.strict_settings import StrictSettings
 
 DEFAULT_STATE_DIR = "/tmp/mxpipe-roles"
-TRANSPORTS = ("ssh", "netns", "local")
+Transport = Literal["ssh", "netns", "local"]
+TRANSPORTS = get_args(Transport)
 
 
-@dataclass(frozen=True)
-class HostSpec:
+class HostSpec(StrictSettings):
     """One host: how to reach it, its address for ps-lite, and where the project lives on it."""
 
     name: str
     address: str
-    transport: str = "ssh"
+    transport: Transport = "ssh"
     # The interpreter of an environment that holds this project's dependencies, and the folder
     # holding the project itself (the image or environment of the ClusterSpec, per host).
     python: str = "python3"
@@ -43,25 +46,18 @@ class HostSpec:
     state_dir: str = DEFAULT_STATE_DIR
     netns: str = ""
     ssh_user: str = ""
-    ssh_port: int = 22
+    ssh_port: int = Field(22, ge=1, le=65535)
     ssh_key: str = ""
-    ssh_options: tuple[str, ...] = ("StrictHostKeyChecking=accept-new",)
+    ssh_options: Strings = ("StrictHostKeyChecking=accept-new",)
     known_hosts: str = ""
     interface: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = Field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"host {self.name}: transport must be one of {TRANSPORTS}, got {self.transport!r}")
+    @model_validator(mode="after")
+    def _combinations(self) -> HostSpec:
         if self.transport == "netns" and not self.netns:
             raise ValueError(f"host {self.name}: the netns transport needs a namespace name")
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "HostSpec":
-        raw = dict(raw)
-        if "ssh_options" in raw:
-            raw["ssh_options"] = tuple(raw["ssh_options"])
-        return cls(**raw)
+        return self
 
 
 def host_argv(host: HostSpec, command: str) -> list[str]:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from common.errors import DeterministicError
 from common.roles import TRACKING_SECRETS
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ EnvChanges = dict[str, "str | None"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class ConnectionSettingsError(ValueError):
+class ConnectionSettingsError(DeterministicError, ValueError):
     """A connection is missing or cannot say what the pipeline needs (deterministic)."""
 
 

@@ -48,8 +48,7 @@ python -m training run --config cfg.json --shards s3://mxpipe/manual/shards --ou
 
 
 def _worker(job_uri: str) -> int:
-    from common.errors import DataError
-    from common.config import ConfigError
+    from common.errors import DeterministicError
     from training.launch.job import EXIT_BAD_INPUT, EXIT_NAN_LOSS, JobSpec
     from training.loop.worker import NaNLossError, run
 
@@ -57,14 +56,17 @@ def _worker(job_uri: str) -> int:
     # The supervisor sends SIGUSR1 to a stalled local worker before stopping it: every thread's
     # Python stack goes to the role's output, so a stall report says where the worker waited.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Only a DeterministicError (bad input, config, data) says "do not retry"; anything else, a
+    # library's plain ValueError included, propagates: its traceback in the role's output, exit
+    # code 1, a failure a retry may fix.
     try:
         run(JobSpec.load(job_uri))
-    except (ConfigError, DataError, ValueError) as exc:
-        log.error("bad input: %s", exc)
-        return EXIT_BAD_INPUT
-    except NaNLossError as exc:
+    except NaNLossError as exc:  # deterministic too, with a code of its own
         log.error("%s", exc)
         return EXIT_NAN_LOSS
+    except DeterministicError as exc:
+        log.error("bad input: %s", exc)
+        return EXIT_BAD_INPUT
     # The kvstore's destructor (engine drain, ps-lite's exit barrier with every other worker,
     # finalize) runs when the trainer that holds it is collected; gluon's Trainer and its
     # Parameters form a reference cycle, so without this that is whenever the collector or the

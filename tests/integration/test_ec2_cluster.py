@@ -54,12 +54,12 @@ def _live(ec2, **filters):
     return [i for r in ec2.describe_instances(Filters=flt)["Reservations"] for i in r["Instances"]]
 
 
-def _spec(moto, run, workers=2, servers=1, **opts):
+def _spec(moto, run, workers=2, servers=1, ttl_s=3600, **opts):
     options = {"launch_template": "mxpipe-trainer-gpu", "endpoint_url": moto, "region": REGION,
                "poll_s": 0.1, "status_poll_s": 0.1, "running_timeout_s": 30, "status_timeout_s": 30,
                "terminate_timeout_s": 30, **opts}
     return ClusterSpec(run_tag=run, workers=workers, servers=servers, backend="ec2", instance_type="g5.xlarge",
-                       devices_per_worker=1, ttl_s=opts.pop("ttl_s", 3600), options=options)
+                       devices_per_worker=1, ttl_s=ttl_s, options=options)
 
 
 def test_provision_tags_spot_instances_reuses_them_on_retry_and_teardown_terminates(moto, ec2, tmp_path):

@@ -64,3 +64,44 @@ def test_a_runs_instance_type_wins_over_the_ec2_file(monkeypatch, tmp_path):
     assert cluster_spec("t", cluster).instance_type == "c5.large"
     spec = cluster_spec("t", cluster, "g5.xlarge")
     assert (spec.instance_type, spec.devices_per_worker, spec.image) == ("g5.xlarge", 2, "img:1")
+
+
+# -- as strict as the config ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend,var,content,lines", [
+    ("ec2", "MXPIPE_EC2_FILE", {"launch_template": "lt-1", "spto": True, "poll_s": "5"},
+     ["poll_s must be a number, got '5' (a string)", "unknown config key 'spto' (did you mean 'spot'?)"]),
+    ("ec2", "MXPIPE_EC2_FILE", {"subnet_id": "subnet-1"},
+     ["the ec2 backend needs launch_template (see infra/cloudformation)"]),
+    ("hosts", "MXPIPE_HOSTS_FILE", [HOSTS[0], {"name": "h1", "address": "10.0.0.2", "transport": "sssh"}, "10.0.0.3"],
+     ["hosts[1]: transport must be one of ('ssh', 'netns', 'local'), got 'sssh'",
+      "hosts[2]: expected a JSON object of HostSpec fields, got str"]),
+    ("hosts", "MXPIPE_HOSTS_FILE", [{"name": "h0", "address": "10.0.0.1", "ssh_options": "BatchMode=no"}],
+     ["hosts[0]: ssh_options must be a list, got 'BatchMode=no' (a string)"]),
+])
+def test_every_problem_of_a_settings_file_is_refused_naming_the_file(monkeypatch, tmp_path, backend, var, content,
+                                                                      lines):
+    path = _write(tmp_path, "settings.json", content)
+    monkeypatch.setenv(var, path)
+    with pytest.raises(ClusterSettingsError) as refused:
+        cluster_options(backend)
+    assert str(refused.value).splitlines() == [f"{var}={path}: {line}" for line in lines]
+
+
+def test_the_settings_models_refuse_unknown_keys_and_wrong_types_themselves():
+    """What a cluster's record or a caller hands them directly (no file, no Variable to name)."""
+    from infra.ec2_cluster import Ec2Options
+    from infra.transport import HostSpec
+
+    with pytest.raises(ClusterSettingsError, match=r"^unknown config key 'spto' \(did you mean 'spot'\?\)$"):
+        Ec2Options.from_dict({"launch_template": "lt-1", "spto": True})
+    with pytest.raises(ClusterSettingsError, match=r"^scheduler_port must be an integer, got 9091\.0 \(a number\)$"):
+        Ec2Options.from_dict({"launch_template": "lt-1", "scheduler_port": 9091.0})
+    with pytest.raises(ClusterSettingsError, match=r"^unknown config key 'port' \(did you mean 'ssh_port'\?\)$"):
+        HostSpec.from_dict({"name": "h0", "address": "10.0.0.1", "port": 22})
+    with pytest.raises(ClusterSettingsError, match=r"^host h0: the netns transport needs a namespace name$"):
+        HostSpec(name="h0", address="10.0.0.1", transport="netns")
+    good = Ec2Options.from_dict({"launch_template": "lt-1", "spot": True, "poll_s": 1, "devices_per_worker": 1})
+    assert (good.spot, good.poll_s, good.devices_per_worker, good.region) == (True, 1, 1, "us-east-1")
+    host = HostSpec.from_dict({"name": "h0", "address": "10.0.0.1", "ssh_options": ["BatchMode=yes"]})
+    assert host.ssh_options == ("BatchMode=yes",) and host.ssh_port == 22

@@ -4,6 +4,7 @@ their URI or JSON form and resolved by Airflow's own secrets backends and the Am
 hook. Role assumption goes to an in-process moto STS."""
 import json
 import os
+import re
 
 import pytest
 from airflow.sdk import Connection
@@ -204,3 +205,28 @@ def test_missing_settings_name_the_variable_and_the_file(monkeypatch):
     monkeypatch.delenv("MXPIPE_EC2_FILE", raising=False)
     with pytest.raises(ClusterSettingsError, match="needs MXPIPE_EC2_FILE .* or the Airflow Variable mxpipe_ec2"):
         cluster_options("ec2", connections.cluster_settings("ec2"))
+
+
+# The Variables are checked as strictly as the config: a typo or a value of the wrong type fails
+# the run's provision task without a retry, naming the Variable, instead of taking the default.
+@pytest.mark.parametrize("backend,value,needle", [
+    ("ec2", {"launch_template": "lt-1", "spto": True},
+     "Airflow Variable mxpipe_ec2: unknown config key 'spto' (did you mean 'spot'?)"),
+    ("ec2", {"launch_template": "lt-1", "spot": "true"},
+     "Airflow Variable mxpipe_ec2: spot must be true or false, got 'true' (a string)"),
+    ("hosts", [{"name": "h0", "address": "10.0.0.1", "ssh_prot": 2222}],
+     "Airflow Variable mxpipe_hosts: hosts[0]: unknown config key 'ssh_prot' (did you mean 'ssh_port'?)"),
+    ("hosts", [{"name": "h0", "address": "10.0.0.1"}, {"name": "h1", "address": "10.0.0.2", "ssh_port": "22"}],
+     "Airflow Variable mxpipe_hosts: hosts[1]: ssh_port must be an integer, got '22' (a string)"),
+])
+def test_a_variable_with_an_unknown_key_or_a_wrong_type_fails_the_provision_task_naming_it(monkeypatch, backend,
+                                                                                           value, needle):
+    from plugins.pipeline_tasks import cluster_spec
+
+    monkeypatch.setenv(f"AIRFLOW_VAR_{connections.CLUSTER_VARIABLES[backend].upper()}", json.dumps(value))
+    with pytest.raises(ClusterSettingsError) as refused:
+        cluster_options(backend, connections.cluster_settings(backend))
+    assert needle in str(refused.value).splitlines()
+    config = {"cluster": {"backend": backend}}
+    with pytest.raises(AirflowFailException, match=f"provision: {re.escape(needle)}"):
+        cluster_spec(config, {}, "mxnet_training", "run-1")

@@ -22,13 +22,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from common.errors import DeterministicError
 from common.settings import secret
 
 ALGORITHM = "AES-256-GCM/envelope-v1"
 _NONCE = 12
 
 
-class CheckpointKeyError(ValueError):
+class CheckpointKeyError(DeterministicError, ValueError):
     """The encryption key is missing, malformed, or not the one a checkpoint was written with.
 
     A ``ValueError``: a wrong key is a configuration problem, deterministic, not worth a retry.

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from common.config import ConfigError
 from common.mx import import_mxnet
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ def load_params(net: Any, blob: bytes, ctx: Any) -> None:
         missing = set(params) - set(arrays.files)
         extra = set(arrays.files) - set(params)
         if missing or extra:
-            raise ValueError(f"checkpoint parameters do not match the model: missing {sorted(missing)}, "
+            raise ConfigError(f"checkpoint parameters do not match the model: missing {sorted(missing)}, "
                              f"unexpected {sorted(extra)}")
         for name, p in params.items():
             # In place, into every context's copy: what Parameter.set_data does, without its reset

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import storage
+from common.errors import DeterministicError
 from training.checkpoint.crypto import CheckpointKeyError, Envelope
 
 __all__ = ["Checkpoint", "CheckpointKeyError", "CheckpointStore", "CommitTooLate", "CorruptCheckpoint", "KEEP_STEP",
@@ -71,7 +72,7 @@ class CommitTooLate(RuntimeError):
     not commit (the writer retries with a new attempt)."""
 
 
-class StepTaken(ValueError):
+class StepTaken(DeterministicError, ValueError):
     """The step is committed by another attempt and that checkpoint does not verify. A committed
     checkpoint never changes, so this step cannot be written (a retry would not help)."""
 

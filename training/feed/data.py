@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from common import record_codec
+from common.errors import DataError
 from common.manifest import download_shard, load_manifest, manifest_digest, record_width
 from training.feed.shard_reader import ShardSet
 
@@ -37,7 +38,7 @@ def steps_per_epoch(manifest: dict[str, Any], num_workers: int, batch_size: int)
     """The same for every worker: the largest worker share, in batches."""
     shares = [sum(s["count"] for s in shards_for_rank(manifest, r, num_workers)) for r in range(num_workers)]
     if min(shares) == 0:
-        raise ValueError(f"{len(train_shards(manifest))} train shards cannot feed {num_workers} workers: "
+        raise DataError(f"{len(train_shards(manifest))} train shards cannot feed {num_workers} workers: "
                          f"a worker would get no data (shares {shares})")
     return math.ceil(max(shares) / batch_size)
 

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from training.launch.job import EXIT_BAD_INPUT, EXIT_PREEMPTED, JobSpec
+from common.errors import DeterministicError
 from common.roles import TRACKING_SECRETS
 from training.launch.launcher import JobFailed, JobObserver, JobStopped, RoleCluster, Supervisor
 from training.launch.status import (FAILED, RUNNING, STARTING, STOPPED, SUCCEEDED, JobStatus, StatusWriter,
@@ -47,7 +48,7 @@ EXIT_SUCCEEDED, EXIT_FAILED, EXIT_REFUSED = 0, 1, 4
 EXIT_DETERMINISTIC, EXIT_STOPPED = EXIT_BAD_INPUT, EXIT_PREEMPTED
 
 
-class SuperviseError(RuntimeError):
+class SuperviseError(DeterministicError, RuntimeError):
     """The job document cannot be supervised (no cluster, an unloadable factory, no status URI)."""
 
 

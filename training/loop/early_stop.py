@@ -17,7 +17,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from common.config import TrainConfig
+from common.config import ConfigError, TrainConfig
 from common.mx import import_mxnet
 from training.loop.metrics import higher_is_better
 
@@ -65,7 +65,7 @@ class BestEpoch:
         """Take an epoch record (``epoch``, ``global_step`` and the metric); True if it is the new best."""
         if self.metric not in record:
             found = sorted(k for k in record if k.startswith("val_"))
-            raise ValueError(f"optim.early_stopping_metric={self.metric!r} is not a metric of this task's "
+            raise ConfigError(f"optim.early_stopping_metric={self.metric!r} is not a metric of this task's "
                              f"validation (it reports {found})")
         value = float(record[self.metric])
         if self.improves(value):

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from common.config import ConfigError
 from common.mx import import_mxnet
 from training.loop.kvstore_sync import make_trainer, with_key_offset
 
@@ -51,7 +52,7 @@ class SplitNet:
     def __init__(self, net: Any, ctxs: Sequence[Any]) -> None:
         blocks = list(net._children.values())
         if len(blocks) < len(ctxs):
-            raise ValueError(f"model.placement='split': the model has {len(blocks)} top-level blocks, fewer than "
+            raise ConfigError(f"model.placement='split': the model has {len(blocks)} top-level blocks, fewer than "
                              f"the {len(ctxs)} contexts to split it over")
         self.net, self.ctxs = net, list(ctxs)
         self._in_shape: tuple[int, ...] = ()

@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.config import TrainConfig
+from common.config import ConfigError, TrainConfig
 from training.checkpoint import state as ckpt_state
 from training.checkpoint.store import KEEP_STEP, Checkpoint, CheckpointStore, store_for
 from training.feed import data
@@ -111,7 +111,7 @@ def warm_start(net: Any, prefix: str, cfg: TrainConfig, ctx: Any) -> None:
     newest valid checkpoint under another run's prefix. Every worker loads the same bytes."""
     ckpt = store_for(prefix, cfg.checkpoint).latest()
     if ckpt is None:
-        raise ValueError(f"warm start: no valid checkpoint under {prefix}")
+        raise ConfigError(f"warm start: no valid checkpoint under {prefix}")
     ckpt_state.load_params(net, ckpt.files[ckpt_state.PARAMS], ctx)
     log.info("warm start: parameters from step %d of %s", ckpt.step, ckpt.uri)
 
@@ -155,18 +155,18 @@ def check_compatible(state: dict[str, Any], job: JobSpec, num_workers: int, mani
     else:  # written before resume digests existed
         ok = state["config_digest"] == cfg.digest()
     if not ok:
-        raise ValueError(f"checkpoint was written with config {state['config_digest']}, "
+        raise ConfigError(f"checkpoint was written with config {state['config_digest']}, "
                          f"this job's config is {cfg.digest()}: refusing to mix them")
     if state.get(CODE_SHA256, "") != job.model_code_sha256:
-        raise ValueError(f"checkpoint was written by the network code {state.get(CODE_SHA256) or '(none)'}, this "
+        raise ConfigError(f"checkpoint was written by the network code {state.get(CODE_SHA256) or '(none)'}, this "
                          f"job's model.code_uri holds {job.model_code_sha256 or '(none)'}: the network's code "
                          "changed, refusing to resume its parameters with other code")
     if state["num_workers"] != num_workers:
         if not cfg.checkpoint.elastic:
-            raise ValueError(f"checkpoint was written by {state['num_workers']} workers, this job has "
+            raise ConfigError(f"checkpoint was written by {state['num_workers']} workers, this job has "
                              f"{num_workers}: set checkpoint.elastic=true to resume with another worker count")
         if "global_batch" not in state:
-            raise ValueError("checkpoint predates elastic resume (no global_batch recorded)")
+            raise ConfigError("checkpoint predates elastic resume (no global_batch recorded)")
     if state.get("manifest_digest") not in (None, data.manifest_digest(manifest)):
         log.warning("checkpoint was written over other shards (manifest %s, now %s)", state["manifest_digest"],
                     data.manifest_digest(manifest))

@@ -39,6 +39,7 @@ import numpy as np
 
 from common.mx import import_mxnet
 from common.config import ModelConfig, TrainConfig
+from common.errors import DeterministicError
 
 
 # One micro-batch as the step consumes it: (features per context, labels per context), NDArrays.
@@ -49,7 +50,7 @@ MicroBatch = tuple[list[Any], list[Any]]
 LOSS_CHECK_EVERY = 256
 
 
-class NaNLossError(RuntimeError):
+class NaNLossError(DeterministicError, RuntimeError):
     """The loss became NaN or infinite: a deterministic failure, retrying will not help."""
 
     def __init__(self, message: str, step: int | None = None) -> None:

@@ -52,7 +52,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from common import fpmode, model_code, storage
-from common.config import ModelConfig, TrainConfig
+from common.config import ConfigError, ModelConfig, TrainConfig
 from common.manifest import is_regression, num_outputs
 from common.model_code import StagedCode
 from common.mx import import_mxnet
@@ -371,7 +371,7 @@ def load_best(net: Any, store: CheckpointStore, state: TrainState, ctx: Any) -> 
     keeps), unless the current ones are those."""
     best = state.best
     if best.step is None:
-        raise ValueError("no validated epoch to export: checkpoint.export_epoch='best' needs at least one "
+        raise ConfigError("no validated epoch to export: checkpoint.export_epoch='best' needs at least one "
                          "finished epoch")
     if best.step != state.global_step:
         ckpt = store.load(best.step)

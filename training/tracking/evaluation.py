@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from common.errors import DeterministicError
+
 if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
@@ -32,7 +34,7 @@ TARGET_COLUMN = "true_label"
 DATASET_NAME = "test split"
 
 
-class EvaluationError(ValueError):
+class EvaluationError(DeterministicError, ValueError):
     """A model cannot be scored as asked: no test rows, or the model cannot score them."""
 
 

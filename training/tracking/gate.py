@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from common.errors import DeterministicError
+
 # Accuracy may not fall more than a point below the champion's, nor below a floor that only a
 # broken model misses (chance is 0.1 on ten classes, 0.5 on two): raise it per model.
 DEFAULT_GATE: dict[str, dict[str, Any]] = {
@@ -72,7 +74,7 @@ PARAM_SCHEMA: dict[str, Any] = {
 BOUND_DECIMALS = 12
 
 
-class GateConfigError(ValueError):
+class GateConfigError(DeterministicError, ValueError):
     """The gate's configuration is unusable (unknown check, bad number, metric not evaluated)."""
 
 

@@ -14,6 +14,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from common.errors import DeterministicError
+
 # MLflow's batch limits (mlflow.utils.validation): 100 params/tags and 1000 metrics per
 # log_batch, 1000 entities in all. We never mix params and metrics in one call.
 MAX_PARAMS_PER_BATCH = 100
@@ -24,7 +26,7 @@ MAX_PARAM_VALUE_LENGTH = 500
 MAX_KEY_LENGTH = 250
 
 
-class ParamConflictError(ValueError):
+class ParamConflictError(DeterministicError, ValueError):
     """A reused run already holds a different value for a param (MLflow params are immutable)."""
 
 

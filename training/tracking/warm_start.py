@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from common.errors import DeterministicError
+
 if TYPE_CHECKING:
     from common.config import CheckpointConfig
 
@@ -38,7 +40,7 @@ _NOT_FOUND = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
 DAG_TAG, RUN_TAG = "airflow.dag_id", "airflow.run_id"
 
 
-class WarmStartError(ValueError):
+class WarmStartError(DeterministicError, ValueError):
     """The warm start names nothing usable: a deterministic failure, a retry would not help."""
 
 
