@@ -11,14 +11,10 @@ from typing import Any
 
 from common import storage
 from common.config import TrainConfig
-
-# Role exit codes. A deterministic failure is not worth a retry; anything else may be.
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2
-EXIT_NAN_LOSS = 3
-# SIGTERM (preemption): rank 0 wrote an emergency checkpoint if it could; retrying resumes.
-EXIT_PREEMPTED = 75
-DETERMINISTIC_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_NAN_LOSS})
+# The role exit codes, with the events a role logs (common.events), are the rest of the contract
+# between a role and its supervisor; re-exported here beside the job spec.
+from common.events import (DETERMINISTIC_EXIT_CODES, EXIT_BAD_INPUT, EXIT_NAN_LOSS, EXIT_OK,  # noqa: F401
+                           EXIT_PREEMPTED)
 
 
 @dataclass(frozen=True)
