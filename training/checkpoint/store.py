@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import storage
+from common.events import CheckpointCommitted, emit
 from training.checkpoint.crypto import CheckpointKeyError, Envelope
 
 __all__ = ["Checkpoint", "CheckpointKeyError", "CheckpointStore", "CommitTooLate", "CorruptCheckpoint", "KEEP_STEP",
@@ -148,6 +149,7 @@ class CheckpointStore:
             log.info("checkpoint step %d was already committed by another attempt; keeping it", step)
             return base
         log.info("checkpoint committed: step %d at %s/%s", step, base, attempt)
+        emit(CheckpointCommitted(step=step, uri=f"{base}/{attempt}"))
         self.prune(pinned=state.get(KEEP_STEP))
         return base
 

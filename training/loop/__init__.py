@@ -9,7 +9,8 @@ start: ``resume``), one optimizer step (``step``), the optimizer and learning-ra
 (``optim``), kvstore views and trainer construction (``kvstore_sync``), split (model-parallel)
 placement (``placement``), the model zoo and the dispatch to a custom network's factory
 (``model``, ``custom_model``), throughput and per-step records (``metrics``) and test fault
-injection, read from the environment once (``faults``).
+injection, read from the environment once (``faults``). The loop's events (``common.events``)
+are its contract with the supervisor's readers.
 
 May import ``common``, ``training.feed``, ``training.checkpoint`` and ``training.launch.job`` (the
 job spec a role shares with its supervisor); never ``training.tracking`` (no MLflow in a role

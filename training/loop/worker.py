@@ -10,6 +10,10 @@ functions take), ``train`` (each epoch's steps, then its end: evaluation, log li
 checkpoint), the final commit check and the export (``training.loop.export``). Validation is
 ``training.loop.evaluation``, SIGTERM handling ``training.loop.preemption``.
 
+Besides its human log lines the loop emits structured events (``common.events``: worker started,
+progress, epoch done with its record, first step after a resume); the supervisor's status record,
+live tracking and the recovery timeline read those, never the human text.
+
 Optimizer placement (``cluster.optimizer_on``): on the workers by default (gradients summed
 through the servers, every worker applies the same step; the state a later change needs for
 ``Trainer.save_states``), or on the servers (required by ``dist_async``). The trainer comes
@@ -53,6 +57,7 @@ import numpy as np
 
 from common import fpmode, model_code, storage
 from common.config import TrainConfig
+from common.events import EpochDone, FirstStepAfterResume, Progress, WorkerStarted, emit
 from common.manifest import num_outputs
 from common.model_code import StagedCode
 from common.mx import import_mxnet
@@ -149,6 +154,7 @@ def join_kvstore(cfg: TrainConfig) -> KVStoreTopology:
     log.info("worker %d/%d started (kvstore=%s) optimizer on the %s; contexts %s; denormals %s", kv.rank,
              kv.num_workers, cfg.cluster.kvstore, cfg.cluster.optimizer_placement, ctxs,
              "flushed to zero" if fpmode.flushing() else "kept (IEEE)")
+    emit(WorkerStarted(rank=kv.rank, num_workers=kv.num_workers))
     return KVStoreTopology(kv=kv, rank=kv.rank, num_workers=kv.num_workers, ctxs=ctxs)
 
 
@@ -325,6 +331,7 @@ def train_epoch(loop: Loop) -> LossCheck:
             # The mark recovery time is measured to (benchmarks/chaos.py, recovery.py).
             log.info("first step after resume done: global_step=%d (resumed from step %d)", global_step,
                      loop.resumed_from)
+            emit(FirstStepAfterResume(global_step=global_step, resumed_from=loop.resumed_from))
         faults.at_step(global_step, rank)
         if preemption.requested and step + 1 < steps:  # at the epoch's last step: after its checkpoint
             _checked(epoch, losses.flush)
@@ -338,6 +345,7 @@ def train_epoch(loop: Loop) -> LossCheck:
             remaining = (cfg.optim.epochs - epoch) * steps - (step + 1)
             log.info("progress %s", meter.line(epoch, step + 1, steps, global_step, losses.last, remaining,
                                                len(idx), now))
+            emit(Progress(epoch=epoch, step=step + 1, steps=steps, global_step=global_step))
     return losses
 
 
@@ -361,6 +369,7 @@ def end_epoch(loop: Loop, losses: LossCheck) -> None:
     log.info("epoch %d done: step=%d loss=%.4f samples/s=%.0f (all workers %.0f) eta=%.0fs %s", state.epoch,
              state.global_step, record["train_loss"], record["samples_per_s_worker"],
              record["samples_per_s_total"], remaining * record["step_time_s"], json.dumps(record))
+    emit(EpochDone(epoch=state.epoch, global_step=state.global_step, record=record))
     if state.best is not None:
         track_best(loop, record)
     state.epoch, state.step_in_epoch = state.epoch + 1, 0
