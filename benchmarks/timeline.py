@@ -58,11 +58,6 @@ def first_event(events: Sequence[Event], pred: Pred, after: float) -> Event:
     raise RuntimeError("event not found after %.3f" % after)
 
 
-def role_line(text: str, role: str | None = None) -> Pred:
-    """A predicate: a role's line (of ``role``, or any role) containing ``text``."""
-    return lambda e: e["event"] == "line" and (role is None or e["role"] == role) and text in e["text"]
-
-
 def role_event(kind: type, role: str | None = None, **fields: Any) -> Pred:
     """A predicate: a role's line (of ``role``, or any role) carrying a ``kind`` event
     (``common.events``) whose ``fields`` have the values given."""

@@ -145,9 +145,6 @@ class JobStopped(RuntimeError):
 
 # The role whose log lines carry the job's progress (global step, epoch) into the status record.
 PROGRESS_ROLE = "worker-0"
-# A worker's worker_started event names its kvstore rank (common.events). ps-lite's scheduler
-# assigns ranks in the order workers register, so rank 0 (the checkpoint writer) is not
-# necessarily the role named worker-0.
 
 
 @dataclass
@@ -246,6 +243,9 @@ class Supervisor:
             self.events("line", role=role.name, text=line)
             if progress is not None:
                 progress(line)
+            # A worker's worker_started event names its kvstore rank (common.events). ps-lite's
+            # scheduler assigns ranks in the order workers register, so rank 0 (the checkpoint
+            # writer) is not necessarily the role named worker-0.
             if role.rank is None and role.kind == "worker":
                 with contextlib.suppress(EventError):  # a malformed event: live tracking reports it
                     if isinstance(started := parse_event(line), WorkerStarted):
