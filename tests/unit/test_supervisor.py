@@ -52,6 +52,13 @@ def test_role_exiting_non_zero_is_detected_within_seconds_and_all_roles_stop(not
     assert took < 1 + 1 + 3, took
 
 
+def test_the_last_lines_of_a_failed_role_are_its_human_lines_without_its_events(nothing_left):
+    event = event_line(Progress(epoch=0, step=1, steps=9, global_step=1))
+    cluster = ScriptCluster(nothing_left, {"worker-0": f"echo 'progress global_step=1'; echo '{event}'; exit 7"})
+    err, _ = _run(cluster, _cfg())
+    assert str(err).endswith("last lines of worker-0:\nprogress global_step=1"), str(err)
+
+
 def test_role_killed_by_a_signal_is_named(nothing_left):
     cluster = ScriptCluster(nothing_left, {"worker-0": "echo started; sleep 0.5; kill -9 $$"})
     err, took = _run(cluster, _cfg())

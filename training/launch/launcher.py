@@ -51,7 +51,7 @@ from typing import Any, Protocol
 from common.roles import JobLaunch, forwarded_env
 from common.settings import settings
 from common.config import TrainConfig
-from common.events import EventError, WorkerStarted, parse_event
+from common.events import EVENT_MARK, EventError, WorkerStarted, parse_event
 from training.launch.job import DETERMINISTIC_EXIT_CODES
 from training.launch.status import StatusWriter
 
@@ -234,7 +234,10 @@ class Supervisor:
         progress = self.status.progress if self.status is not None and role.name == PROGRESS_ROLE else None
         for line in role.handle.stdout:
             line = line.rstrip("\n")
-            role.tail.append(line)
+            # The failure message's last lines are for people: an event line (common.events) repeats
+            # a human one for the readers and would crowd the human lines out of the record's error.
+            if EVENT_MARK not in line:
+                role.tail.append(line)
             role.last_output = time.monotonic()
             role.seen_output = True
             log.info("[%s] %s", prefix, line)
