@@ -37,12 +37,13 @@ sys.path.insert(0, REPO)
 
 from benchmarks.dag_stack import local_stack, read_events, run_dag, upload  # noqa: E402
 from benchmarks.result_file import write_json  # noqa: E402
-from benchmarks.timeline import TERMS, Pred, failure_timeline, role_line  # noqa: E402
+from benchmarks.timeline import TERMS, Pred, failure_timeline, role_event  # noqa: E402
+from common.events import CheckpointCommitted  # noqa: E402
 
 
 def committed_first_step(resumed: int) -> Pred:
     """P4's first-step mark: the checkpoint of step ``resumed + 1`` committed (it checkpoints every step)."""
-    return role_line(f"checkpoint committed: step {resumed + 1} ")
+    return role_event(CheckpointCommitted, step=resumed + 1)
 
 
 def run_once(env: dict[str, str], dataset: str, kill_step: int, workdir: Path) -> dict[str, float]:

@@ -2,20 +2,22 @@
 
 Pure arithmetic on the recorded events (``training/launch/launcher.py`` writes them: ``job_start``,
 ``roles_started``, every role ``line`` with the time it arrived, ``role_failed``,
-``roles_stopped``), so it is unit-tested on a recorded file (tests/unit/test_goodput.py).
+``roles_stopped``), so it is unit-tested on a recorded file (tests/unit/test_goodput.py). Of the
+role lines it reads the workers' events only (``common.events.parse_event``), never their human text.
 
 **One failure** (``failure_timeline``), from the kill time on: detect (→ the supervisor's
 ``role_failed``), teardown (→ every role of the attempt stopped), retry (→ the next attempt's
 ``job_start``: Airflow's retry delay plus its task restart), cluster start (→ worker-0's
-``started (kvstore=…)``: the new roles imported mxnet and met in ps-lite), restore (→ ``resumed
-from step R``: shards fetched, model built, checkpoint verified and loaded), first step (→ the
-first step after the resume done, by default worker-0's ``first step after resume done`` line).
+``worker_started``: the new roles imported mxnet and met in ps-lite), restore (→ the first
+``resumed`` event, from step R: shards fetched, model built, checkpoint verified and loaded),
+first step (→ the first step after the resume done, by default worker-0's
+``first_step_after_resume`` event).
 
 **Goodput** (``goodput``) = productive training time ÷ wall time, where
 - wall time runs from the first attempt's ``job_start`` to worker-0's last step mark of the last
   attempt (the final step; the export and the tasks around ``train`` are not training);
-- an attempt's step marks are worker-0's ``progress … global_step=N`` lines (every 5 s), its
-  ``first step after resume done: global_step=N`` and its ``epoch E done: step=N`` lines, each
+- an attempt's step marks are worker-0's ``progress`` events (every 5 s), its
+  ``first_step_after_resume`` and its ``epoch_done`` events (their global step), each
   at the time the supervisor received it; between marks the time of a step is interpolated
   linearly, beyond them extrapolated at the attempt's mean seconds per step;
 - productive time is the wall time of the steps that were kept: in an attempt that resumed from
@@ -28,21 +30,25 @@ first step after the resume done, by default worker-0's ``first step after resum
 """
 from __future__ import annotations
 
-import re
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from common import events as role_events
 
 Event = dict[str, Any]
 Pred = Callable[[Event], bool]
 
 TERMS = ("detect", "teardown", "retry", "cluster_start", "restore", "first_step", "total")
 LEAD = "worker-0"
-_MARK = re.compile(r"(?:progress .*?global_step=|first step after resume done: global_step="
-                   r"|epoch \d+ done: step=)(\d+)")
-_RESUMED = re.compile(r"resumed from step (\d+) \(")
-_COMMITTED = re.compile(r"checkpoint committed: step (\d+) ")
+# The role events that mark a step reached (their global_step), read from the lead role only.
+_STEP_MARKS = (role_events.Progress, role_events.FirstStepAfterResume, role_events.EpochDone)
+
+
+def role_event_of(ev: Event) -> Any:
+    """The role event (``common.events``) a recorded ``line`` carries, or None."""
+    return role_events.parse_event(ev["text"]) if ev["event"] == "line" else None
 
 
 def first_event(events: Sequence[Event], pred: Pred, after: float) -> Event:
@@ -52,25 +58,31 @@ def first_event(events: Sequence[Event], pred: Pred, after: float) -> Event:
     raise RuntimeError("event not found after %.3f" % after)
 
 
-def role_line(text: str, role: str | None = None) -> Pred:
-    """A predicate: a role's line (of ``role``, or any role) containing ``text``."""
-    return lambda e: e["event"] == "line" and (role is None or e["role"] == role) and text in e["text"]
+def role_event(kind: type, role: str | None = None, **fields: Any) -> Pred:
+    """A predicate: a role's line (of ``role``, or any role) carrying a ``kind`` event
+    (``common.events``) whose ``fields`` have the values given."""
+    def pred(e: Event) -> bool:
+        if role is not None and e.get("role") != role:
+            return False
+        got = role_event_of(e)
+        return isinstance(got, kind) and all(getattr(got, k) == v for k, v in fields.items())
+    return pred
 
 
-def first_step_line(resumed: int) -> Pred:
-    """The first-step mark the soak uses: worker-0's line once step ``resumed + 1`` is computed."""
-    return role_line(f"first step after resume done: global_step={resumed + 1} ", LEAD)
+def first_step_event(resumed: int) -> Pred:
+    """The first-step mark the soak uses: worker-0's event once step ``resumed + 1`` is computed."""
+    return role_event(role_events.FirstStepAfterResume, LEAD, global_step=resumed + 1)
 
 
 def failure_timeline(events: Sequence[Event], kill_t: float,
-                     first_step: Callable[[int], Pred] = first_step_line) -> dict[str, float]:
+                     first_step: Callable[[int], Pred] = first_step_event) -> dict[str, float]:
     """The terms of one failure's recovery (module docstring), in seconds, and the resume step."""
     failed = first_event(events, lambda e: e["event"] == "role_failed", kill_t)
     stopped = first_event(events, lambda e: e["event"] == "roles_stopped", failed["t"])
     start2 = first_event(events, lambda e: e["event"] == "job_start", stopped["t"])
-    joined = first_event(events, role_line("started (kvstore=", LEAD), start2["t"])
-    resumed = first_event(events, role_line("resumed from step "), joined["t"])
-    step = int(resumed["text"].split("resumed from step ")[1].split()[0])
+    joined = first_event(events, role_event(role_events.WorkerStarted, LEAD), start2["t"])
+    resumed = first_event(events, role_event(role_events.Resumed), joined["t"])
+    step = role_event_of(resumed).step
     first = first_event(events, first_step(step), resumed["t"])
     marks = [kill_t, failed["t"], stopped["t"], start2["t"], joined["t"], resumed["t"], first["t"]]
     out = {name: marks[i + 1] - marks[i] for i, name in enumerate(TERMS[:-1])}
@@ -136,14 +148,13 @@ def attempts(events: Sequence[Event]) -> list[Attempt]:
         chunk = events[i:starts[n + 1]] if n + 1 < len(starts) else events[i:]
         resumed, points, committed = 0, [], []
         for ev in chunk:
-            if ev["event"] != "line":
-                continue
-            if (m := _RESUMED.search(ev["text"])) and resumed == 0:
-                resumed = int(m.group(1))
-            if ev["role"] == LEAD and (m := _MARK.search(ev["text"])):
-                points.append((ev["t"], int(m.group(1))))
-            if m := _COMMITTED.search(ev["text"]):
-                committed.append((ev["t"], int(m.group(1))))
+            got = role_event_of(ev)
+            if isinstance(got, role_events.Resumed) and resumed == 0:
+                resumed = got.step
+            if isinstance(got, _STEP_MARKS) and ev["role"] == LEAD:
+                points.append((ev["t"], got.global_step))
+            if isinstance(got, role_events.CheckpointCommitted):
+                committed.append((ev["t"], got.step))
         out.append(Attempt(start=chunk[0]["t"], end=chunk[-1]["t"], resumed_from=resumed, points=points,
                            committed=committed))
     return out

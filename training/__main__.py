@@ -49,7 +49,8 @@ python -m training run --config cfg.json --shards s3://mxpipe/manual/shards --ou
 
 def _worker(job_uri: str) -> int:
     from common.errors import DeterministicError
-    from training.launch.job import EXIT_BAD_INPUT, EXIT_NAN_LOSS, JobSpec
+    from common.events import EXIT_BAD_INPUT, EXIT_NAN_LOSS
+    from training.launch.job import JobSpec
     from training.loop.worker import NaNLossError, run
 
     log = logging.getLogger("training.loop.worker")

@@ -20,7 +20,7 @@ from common import storage
 from data_checks.shard import shard_dataset
 from training.checkpoint.store import CheckpointKeyError, CheckpointStore, store_for
 from common.config import recipe
-from training.launch.job import EXIT_PREEMPTED
+from common.events import EXIT_PREEMPTED
 from training.launch.launcher import JobFailed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -58,8 +58,7 @@ def test_a_committed_checkpoint_that_does_not_verify_is_never_replaced(tmp_path)
 
 
 def test_an_upload_slower_than_half_the_grace_does_not_commit(tmp_path):
-    store = CheckpointStore(str(tmp_path), orphan_grace_s=0.2)
-    store.before_commit = lambda step: time.sleep(0.15)
+    store = CheckpointStore(str(tmp_path), orphan_grace_s=0.2, before_commit=lambda step: time.sleep(0.15))
     with pytest.raises(CommitTooLate, match="upload took over"):
         store.save(10, {"params.npz": b"p"}, {"global_step": 10})
     assert store.steps() == [] and store.committed_steps() == []

@@ -261,7 +261,8 @@ def test_the_shard_task_refuses_a_broken_network_without_retry(tasks, digits_uri
 
 def test_a_worker_with_corrupt_code_exits_with_the_deterministic_code(code_dir, tmp_path, caplog):
     from training.__main__ import _worker
-    from training.launch.job import DETERMINISTIC_EXIT_CODES, EXIT_BAD_INPUT, JobSpec
+    from common.events import DETERMINISTIC_EXIT_CODES, EXIT_BAD_INPUT
+    from training.launch.job import JobSpec
 
     staged = model_code.stage(code_dir, str(tmp_path / "code"))
     job = JobSpec(config=_cfg("mynet.arch:build", code_uri=code_dir), shards_prefix=str(tmp_path / "shards"),

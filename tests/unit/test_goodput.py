@@ -13,6 +13,8 @@ import pytest
 
 from benchmarks.soak_killer import Killer, LiveRole, choose_victim, is_role_command, live_roles
 from benchmarks.timeline import attempts, cadence_plans, failure_timeline, goodput
+from common.events import (CheckpointCommitted, EpochDone, FirstStepAfterResume, Progress, Resumed, WorkerStarted,
+                           event_line)
 from common.procs import GroupSpawner
 
 pytestmark = pytest.mark.unit
@@ -22,26 +24,31 @@ def line(t: float, text: str, role: str = "worker-0") -> dict:
     return {"t": t, "event": "line", "role": role, "text": f"INFO training.loop.worker: {text}"}
 
 
+def event(t: float, ev, role: str = "worker-0") -> dict:
+    """A role's event line (common.events) as the supervisor recorded it."""
+    return {"t": t, "event": "line", "role": role, "text": f"INFO events: {event_line(ev)}"}
+
+
 def progress(t: float, step: int) -> dict:
-    return line(t, f"progress epoch=0 step={step}/328 global_step={step} loss=1.0 samples/s=600 eta=10s")
+    return event(t, Progress(epoch=0, step=step, steps=328, global_step=step))
 
 
 # A run killed at t=33 (worker-0 near step 330), resumed from the checkpoint of step 250.
 KILL_T = 33.0
 EVENTS = [
     {"t": 0.0, "event": "job_start", "job_uri": "s3://b/job.json"},
-    line(2.0, "worker 0/2 started (kvstore=dist_sync) optimizer on the workers"),
-    progress(10.0, 100), line(10.5, "progress epoch=0 step=100/328 global_step=100", role="worker-1"),
-    progress(20.0, 200), line(25.0, "checkpoint committed: step 250 at s3://b/ckpt/step-00000250"),
+    event(2.0, WorkerStarted(rank=0, num_workers=2)),
+    progress(10.0, 100), event(10.5, Progress(epoch=0, step=100, steps=328, global_step=100), role="worker-1"),
+    progress(20.0, 200), event(25.0, CheckpointCommitted(step=250, uri="s3://b/ckpt/step-00000250/a")),
     progress(30.0, 300),
     {"t": 33.2, "event": "role_failed", "role": "server-0", "host": "127.0.0.1", "why": "killed by SIGKILL"},
     {"t": 34.2, "event": "roles_stopped", "stopped": 4, "seconds": 1.0},
     {"t": 36.0, "event": "job_start", "job_uri": "s3://b/job.json"},
-    line(40.0, "worker 0/2 started (kvstore=dist_sync) optimizer on the workers"),
-    line(43.0, "resumed from step 250 (epoch 0, step 250 in epoch); optimizer state restored", role="worker-1"),
-    line(44.0, "first step after resume done: global_step=251 (resumed from step 250)"),
+    event(40.0, WorkerStarted(rank=1, num_workers=2)),
+    event(43.0, Resumed(step=250, epoch=0, step_in_epoch=250), role="worker-1"),
+    event(44.0, FirstStepAfterResume(global_step=251, resumed_from=250)),
     progress(50.0, 310), progress(80.0, 610),
-    line(81.0, 'epoch 1 done: step=620 loss=0.5 samples/s=600 (all workers 1200) eta=0s {"epoch": 1}'),
+    event(81.0, EpochDone(epoch=1, global_step=620, record={"epoch": 1})),
     {"t": 83.0, "event": "roles_stopped", "stopped": 4, "seconds": 2.0},
 ]
 
@@ -78,7 +85,7 @@ def test_goodput_counts_only_kept_steps():
 
 def test_step_at_a_kill_is_never_below_a_committed_checkpoint():
     # The marks say step 300 at t=30 (~330 at t=33), but a commit of step 340 arrived at t=32.5.
-    run = EVENTS[:6] + [line(32.5, "checkpoint committed: step 340 at s3://b/ckpt/step-00000340")] + EVENTS[6:]
+    run = EVENTS[:6] + [event(32.5, CheckpointCommitted(step=340, uri="s3://b/ckpt/step-00000340/a"))] + EVENTS[6:]
     first = attempts(run)[0]
     assert first.committed == [(25.0, 250), (32.5, 340)]
     assert first.step_at(KILL_T, 0.1) == 340 and first.step_at(26.0, 0.1) == pytest.approx(260)

@@ -194,7 +194,7 @@ def test_the_walk_finds_a_forbidden_edge_wherever_it_is(path, source, line, impo
 
 
 @pytest.mark.parametrize("path, source", [
-    ("training/loop/x.py", "from training.launch.job import EXIT_PREEMPTED\nfrom training.feed import prefetch\n"),
+    ("training/loop/x.py", "from training.launch.job import JobSpec\nfrom training.feed import prefetch\n"),
     ("training/tracking/x.py", "from training.checkpoint.store import store_for\nfrom . import registry\n"),
     ("training/__main__.py", "from training.launch.launcher import Supervisor\nfrom training.loop.worker import run\n"),
     ("plugins/x.py", "from infra.cluster import attach\nfrom training.launch.job import JobSpec\n"),

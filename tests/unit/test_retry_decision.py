@@ -21,7 +21,8 @@ import pytest
 from common import model_code, storage
 from common.config import recipe
 from common.errors import DataError, DeterministicError
-from training.launch.job import DETERMINISTIC_EXIT_CODES, EXIT_BAD_INPUT, JobSpec
+from common.events import DETERMINISTIC_EXIT_CODES, EXIT_BAD_INPUT
+from training.launch.job import JobSpec
 
 pytestmark = pytest.mark.unit
 

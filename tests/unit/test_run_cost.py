@@ -8,6 +8,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from common.events import EpochDone, FirstStepAfterResume, Progress, WorkerStarted, event_line
 from common.procs.usage import UsageMeter
 from infra.cost import instance_cost
 from training.launch.launcher import outcome_of
@@ -82,11 +83,15 @@ def test_live_run_reads_rank0_epoch_records_and_the_steps_of_every_worker():
     # ps-lite gave rank 0 to worker-1 here: worker-0's records (no validation) are not the run's.
     live = LiveRun(tracking_uri="http://127.0.0.1:9", experiment="x", run_name="r", find_tags={"a": "b"})
     live.on_line("worker-1", "INFO worker 0/2 started (kvstore=dist_sync) optimizer on the workers")
-    live.on_line("worker-0", 'INFO epoch 0 done: step=10 loss=2.0 {"epoch": 0, "train_loss": 2.0}')
-    live.on_line("worker-1", "INFO first step after resume done: global_step=41 (resumed from step 40)")
-    live.on_line("worker-1", 'INFO epoch 1 done: step=50 loss=1.5 eta=3s {"epoch": 1, "global_step": 50, '
-                             '"train_loss": 1.5, "val_accuracy": 0.5}')
-    live.on_line("worker-0", "progress epoch=2 step=3/25 global_step=53 loss=1.4000 samples/s=10")
+    live.on_line("worker-1", "INFO events: " + event_line(WorkerStarted(rank=0, num_workers=2)))
+    live.on_line("worker-0", "INFO events: " + event_line(WorkerStarted(rank=1, num_workers=2)))
+    live.on_line("worker-0", "INFO events: " + event_line(EpochDone(epoch=0, global_step=10,
+                                                                    record={"epoch": 0, "train_loss": 2.0})))
+    live.on_line("worker-1", "INFO events: " + event_line(FirstStepAfterResume(global_step=41, resumed_from=40)))
+    live.on_line("worker-1", "INFO events: " + event_line(EpochDone(epoch=1, global_step=50, record={
+        "epoch": 1, "global_step": 50, "train_loss": 1.5, "val_accuracy": 0.5})))
+    live.on_line("worker-0", "INFO events: " + event_line(Progress(epoch=2, step=3, steps=25, global_step=53)))
+    live.on_line("worker-0", "progress epoch=2 step=4/25 global_step=99 loss=1.4000")  # human text: not read
     assert live._records == [{"epoch": 1, "global_step": 50, "train_loss": 1.5, "val_accuracy": 0.5}]
     assert (live.cost.start_step, live.cost.reached) == (40, 53)
 

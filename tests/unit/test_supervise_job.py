@@ -1,5 +1,5 @@
 """The supervisor as a job of its own (``python -m training supervise``), with shell scripts for
-roles: its status record (states, progress from rank 0's lines, a bounded write rate), SIGTERM as
+roles: its status record (states, progress from rank 0's events, a bounded write rate), SIGTERM as
 an orderly stop (rank 0 ends on its own first), the refusal to start beside a live job, the
 failure kinds, and the local cluster starting it detached and stopping it within its bound."""
 import json
@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 
 from common.config import TrainConfig
+from common.events import EpochDone, Progress, WorkerStarted, event_line
 from training.launch.job import JobSpec
 from training.launch.status import (FAILED, RUNNING, STOPPED, SUCCEEDED, JobStatus, StatusWriter, progress_of,
                                     read_status)
@@ -21,13 +22,16 @@ from tests.unit import script_cluster
 pytestmark = pytest.mark.unit
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# A worker that names its kvstore rank, logs progress as a worker does, and on SIGTERM says so
-# (rank 0: "checkpoints") and exits 75. ps-lite ranks need not follow the role names.
+# A worker that names its kvstore rank, logs progress as a worker does (a human line and its
+# event, common.events), and on SIGTERM says so (rank 0: "checkpoints") and exits 75. ps-lite
+# ranks need not follow the role names.
 def _loop(rank):
     on_term = "emergency checkpoint at step $s" if rank == 0 else "rank 1 leaving"
-    return (f"echo 'worker {rank}/2 started (kvstore=dist_sync)'; trap 'echo {on_term}; exit 75' TERM; s=0; "
+    return (f"echo 'worker {rank}/2 started (kvstore=dist_sync)'; "
+            f"echo '{event_line(WorkerStarted(rank=rank, num_workers=2))}'; trap 'echo {on_term}; exit 75' TERM; s=0; "
             "while :; do s=$((s+1)); echo \"progress epoch=1 step=$s/100 global_step=$((100+s)) loss=0.1\"; "
-            "sleep 0.2; done")
+            "printf '@event {\"v\":1,\"kind\":\"progress\",\"epoch\":1,\"step\":%d,\"steps\":100,"
+            "\"global_step\":%d}\\n' $s $((100+s)); sleep 0.2; done")
 
 
 LOOP = _loop(0)
@@ -63,10 +67,11 @@ def _wait_for(predicate, timeout_s, what):
     raise TimeoutError(what)
 
 
-def test_progress_is_read_from_rank_0_progress_and_epoch_lines():
-    assert progress_of("progress epoch=2 step=5/40 global_step=85 loss=0.3 samples/s=10") == (2, 85)
-    assert progress_of("epoch 3 done: step=160 loss=0.2 samples/s=1 (all workers 2) eta=0s {}") == (4, 160)
+def test_progress_is_read_from_rank_0_progress_and_epoch_events():
+    assert progress_of("INFO events: " + event_line(Progress(epoch=2, step=5, steps=40, global_step=85))) == (2, 85)
+    assert progress_of(event_line(EpochDone(epoch=3, global_step=160, record={}))) == (4, 160)
     assert progress_of("training done: leaving the kvstore") is None
+    assert progress_of("progress epoch=2 step=5/40 global_step=85 loss=0.3 samples/s=10") is None  # human text
 
 
 def test_writer_bounds_its_rate_but_writes_every_state_change(tmp_path):
@@ -74,7 +79,7 @@ def test_writer_bounds_its_rate_but_writes_every_state_change(tmp_path):
     w = StatusWriter(uri, JobStatus(state="starting", job_id="j"), min_interval_s=60, heartbeat_s=60)
     w.update()
     first = read_status(uri)
-    w.progress("progress epoch=0 step=1/9 global_step=1 loss=1")  # within the bound: kept, not written
+    w.progress(event_line(Progress(epoch=0, step=1, steps=9, global_step=1)))  # within the bound: kept, not written
     assert read_status(uri).global_step == 0 and w.status.global_step == 1
     w.update(state=RUNNING)  # a state change is written at once, with the progress so far
     got = read_status(uri)
@@ -90,7 +95,8 @@ def test_a_record_is_live_only_while_active_and_fresh():
 
 
 def test_job_succeeds_with_its_progress_in_the_record(tmp_path, nothing_left):
-    done = "echo 'progress epoch=0 step=3/3 global_step=3 loss=0.5'; sleep 0.3; echo done"
+    done = (f"echo 'progress epoch=0 step=3/3 global_step=3 loss=0.5'; "
+            f"echo '{event_line(Progress(epoch=0, step=3, steps=3, global_step=3))}'; sleep 0.3; echo done")
     job, uri = _job(tmp_path, nothing_left, {"worker-0": done, "worker-1": done, "scheduler": "sleep 0.5",
                                              "server-0": "sleep 0.5"})
     proc = _supervise(uri, watch=nothing_left)
@@ -192,7 +198,8 @@ def _detached_job(tmp_path, worker_script):
 def test_run_detached_returns_the_final_record_and_relays_the_log(tmp_path, nothing_left, caplog):
     from training.launch.detached import run_detached
 
-    uri = _detached_job(tmp_path, "echo 'worker 0/1 started'; echo 'progress epoch=0 step=3/3 global_step=3 loss=1'")
+    uri = _detached_job(tmp_path, f"echo 'worker 0/1 started'; echo 'progress epoch=0 step=3/3 global_step=3 loss=1'; "
+                                  f"echo '{event_line(Progress(epoch=0, step=3, steps=3, global_step=3))}'")
     caplog.set_level("INFO", logger="training.launch.launcher")
     status = run_detached(uri, env={**os.environ, **nothing_left.env}, timeout_s=120)
     assert status.state == SUCCEEDED and status.global_step == 3

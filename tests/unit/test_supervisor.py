@@ -9,6 +9,7 @@ import time
 
 import pytest
 from common.config import TrainConfig
+from common.events import Progress, event_line
 from tests.unit import script_cluster
 from training.launch.launcher import JobFailed, Supervisor
 
@@ -49,6 +50,13 @@ def test_role_exiting_non_zero_is_detected_within_seconds_and_all_roles_stop(not
     # 1 s of script + one poll to notice + the short post-failure SIGTERM grace (1 s) for the
     # server that ignores it, then SIGKILL.
     assert took < 1 + 1 + 3, took
+
+
+def test_the_last_lines_of_a_failed_role_are_its_human_lines_without_its_events(nothing_left):
+    event = event_line(Progress(epoch=0, step=1, steps=9, global_step=1))
+    cluster = ScriptCluster(nothing_left, {"worker-0": f"echo 'progress global_step=1'; echo '{event}'; exit 7"})
+    err, _ = _run(cluster, _cfg())
+    assert str(err).endswith("last lines of worker-0:\nprogress global_step=1"), str(err)
 
 
 def test_role_killed_by_a_signal_is_named(nothing_left):
@@ -145,8 +153,9 @@ def test_a_status_write_stuck_on_storage_delays_neither_the_line_relay_nor_failu
 
     monkeypatch.setattr(storage, "put_bytes", hung_put)
     events, died = tmp_path / "events.jsonl", tmp_path / "died-at"
-    progress = ("for i in 1 2 3 4 5 6 7 8; do echo \"progress epoch=0 step=$i/9 global_step=$i loss=1\"; sleep 0.2; "
-                "done; sleep 300")
+    # One progress event a line (common.events), as the supervisor reads them.
+    progress = " ".join(f"echo '{event_line(Progress(epoch=0, step=i, steps=9, global_step=i))}'; sleep 0.2;"
+                        for i in range(1, 9)) + " sleep 300"
     cluster = ScriptCluster(nothing_left, {"worker-0": progress,
                                            "worker-1": f"echo hi; sleep 2; date +%s.%N > {died}; exit 1"})
     status = StatusWriter(str(tmp_path / "job_status.json"), JobStatus(state="running", job_id="j"),

@@ -39,11 +39,13 @@ import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from common import storage
 from common.errors import DeterministicError
+from common.events import CheckpointCommitted, emit
 from training.checkpoint.crypto import CheckpointKeyError, Envelope
 
 __all__ = ["Checkpoint", "CheckpointKeyError", "CheckpointStore", "CommitTooLate", "CorruptCheckpoint", "KEEP_STEP",
@@ -88,7 +90,8 @@ class Checkpoint:
 class CheckpointStore:
     def __init__(self, prefix: str, keep: int = 3, *, keep_every_n_steps: int = 0,
                  sse: dict[str, str] | None = None, envelope: Envelope | None = None,
-                 orphan_grace_s: float = ORPHAN_GRACE_S) -> None:
+                 orphan_grace_s: float = ORPHAN_GRACE_S,
+                 before_commit: Callable[[int], None] | None = None) -> None:
         if keep < 2:
             raise ValueError("keep must be >= 2 so a torn newest checkpoint has a fallback")
         self.prefix = prefix.rstrip("/")
@@ -97,8 +100,9 @@ class CheckpointStore:
         self.sse = dict(sse or {})
         self.envelope = envelope
         self.orphan_grace_s = orphan_grace_s
-        # Test hook (training.loop.faults): called after the data files, before the manifest.
-        self.before_commit: Any = None
+        # Called with the step after its data files are up, before the manifest: a fault plan's
+        # writer death between the two (training.loop.faults), a test's slow upload.
+        self.before_commit = before_commit
 
     def step_uri(self, step: int) -> str:
         return storage.join(self.prefix, f"step-{step:08d}")
@@ -146,6 +150,7 @@ class CheckpointStore:
             log.info("checkpoint step %d was already committed by another attempt; keeping it", step)
             return base
         log.info("checkpoint committed: step %d at %s/%s", step, base, attempt)
+        emit(CheckpointCommitted(step=step, uri=f"{base}/{attempt}"))
         self.prune(pinned=state.get(KEEP_STEP))
         return base
 
@@ -276,12 +281,14 @@ def _context(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def store_for(prefix: str, ckpt_cfg: Any) -> CheckpointStore:
-    """The store a job's ``CheckpointConfig`` describes (SSE headers, encryption key, retention)."""
+def store_for(prefix: str, ckpt_cfg: Any, *, before_commit: Callable[[int], None] | None = None) -> CheckpointStore:
+    """The store a job's ``CheckpointConfig`` describes (SSE headers, encryption key, retention);
+    ``before_commit`` as for ``CheckpointStore``."""
     from training.checkpoint.crypto import key_from_env
 
     envelope = None
     if ckpt_cfg.encryption_key_env:
         envelope = Envelope(key_from_env(ckpt_cfg.encryption_key_env), ckpt_cfg.encryption_key_env)
     return CheckpointStore(prefix, keep=ckpt_cfg.keep, keep_every_n_steps=ckpt_cfg.keep_every_n_steps,
-                           sse=storage.sse_args(ckpt_cfg.sse, ckpt_cfg.sse_kms_key_id), envelope=envelope)
+                           sse=storage.sse_args(ckpt_cfg.sse, ckpt_cfg.sse_kms_key_id), envelope=envelope,
+                           before_commit=before_commit)

@@ -12,14 +12,6 @@ from typing import Any
 from common import storage
 from common.config import TrainConfig
 
-# Role exit codes. A deterministic failure is not worth a retry; anything else may be.
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2
-EXIT_NAN_LOSS = 3
-# SIGTERM (preemption): rank 0 wrote an emergency checkpoint if it could; retrying resumes.
-EXIT_PREEMPTED = 75
-DETERMINISTIC_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_NAN_LOSS})
-
 
 @dataclass(frozen=True)
 class JobSpec:

@@ -11,7 +11,7 @@ its host, its exit code or signal and its last lines. Every role is stopped (its
 group, on whatever host) before ``run`` returns or raises: after a role failure at once (1 s
 SIGTERM grace, the others are blocked in ps-lite), otherwise workers first with the
 checkpoint's preemption grace (rank 0 alone first, for its emergency checkpoint; its rank comes
-from its first line), then scheduler and servers. The next attempt starts a fresh job,
+from its worker_started event), then scheduler and servers. The next attempt starts a fresh job,
 which resumes from the latest committed checkpoint.
 
 Where roles run is not this module's business: it takes a cluster (anything with
@@ -36,11 +36,11 @@ detected, roles stopped) to that file: what ``benchmarks/recovery.py`` measures 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ipaddress
 import json
 import logging
 import os
-import re
 import signal
 import threading
 import time
@@ -51,7 +51,8 @@ from typing import Any, Protocol
 from common.roles import JobLaunch, forwarded_env
 from common.settings import settings
 from common.config import TrainConfig
-from training.launch.job import DETERMINISTIC_EXIT_CODES
+from common.events import EVENT_MARK, EventError, WorkerStarted, parse_event
+from common.events import DETERMINISTIC_EXIT_CODES
 from training.launch.status import StatusWriter
 
 __all__ = ["JobFailed", "JobObserver", "JobStopped", "Supervisor", "launch_for", "outcome_of"]
@@ -144,10 +145,6 @@ class JobStopped(RuntimeError):
 
 # The role whose log lines carry the job's progress (global step, epoch) into the status record.
 PROGRESS_ROLE = "worker-0"
-# A worker's first line names its kvstore rank (training.loop.worker.build_cluster). ps-lite's
-# scheduler assigns ranks in the order workers register, so rank 0 (the checkpoint writer) is
-# not necessarily the role named worker-0.
-_RANK_LINE = re.compile(r"\bworker (\d+)/\d+ started\b")
 
 
 @dataclass
@@ -157,7 +154,7 @@ class _Role:
     last_output: float = field(default_factory=time.monotonic)
     seen_output: bool = False
     reader: threading.Thread | None = None
-    rank: int | None = None  # a worker's kvstore rank, once its first line said it
+    rank: int | None = None  # a worker's kvstore rank, once its worker_started event said it
 
     @property
     def name(self) -> str:
@@ -237,7 +234,10 @@ class Supervisor:
         progress = self.status.progress if self.status is not None and role.name == PROGRESS_ROLE else None
         for line in role.handle.stdout:
             line = line.rstrip("\n")
-            role.tail.append(line)
+            # The failure message's last lines are for people: an event line (common.events) repeats
+            # a human one for the readers and would crowd the human lines out of the record's error.
+            if EVENT_MARK not in line:
+                role.tail.append(line)
             role.last_output = time.monotonic()
             role.seen_output = True
             log.info("[%s] %s", prefix, line)
@@ -246,8 +246,13 @@ class Supervisor:
             self.events("line", role=role.name, text=line)
             if progress is not None:
                 progress(line)
-            if role.rank is None and role.kind == "worker" and (m := _RANK_LINE.search(line)):
-                role.rank = int(m.group(1))
+            # A worker's worker_started event names its kvstore rank (common.events). ps-lite's
+            # scheduler assigns ranks in the order workers register, so rank 0 (the checkpoint
+            # writer) is not necessarily the role named worker-0.
+            if role.rank is None and role.kind == "worker":
+                with contextlib.suppress(EventError):  # a malformed event: live tracking reports it
+                    if isinstance(started := parse_event(line), WorkerStarted):
+                        role.rank = started.rank
 
     def run(self, job_uri: str) -> None:
         c = self.cfg.cluster

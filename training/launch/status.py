@@ -11,7 +11,7 @@ or the detection of a failed or stalled role.
 
 Fields: ``state`` (``STATES``), ``job_id`` (unique per supervisor start), ``attempt`` (the
 Airflow try that started it, 0 outside Airflow), ``global_step`` and ``epoch`` (from rank 0's
-log lines), ``heartbeat`` (Unix time of the last write; a live supervisor writes at least every
+events), ``heartbeat`` (Unix time of the last write; a live supervisor writes at least every
 ``HEARTBEAT_S``), ``error`` and ``deterministic`` (on failure: whether a retry can help), and
 ``host`` / ``pid`` of the supervisor, which is what a stop signals, and on a role's failure
 ``role``, ``role_host`` and ``exit_code`` (negative for a signal; None for a stall).
@@ -19,13 +19,13 @@ log lines), ``heartbeat`` (Unix time of the last write; a live supervisor writes
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from common import storage
+from common.events import EpochDone, EventError, Progress, parse_event
 
 STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED = "starting", "running", "succeeded", "failed", "stopped"
 STATES = (STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED)
@@ -38,10 +38,6 @@ MIN_WRITE_INTERVAL_S = 5.0
 # A heartbeat older than this means the supervisor is gone (crashed host, kill -9): its job is
 # not live, whatever its state says. Several heartbeats, so one slow storage write is not a death.
 STALE_AFTER_S = 6 * HEARTBEAT_S
-
-# Rank 0's progress and epoch lines (training.loop.worker, training.loop.metrics.ThroughputMeter.line).
-_PROGRESS = re.compile(r"\bepoch=(\d+) step=\d+/\d+ global_step=(\d+)")
-_EPOCH_DONE = re.compile(r"\bepoch (\d+) done: step=(\d+)")
 
 
 class StatusError(RuntimeError):
@@ -102,13 +98,13 @@ def read_status(uri: str) -> JobStatus | None:
 
 
 def progress_of(line: str) -> tuple[int, int] | None:
-    """``(epoch, global_step)`` of a rank-0 progress or epoch-end line, else None."""
-    m = _PROGRESS.search(line)
-    if m:
-        return int(m.group(1)), int(m.group(2))
-    m = _EPOCH_DONE.search(line)
-    if m:
-        return int(m.group(1)) + 1, int(m.group(2))  # the epoch that starts next
+    """``(epoch, global_step)`` of a rank-0 progress or epoch-done event line
+    (``common.events``), else None. Raises ``EventError`` for a malformed event line."""
+    event = parse_event(line)
+    if isinstance(event, Progress):
+        return event.epoch, event.global_step
+    if isinstance(event, EpochDone):
+        return event.epoch + 1, event.global_step  # the epoch that starts next
     return None
 
 
@@ -179,9 +175,12 @@ class StatusWriter:
         return not self.dirty
 
     def progress(self, line: str) -> None:
-        """Note rank 0's step and epoch from one of its log lines (a cheap regex; most lines
-        miss). Never writes: the beats do, within the rate bound."""
-        got = progress_of(line)
+        """Note rank 0's step and epoch from one of its log lines (most are not events: a
+        substring test). Never writes: the beats do, within the rate bound."""
+        try:
+            got = progress_of(line)
+        except EventError:  # the relayed line is in the log; live tracking reports it
+            return
         if got is not None:
             with self.lock:
                 if got[1] >= self.status.global_step:

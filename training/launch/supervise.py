@@ -34,7 +34,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from training.launch.job import EXIT_BAD_INPUT, EXIT_PREEMPTED, JobSpec
+from common.events import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from training.launch.job import JobSpec
 from common.errors import DeterministicError
 from common.roles import TRACKING_SECRETS
 from training.launch.launcher import JobFailed, JobObserver, JobStopped, RoleCluster, Supervisor

@@ -103,8 +103,9 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def before_commit_hook(self) -> Callable[[int], None] | None:
-        """With ``kill_in_upload_step`` set: a ``CheckpointStore.before_commit`` hook that SIGKILLs
-        the writer after that step's data files are uploaded, before its manifest (torn)."""
+        """With ``kill_in_upload_step`` set: the ``before_commit`` callback the worker builds its
+        ``CheckpointStore`` with, which SIGKILLs the writer after that step's data files are
+        uploaded, before its manifest (a torn checkpoint); otherwise None (no callback)."""
         if self.kill_in_upload_step is None:
             return None
         target = self.kill_in_upload_step

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import ConfigError, TrainConfig
+from common.events import Resumed, emit
 from training.checkpoint import state as ckpt_state
 from training.checkpoint.store import KEEP_STEP, Checkpoint, CheckpointStore, store_for
 from training.feed import data
@@ -79,6 +80,7 @@ def restore_optimizer(trainer: Any, net: Any, ckpt: Checkpoint | None, state: Tr
             reposition(trainer, cfg, num_workers, steps, state.global_step)
         log.info("resumed from step %d (epoch %d, step %d in epoch); optimizer state %s", state.global_step,
                  state.epoch, state.step_in_epoch, "restored" if restored else "restarts from zero")
+        emit(Resumed(step=state.global_step, epoch=state.epoch, step_in_epoch=state.step_in_epoch))
     elif not ckpt_state.saves_optimizer_state(trainer) and rank == 0:
         log.warning("optimizer on the servers: checkpoints hold no optimizer state, a resume restarts it from zero")
 

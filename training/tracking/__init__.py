@@ -1,4 +1,4 @@
-"""Everything MLflow: runs, parameters, the pyfunc model, registration, review, warm start.
+"""Everything MLflow: runs, parameters, the pyfunc model, registration, review, warm start, live runs.
 
 - ``mlflow_params``: flattening the config into MLflow params.
 - ``run_extras``: the run's extras (plots, dataset input).
@@ -10,10 +10,11 @@
 - ``warm_start``: resolving a ``models:/`` warm start to a checkpoint.
 - ``server``: where the MLflow tracking server is, the one resolver every task and CLI uses.
 - ``runs``: the MLflow runs a DAG run writes to, and the bounded client settings of every call.
-- ``live``: the DAG run's MLflow run while its training runs: curves, system metrics, end state.
+- ``live``: the DAG run's MLflow run while its training runs: curves, system metrics, end state,
+  fed by the supervisor with the roles' ``common.events``.
 - ``cost``: what a run consumed, as MLflow metrics (core-seconds per role, GPU-seconds).
 
-Runs in Airflow tasks and CLIs, never
-in a role process. May import ``common`` and ``training.feed``/``training.checkpoint`` (to read
-test splits and checkpoints); never ``training.loop``.
+Runs in Airflow tasks, CLIs and the supervisor, never in a role process. May import ``common``
+and ``training.feed``/``training.checkpoint`` (to read test splits and checkpoints); never
+``training.loop``.
 """

@@ -10,8 +10,9 @@ Recomputation: an attempt that resumes from step R after an earlier attempt reac
 trains the steps R+1 … H again. ``steps_recomputed`` sums ``min(H, reached) - R`` over the
 attempts, ``steps_trained`` sums ``reached - R``; ``recompute_share`` is their ratio and
 ``recompute_core_seconds`` that share of the core-seconds. The steps reached come from the
-workers' own lines (progress every few seconds, epoch ends, the resume line), so H is a lower
-bound by at most one progress interval (``training.loop.metrics.PROGRESS_EVERY_S``) of steps.
+workers' events (``common.events``: progress every few seconds, epoch ends, the first step after
+a resume, which also names R), so H is a lower bound by at most one progress interval
+(``training.loop.metrics.PROGRESS_EVERY_S``) of steps.
 """
 from __future__ import annotations
 

@@ -7,9 +7,11 @@ from its own threads and never waiting on MLflow:
   ``airflow.dag_id`` / ``airflow.run_id`` tags ``register`` reuses it by, so the model lands in
   this run) or creates it, marks it RUNNING and hands its URL to ``on_run`` (the train task puts
   it in an XCom for the "MLflow run" link);
-- ``on_line(role, line)`` for every line a role prints: rank 0 (the worker whose start line says
-  ``worker 0/W started``) ends each epoch's line with its epoch record as JSON
-  (``training.loop.worker.end_epoch``), the progress and resume lines carry the global step. Workers stay free of MLflow: what is logged is what they already print;
+- ``on_line(role, line)`` for every line a role prints, of which it reads the events
+  (``common.events``) only: rank 0 (the worker whose ``worker_started`` event says rank 0) sends
+  each epoch's record in its ``epoch_done`` event, and the progress, epoch and first-step-after-
+  resume events carry the global step (and the step resumed from). Workers stay free of MLflow:
+  what is logged is what they already print;
 - ``sync(pids)`` every poll: samples the local role process trees (``common.procs.usage``) at
   most every ``SAMPLE_S``; cheap when not due;
 - ``end(outcome, error)`` once: the last points, the cost metrics and a cost line in the log,
@@ -25,14 +27,13 @@ queued for the next sync, and ``end`` waits for the thread at most ``END_WAIT_S`
 """
 from __future__ import annotations
 
-import json
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from common.events import EpochDone, EventError, FirstStepAfterResume, Progress, WorkerStarted, parse_event
 from common.procs.usage import UsageMeter
 from training.tracking.cost import RunCost, summary
 from training.tracking.mlflow_params import MAX_METRICS_PER_BATCH, chunked, metric_points
@@ -45,12 +46,6 @@ MAX_QUEUED_POINTS = 100_000  # while MLflow is unreachable: the oldest points go
 ERROR_TAG_CHARS = 5000
 # MLflow's run statuses for the supervisor's outcomes.
 STATUSES = {"succeeded": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
-
-_EPOCH_RECORD = re.compile(r"epoch \d+ done: .*? (\{.*\})\s*$")
-_GLOBAL_STEP = re.compile(r"\bglobal_step\"?(?:=|: )(\d+)")  # progress lines, and the epoch records' JSON
-_RESUMED = re.compile(r"\(resumed from step (\d+)\)")
-# ps-lite assigns the ranks: worker-0 need not be rank 0, which says so in its start line.
-_RANK0 = re.compile(r"\bworker 0/\d+ started\b")
 
 
 class LiveRun:
@@ -89,23 +84,23 @@ class LiveRun:
         self._thread.start()
 
     def on_line(self, role: str, line: str) -> None:
-        step = _GLOBAL_STEP.search(line)
-        resumed = _RESUMED.search(line)
-        if _RANK0.search(line):
-            self._rank0 = role
-        record = _EPOCH_RECORD.search(line) if role == self._rank0 else None
-        if not (step or resumed or record):
+        try:
+            event = parse_event(line)
+        except EventError as exc:
+            log.warning("unreadable event from %s: %s", role, exc)
+            return
+        if isinstance(event, WorkerStarted):
+            if event.rank == 0:  # ps-lite assigns the ranks: worker-0 need not be rank 0
+                self._rank0 = role
+            return
+        if not isinstance(event, (Progress, EpochDone, FirstStepAfterResume)):
             return
         with self._lock:
-            if resumed:
-                self.cost.resumed_from(int(resumed.group(1)))
-            if step:
-                self.cost.at_step(int(step.group(1)))
-            if record:
-                try:
-                    self._records.append(json.loads(record.group(1)))
-                except ValueError:
-                    log.warning("unreadable epoch record from %s: %s", role, line[-200:])
+            if isinstance(event, FirstStepAfterResume):
+                self.cost.resumed_from(event.resumed_from)
+            self.cost.at_step(event.global_step)
+            if isinstance(event, EpochDone) and role == self._rank0:
+                self._records.append(dict(event.record))
 
     def sync(self, pids: Mapping[str, int]) -> None:
         now = time.monotonic()
