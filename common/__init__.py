@@ -4,7 +4,8 @@ Nothing here imports Airflow, MXNet, MLflow or Great Expectations, so any layer 
 
 - ``cli``: what the project's command lines share: help with examples, bad input as one line.
 - ``config``: the one typed config that flows end to end: DAG params → shard → train → register.
-- ``errors``: error kinds shared across layers.
+- ``errors``: error kinds shared across layers, and ``DeterministicError``: what a retry cannot help.
+- ``events``: the role exit codes and the typed events a role logs for its supervisor's readers.
 - ``fpmode``: flush denormal floats to zero in a role process (x86-64 FTZ and DAZ).
 - ``manifest``: the shard manifest, the one file that says which shard files exist.
 - ``model_code``: a custom network's code travelling with its run: packed, staged, verified.
