@@ -55,6 +55,7 @@ from common import fpmode, model_code, storage
 from common.config import ModelConfig, TrainConfig
 from common.manifest import is_regression, num_outputs
 from common.model_code import StagedCode
+from common.preprocessing import TargetScale
 from common.mx import import_mxnet
 from training.checkpoint import state as ckpt_state
 from training.checkpoint.manager import CheckpointManager
@@ -340,7 +341,8 @@ def end_epoch(loop: Loop, losses: LossCheck, meter: ThroughputMeter) -> None:
               **meter.epoch_metrics()}
     if loop.data.val is not None:  # rank 0
         record.update({f"val_{k}": v for k, v in evaluate(loop.model.net, *loop.data.val, ctx=loop.cluster.ctxs[0],
-                                                           model=cfg.model).items()})
+                                                           model=cfg.model,
+                                                           targets=feed_data.target_scale(loop.data.manifest)).items()})
     state.history.append(record)
     remaining = (cfg.optim.epochs - state.epoch - 1) * steps
     log.info("epoch %d done: step=%d loss=%.4f samples/s=%.0f (all workers %.0f) eta=%.0fs %s", state.epoch,
@@ -381,13 +383,15 @@ def load_best(net: Any, store: CheckpointStore, state: TrainState, ctx: Any) -> 
 
 
 def evaluate(net: Any, X: np.ndarray, y: np.ndarray, batch: int = 512, ctx: Any = None,
-             model: ModelConfig | None = None) -> dict[str, float]:
+             model: ModelConfig | None = None, targets: TargetScale | None = None) -> dict[str, float]:
     """The task's metrics of ``net`` on ``(X, y)`` (``training.loop.metrics.TASK_METRICS``);
-    ``model`` None: classification."""
+    ``model`` None: classification. Regression ``y`` is in the targets' units; a net trained on
+    targets standardised by ``targets`` has its loss taken on that scale and its metrics in the
+    targets' units."""
     mx = import_mxnet()
     ctx = ctx or mx.cpu()
     if model is not None and model.task == "regression":
-        return _evaluate_regression(net, X, y, batch, ctx, make_loss(model))
+        return _evaluate_regression(net, X, y, batch, ctx, make_loss(model), targets)
     loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
     total_loss, correct = 0.0, 0
     for i in range(0, len(y), batch):
@@ -399,15 +403,18 @@ def evaluate(net: Any, X: np.ndarray, y: np.ndarray, batch: int = 512, ctx: Any 
     return {"loss": total_loss / n, "accuracy": correct / n}
 
 
-def _evaluate_regression(net: Any, X: np.ndarray, y: np.ndarray, batch: int, ctx: Any, loss_fn: Any) -> dict[str, float]:
+def _evaluate_regression(net: Any, X: np.ndarray, y: np.ndarray, batch: int, ctx: Any, loss_fn: Any,
+                         targets: TargetScale | None) -> dict[str, float]:
     mx = import_mxnet()
+    trained = y if targets is None else targets.standardize(y)
     total_loss, preds = 0.0, []
     for i in range(0, len(y), batch):
-        xb, yb = mx.nd.array(X[i:i + batch], ctx=ctx), mx.nd.array(y[i:i + batch], ctx=ctx)
+        xb, yb = mx.nd.array(X[i:i + batch], ctx=ctx), mx.nd.array(trained[i:i + batch], ctx=ctx)
         out = net(xb)
         total_loss += float(loss_fn(out, yb).sum().asscalar())
         preds.append(out.asnumpy())
-    return {"loss": total_loss / max(len(y), 1), **regression_metrics(np.concatenate(preds), y)}
+    predicted = np.concatenate(preds) if targets is None else targets.restore(np.concatenate(preds))
+    return {"loss": total_loss / max(len(y), 1), **regression_metrics(predicted, y)}
 
 
 def _checked(epoch: int, read: Any, *args: Any) -> None:
