@@ -55,8 +55,8 @@ from common import fpmode, model_code, storage
 from common.config import ModelConfig, TrainConfig
 from common.manifest import is_regression, num_outputs
 from common.model_code import StagedCode
-from common.preprocessing import TargetScale
 from common.mx import import_mxnet
+from common.preprocessing import TargetScale
 from training.checkpoint import state as ckpt_state
 from training.checkpoint.manager import CheckpointManager
 from training.checkpoint.state import Snapshot
