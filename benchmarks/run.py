@@ -130,17 +130,12 @@ def _q3(r: dict[str, Any]) -> Row:
             f"{served['labels']}", None, r["met"]["Q3"])
 
 
-def _defaults_row(row: dict[str, Any]) -> str:
-    return (f"{row['metric']} {row['pipeline']:.3f} vs {row['reference']:.3f} ({row['train_rows']} train / "
-            f"{row['test_rows']} test rows; {row['epochs_run']} epochs, best {row['best_epoch']})")
-
-
 def _q4(r: dict[str, Any]) -> Row:
-    return (_defaults_row(r["regression"]), r["regression"]["ratio"], r["met"]["regression"])
+    return (_reference_row(r["regression"]), r["regression"]["ratio"], r["met"]["regression"])
 
 
 def _q5(r: dict[str, Any]) -> Row:
-    return (_defaults_row(r["classification"]), r["classification"]["ratio"], r["met"]["classification"])
+    return (_reference_row(r["classification"]), r["classification"]["ratio"], r["met"]["classification"])
 
 
 def _q6(r: dict[str, Any]) -> Row:

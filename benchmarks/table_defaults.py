@@ -62,6 +62,7 @@ def _run(frame: pd.DataFrame, label: str, task: str, tmp: str, name: str, **kw: 
     row["train_s"] = round(row["train_s"], 1)
     if row["reference"] == row["reference"]:  # not NaN
         row["ratio"] = row["pipeline"] / row["reference"]
+        row["reference_name"] = f"StandardScaler + {'MLPRegressor' if task == 'regression' else 'MLPClassifier'}"
     print(f"{name}: {row['metric']} {row['pipeline']:.4f}"
           + (f" vs {row['reference']:.4f} (ratio {row['ratio']:.3f})" if "ratio" in row else "")
           + f"; {row['epochs_run']} epochs (best {row['best_epoch']}), job {row['train_s']} s", flush=True)
