@@ -1,4 +1,4 @@
-"""One benchmark report: runs P1–P8 (with D1, C1, Q1–Q3, N1, C2, G1, O1–O3 and chaos R4) side by side on this
+"""One benchmark report: runs P1–P8 (with D1, C1, Q1–Q6, N1, C2, G1, O1–O3 and chaos R4) side by side on this
 machine and writes the table into benchmarks/README.md (between the report markers) and benchmarks/results.json.
 
     benchmarks/run                 # quick mode (about 25 minutes on 2 cores)
@@ -130,6 +130,21 @@ def _q3(r: dict[str, Any]) -> Row:
             f"{served['labels']}", None, r["met"]["Q3"])
 
 
+def _q4(r: dict[str, Any]) -> Row:
+    return (_reference_row(r["regression"]), r["regression"]["ratio"], r["met"]["regression"])
+
+
+def _q5(r: dict[str, Any]) -> Row:
+    return (_reference_row(r["classification"]), r["classification"]["ratio"], r["met"]["classification"])
+
+
+def _q6(r: dict[str, Any]) -> Row:
+    now, before = r["digits"], r["digits_before"]
+    return (f"{now['train_s']:.1f} s ({now['epochs_run']} epochs, test accuracy {now['pipeline']:.3f}) vs "
+            f"{before['train_s']:.1f} s ({before['epochs_run']} epochs, {before['pipeline']:.3f})",
+            r["digits_time_ratio"], r["met"]["digits_within_2x"])
+
+
 def _n1(r: dict[str, Any]) -> Row:
     if "skipped" in r:
         return (f"skipped: {r['skipped']}", None, None)
@@ -231,6 +246,13 @@ BENCHES = (
     Bench("Q3", "a table with a text column and missing values (impute) through the DAG; the registered model on "
           "raw rows with unseen categories and missing values", "trains; predicts those rows",
           "table_references.py", (), (), 3600, _q3),
+    Bench("Q4", "the defaults on a nonlinear regression table, features on scales 0.01-1000 (only model.task set): "
+          "test R² ÷ StandardScaler + MLPRegressor's (targets scaled), same split", "≥ 1.0",
+          "table_defaults.py", (), (), 1800, _q4),
+    Bench("Q5", "the defaults on a three-class table, features on scales 0.01-1000: test accuracy ÷ "
+          "StandardScaler + MLPClassifier's, same split", "≥ 1.0", "table_defaults.py", (), (), 1800, _q5),
+    Bench("Q6", "digits job time with the defaults (epoch budget, early stopping) ÷ with the defaults of before "
+          "(20 epochs)", "≤ 2.0", "table_defaults.py", (), (), 1800, _q6),
     Bench("N1", "step time against link bandwidth (tbf on every netns host link) ÷ the planner's time for "
           "the same bytes (measured comm ÷ planned, mean over the rates)", "reported",
           "constrained_links.py", ("--quick",), (), 1800, _n1),

@@ -72,6 +72,9 @@ _DIGEST_OMITTED_AT_DEFAULT = {"data": ("target_columns", "target_range", "standa
                               "model": ("task", "loss", "huber_rho", "options", "code_uri"),
                               "optim": ("early_stopping_patience", "early_stopping_metric", "early_stopping_min_delta"),
                               "checkpoint": ("export_epoch", "mtbf_s")}
+# Of those, the fields whose default changed since: omitted at their former default (what the
+# checkpoints written before embed), so the digest follows the value, not the default.
+_DIGEST_OMITTED_AT = {("optim", "early_stopping_patience"): 0}
 # What a missing table value does: fail validation (as non-finite), or take the train split's
 # median (numeric) / most frequent value (categorical) at shard time and in the served model.
 MISSING_VALUES = ("fail", "impute")
@@ -82,6 +85,10 @@ SSE_MODES = ("", "AES256", "aws:kms")
 # Which epoch's parameters a job exports (and registers): "best" = the best validation epoch's,
 # "last" = the last trained epoch's, "auto" = "best" exactly when early stopping is on.
 EXPORT_EPOCHS = ("auto", "best", "last")
+# The defaults a table trains with (optim.epochs, optim.early_stopping_patience): an epoch budget
+# that early stopping ends when the validation metric has not improved for DEFAULT_PATIENCE
+# epochs (benchmarks/table_defaults.py measures them against scikit-learn's MLP).
+DEFAULT_EPOCHS, DEFAULT_PATIENCE = 100, 10
 
 
 class ConfigError(DeterministicError, ValueError):
@@ -297,7 +304,9 @@ class ModelConfig(StrictModel):
                                           "s3:// URI), staged with the run; empty = importable on every role "
                                           "already.")] = ""
     hidden: PositiveInts = Field((128, 64), description="Hidden layer widths of the `mlp`.")
-    dropout: Number = Field(0.0, ge=0, lt=1, description="Dropout rate.")
+    # A little dropout by default: with early stopping it lets a table's network train longer
+    # before it overfits (benchmarks/table_defaults.py).
+    dropout: Number = Field(0.1, ge=0, lt=1, description="Dropout rate.")
     # Model parallelism inside a worker: "split" puts contiguous stages of the model's blocks on
     # the worker's cluster.devices_per_worker contexts, one stage each (data parallelism across
     # workers stays: hybrid). See training/loop/placement.py for what MXNet 1.9 gluon allows.
@@ -349,7 +358,10 @@ class OptimConfig(StrictModel):
     batch_size: int = Field(32, ge=1, le=65536,
                             description="Rows per worker in one forward/backward pass; global batch = this × "
                                         "`optim.accumulate_steps` × workers.")
-    epochs: int = Field(20, ge=1, le=10000, description="Training epochs.")
+    # An epoch budget: with early stopping on (the default patience), a job trains until the
+    # validation metric stops improving, at most this many epochs.
+    epochs: int = Field(DEFAULT_EPOCHS, ge=1, le=10000,
+                        description="The epoch budget; early stopping (on by default) may end a job sooner.")
     # Gradient accumulation: k forward/backward passes add into the gradients (grad_req='add'),
     # then one kvstore push and one optimizer step.
     accumulate_steps: int = Field(1, ge=1, le=1024,
@@ -360,7 +372,8 @@ class OptimConfig(StrictModel):
     # the start of each epoch in lr_decay_epochs; "cosine" and "poly" (power poly_power) decay
     # to final_lr at the last step. The position is a function of the global step, so a
     # resumed job continues the same curve (training.loop.optim).
-    lr_schedule: Literal[LR_SCHEDULES] = Field("constant",
+    # Cosine by default: over the epoch budget, so a job that stops early stops at a lower rate.
+    lr_schedule: Literal[LR_SCHEDULES] = Field("cosine",
                                                description="Learning rate over optimizer steps: constant, `step` (× "
                                                            "`lr_decay_factor` at each epoch of `lr_decay_epochs`), "
                                                            "`cosine` or `poly` (to `final_lr` at the last step).")
@@ -388,7 +401,8 @@ class OptimConfig(StrictModel):
     # training.loop.metrics.higher_is_better) is compared with the best so far; a change of
     # more than ``early_stopping_min_delta`` in the good direction is a new best, and after
     # ``early_stopping_patience`` epochs without one the job stops (0 = off: every epoch runs).
-    early_stopping_patience: int = Field(0, ge=0,
+    # On by default, and with it the best epoch is what is exported (checkpoint.export_epoch).
+    early_stopping_patience: int = Field(DEFAULT_PATIENCE, ge=0,
                                          description="Stop after this many epochs without an improvement of the "
                                                      "watched metric; 0 = off.")
     # (The pattern is for the form's schema; the check below says what is wrong in words.)
@@ -695,7 +709,8 @@ class TrainConfig(StrictModel):
         for section, names in _DIGEST_OMITTED_AT_DEFAULT.items():
             fields = type(getattr(self, section)).model_fields
             for name in names:
-                if raw[section][name] == fields[name].get_default(call_default_factory=True):
+                omitted = _DIGEST_OMITTED_AT.get((section, name), fields[name].get_default(call_default_factory=True))
+                if raw[section][name] == omitted:
                     raw[section].pop(name)
         return raw
 
@@ -758,15 +773,18 @@ def overlay(raw: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def recipe(name: str, source_uri: str = "") -> TrainConfig:
-    """Named, versioned starting points. ``debug`` trains on CPU in well under a minute."""
+    """Named, versioned starting points. ``digits`` (the DAG's) trains with the defaults: an epoch
+    budget with early stopping, a cosine learning rate and dropout 0.1. ``debug`` trains on CPU in
+    well under a minute: 3 epochs at a constant rate, every one run (early stopping off)."""
     if name == "digits":
         return TrainConfig(data=DataConfig(source_uri=source_uri, label_column="label"),
                            model=ModelConfig(name="mlp", hidden=(128, 64)),
-                           optim=OptimConfig(optimizer="adam", learning_rate=0.002, batch_size=32, epochs=20))
+                           optim=OptimConfig(optimizer="adam", learning_rate=0.002, batch_size=32))
     if name == "debug":
         return TrainConfig(data=DataConfig(source_uri=source_uri, label_column="label"),
-                           model=ModelConfig(name="mlp", hidden=(32,)),
-                           optim=OptimConfig(optimizer="adam", learning_rate=0.005, batch_size=32, epochs=3),
+                           model=ModelConfig(name="mlp", hidden=(32,), dropout=0.0),
+                           optim=OptimConfig(optimizer="adam", learning_rate=0.005, batch_size=32, epochs=3,
+                                             lr_schedule="constant", early_stopping_patience=0),
                            checkpoint=CheckpointConfig(every_n_steps=10, keep=3))
     raise ConfigError(f"unknown recipe {name!r}; expected 'digits' or 'debug'")
 

@@ -11,6 +11,11 @@ most frequent value; 'fail' leaves NaN, which validation reports), one-hot with 
 bucket for values the train split never had. The record (``common.preprocessing``) goes into the
 manifest, with the count of imputed values per split and column.
 
+Regression targets stay raw in the shards (validation checks them in the source's units), but
+with ``data.standardize`` their train mean and standard deviation go into the record too
+(``targets``, ``fit_targets``): the network trains on standardised targets
+(``training.feed.data``), and the registered model turns its outputs back into the targets' units.
+
 Memory: one block of ``data.chunk_rows`` records at a time, plus (imputing only) the train
 split's numeric columns, 4 bytes a value, for exact medians.
 """
@@ -106,6 +111,20 @@ def fit(train: Callable[[], Iterator[np.ndarray]], layout: "Layout", codes: dict
             "inputs": inputs, "output_columns": output, "imputed": {}}
 
 
+def fit_targets(train: Callable[[], Iterator[np.ndarray]], names: list[str]) -> list[dict[str, Any]]:
+    """Per target, its train mean and standard deviation (a constant target keeps std 1), from
+    ``train()``'s blocks of targets ``[rows, len(names)]`` in shard order: the same shards give the
+    same bits, so a resumed job trains on the same standardised targets."""
+    moments = [(0, 0.0, 0.0)] * len(names)
+    for Y in train():
+        moments = [_merge(moments[k], Y[:, k].astype(np.float64)) for k in range(len(names))]
+    out = []
+    for name, (n, mean, m2) in zip(names, moments):
+        std = float(np.sqrt(m2 / n)) if n else 0.0
+        out.append({"name": name, "mean": mean, "std": std if std > 0 else 1.0})
+    return out
+
+
 def category_slots(record: dict[str, Any], codes: dict[str, dict[str, int]]) -> dict[str, np.ndarray]:
     """Per categorical input: reader code → its one-hot slot (the unknown bucket if not in train)."""
     out = {}
@@ -153,16 +172,21 @@ def rewrite(paths: list[tuple[str, str]], splits: list[str], n_train: int, layou
             codes: dict[str, dict[str, int]], data: "DataConfig") -> dict[str, Any]:
     """Fit on the train shards (the first ``n_train`` of ``paths``), then rewrite every shard
     through the transform, in place; returns the record with the imputed counts per split.
-    A regression record's payload ends with its float targets: they pass through unchanged."""
+    A regression record's payload ends with its float targets: they pass through unchanged (with
+    ``data.standardize`` the record holds their train mean and std, ``targets``)."""
     nf, rows = len(layout.feature_columns), data.chunk_rows
     width = nf + len(layout.target_columns)
 
-    def train() -> Iterator[np.ndarray]:
-        for idx, rec in paths[:n_train]:
-            for block in record_codec.iter_blocks(idx, rec, width, rows):
-                yield block.features[:, :nf]
+    def train(columns: slice) -> Callable[[], Iterator[np.ndarray]]:
+        def blocks() -> Iterator[np.ndarray]:
+            for idx, rec in paths[:n_train]:
+                for block in record_codec.iter_blocks(idx, rec, width, rows):
+                    yield block.features[:, columns]
+        return blocks
 
-    record = fit(train, layout, codes, data)
+    record = fit(train(slice(0, nf)), layout, codes, data)
+    if layout.target_columns and data.standardize:
+        record["targets"] = fit_targets(train(slice(nf, width)), list(layout.target_columns))
     slots = category_slots(record, codes)
     imputed: dict[str, dict[str, int]] = {}
     for (idx, rec), split in zip(paths, splits):

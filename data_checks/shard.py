@@ -58,6 +58,8 @@ def sharding_params(cfg: TrainConfig) -> dict[str, Any]:
               "preprocessing": {"version": 1, "standardize": d.standardize, "missing_values": d.missing_values}}
     if cfg.model.task == "regression":  # only then: classification fingerprints stay what they were
         params.update(task="regression", target_columns=list(cfg.target_columns))
+        if d.standardize:  # the manifest holds the targets' train mean and std: shards of before lack them
+            params["target_scaling"] = "standardize"
     return params
 
 

@@ -36,18 +36,26 @@ EVERY_SECTION = {
 # (config, digest(), resume_digest()) measured with the dataclass implementation of
 # common/config.py (before the models were pydantic): checkpoints written then embed these, so
 # they must never change for the same config.
-def _timed(cfg: TrainConfig) -> TrainConfig:
-    """The recipe as it was then: cluster.job_timeout_s defaulted to 3600 (now 0, no limit)."""
+def _timed(cfg: TrainConfig, **optim) -> TrainConfig:
+    """The config as it was then: cluster.job_timeout_s defaulted to 3600 (now 0, no limit) and
+    optim.early_stopping_patience to 0 (now on); ``optim``: more fields as they were."""
     raw = cfg.to_dict()
     raw["cluster"]["job_timeout_s"] = 3600.0
+    raw["optim"].update(early_stopping_patience=0, **optim)
     return TrainConfig.from_dict(raw)
 
 
+def _digits_then(source: str = "") -> TrainConfig:
+    """The digits recipe as it was then: 20 epochs at a constant rate, no dropout."""
+    return _timed(recipe("digits", source).replace(model={"dropout": 0.0}), epochs=20, lr_schedule="constant")
+
+
 PINNED = [
-    (lambda: _timed(recipe("digits")), "6e0b0322f610a689", "b1f6055028fc297f"),
-    (lambda: _timed(recipe("digits", "s3://b/d.csv")), "7ac610d7782aac46", "35420b11d431abae"),
+    (lambda: _digits_then(), "6e0b0322f610a689", "b1f6055028fc297f"),
+    (lambda: _digits_then("s3://b/d.csv"), "7ac610d7782aac46", "35420b11d431abae"),
     (lambda: _timed(recipe("debug")), "470cb94388c46c00", "335b575157570806"),
-    (lambda: TrainConfig.from_dict(EVERY_SECTION), "4e1a488af679820f", "ccb6b4304d97d98e"),
+    (lambda: _timed(TrainConfig.from_dict(EVERY_SECTION)).replace(cluster={"job_timeout_s": 7200}),
+     "4e1a488af679820f", "ccb6b4304d97d98e"),
 ]
 
 
@@ -151,7 +159,7 @@ def test_the_json_schema_is_strict():
     assert all(s["additionalProperties"] is False for s in sections.values())
     optim, cluster = sections["optim"]["properties"], sections["cluster"]["properties"]
     epochs = {k: v for k, v in optim["epochs"].items() if k != "description"}  # the text is docs/configuration.md's
-    assert epochs == {"default": 20, "maximum": 10000, "minimum": 1, "title": "Epochs", "type": "integer"}
+    assert epochs == {"default": 100, "maximum": 10000, "minimum": 1, "title": "Epochs", "type": "integer"}
     assert optim["learning_rate"]["type"] == "number" and optim["learning_rate"]["exclusiveMinimum"] == 0
     assert cluster["flush_denormals"]["type"] == "boolean"
     assert cluster["device"]["enum"] == ["cpu", "gpu"]

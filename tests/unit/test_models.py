@@ -82,7 +82,7 @@ def test_draws_random_only_with_dropout(name):
     from training.loop.model import draws_random
 
     mlp_shape = () if name == "mlp" else SHAPE
-    plain = TrainConfig(data=DataConfig(input_shape=mlp_shape), model=ModelConfig(name=name))
+    plain = TrainConfig(data=DataConfig(input_shape=mlp_shape), model=ModelConfig(name=name, dropout=0.0))
     assert draws_random(build_model(plain, 7)) is False
     if name == "mlp":
         dropout = TrainConfig(data=DataConfig(input_shape=()), model=ModelConfig(name=name, dropout=0.3))

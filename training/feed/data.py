@@ -21,9 +21,11 @@ import numpy as np
 from common import record_codec
 from common.errors import DataError
 from common.manifest import download_shard, load_manifest, manifest_digest, record_width
+from common.preprocessing import TargetScale
 from training.feed.shard_reader import ShardSet
 
-__all__ = ["load_manifest", "manifest_digest", "fetch_split", "open_split", "shards_for_rank", "steps_per_epoch", "EpochOrder"]
+__all__ = ["load_manifest", "manifest_digest", "fetch_split", "open_split", "shards_for_rank", "steps_per_epoch",
+           "target_scale", "EpochOrder"]
 
 
 def train_shards(manifest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -41,6 +43,13 @@ def steps_per_epoch(manifest: dict[str, Any], num_workers: int, batch_size: int)
         raise DataError(f"{len(train_shards(manifest))} train shards cannot feed {num_workers} workers: "
                          f"a worker would get no data (shares {shares})")
     return math.ceil(max(shares) / batch_size)
+
+
+def target_scale(manifest: dict[str, Any]) -> TargetScale | None:
+    """The standardisation of a regression job's targets (fitted on the train split at shard
+    time), or None: classification, ``data.standardize`` off, or shards written before targets
+    were standardised (their jobs train on raw targets, as they did)."""
+    return TargetScale.of(manifest.get("preprocessing")) if manifest.get("num_targets") else None
 
 
 def fetch_split(manifest: dict[str, Any], shards_prefix: str, shards: list[dict[str, Any]],
@@ -65,9 +74,10 @@ def open_split(manifest: dict[str, Any], shards_prefix: str, shards: list[dict[s
     """Download and verify (size + sha256) ``shards`` into ``work_dir`` and open them for random access.
 
     The returned set keeps working after ``work_dir`` is removed (see ``training.feed.shard_reader``).
+    Its regression targets are gathered standardised (``target_scale``): what the network trains on.
     """
     pairs = [download_shard(manifest, shards_prefix, s["name"], work_dir) for s in shards]
-    return ShardSet.open(pairs, manifest["num_features"], int(manifest.get("num_targets", 0)))
+    return ShardSet.open(pairs, manifest["num_features"], int(manifest.get("num_targets", 0)), target_scale(manifest))
 
 
 @dataclass

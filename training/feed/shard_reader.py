@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from common import record_codec
+from common.preprocessing import TargetScale
 
 log = logging.getLogger(__name__)
 
@@ -84,24 +85,28 @@ class ShardSet:
     """
 
     def __init__(self, parts: list[FeatureSource], labels: list[np.ndarray], num_features: int,
-                 num_targets: int = 0) -> None:
+                 num_targets: int = 0, target_scale: TargetScale | None = None) -> None:
         self.num_features = num_features
         self.num_targets = num_targets
+        self.target_scale = target_scale  # regression: the targets are gathered standardised
         self._parts = parts
         self._starts = np.cumsum([0] + [p.num_rows for p in parts])
         self.num_rows = int(self._starts[-1])
         self.labels = np.concatenate(labels) if labels else np.empty(0, np.int32)
 
     @classmethod
-    def open(cls, pairs: list[tuple[str, str]], num_features: int, num_targets: int = 0) -> "ShardSet":
+    def open(cls, pairs: list[tuple[str, str]], num_features: int, num_targets: int = 0,
+             target_scale: TargetScale | None = None) -> "ShardSet":
         """``pairs`` of verified ``(idx_path, rec_path)``, as ``common.manifest.download_shard`` returns;
-        ``num_targets`` > 0: regression records (the targets follow the features)."""
+        ``num_targets`` > 0: regression records (the targets follow the features), standardised
+        by ``target_scale`` when given."""
         opened = [open_shard(idx, rec, num_features + num_targets) for idx, rec in pairs]
-        return cls([p for p, _ in opened], [y for _, y in opened], num_features, num_targets)
+        return cls([p for p, _ in opened], [y for _, y in opened], num_features, num_targets, target_scale)
 
     def gather(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows ``idx`` (any order, repeats allowed): features ``[len(idx), f]`` float32 and labels
-        (int32 classes, or regression targets ``[len(idx), num_targets]`` float32)."""
+        (int32 classes, or regression targets ``[len(idx), num_targets]`` float32, standardised
+        with ``target_scale`` when the set has one)."""
         idx = np.asarray(idx, np.int64)
         if len(self._parts) == 1:
             X = self._parts[0].features(idx)
@@ -112,5 +117,6 @@ class ShardSet:
                 at = part_of == p
                 X[at] = self._parts[p].features(idx[at] - self._starts[p])
         if self.num_targets:
-            return X[:, :self.num_features], X[:, self.num_features:]
+            y = X[:, self.num_features:]
+            return X[:, :self.num_features], y if self.target_scale is None else self.target_scale.standardize(y)
         return X, self.labels[idx]

@@ -363,7 +363,8 @@ def end_epoch(loop: Loop, losses: LossCheck) -> None:
               **loop.meter.epoch_metrics()}
     if loop.data.val is not None:  # rank 0
         record.update({f"val_{k}": v for k, v in evaluate(loop.model.net, *loop.data.val, ctx=loop.topology.ctxs[0],
-                                                           model=cfg.model).items()})
+                                                           model=cfg.model,
+                                                           targets=feed_data.target_scale(loop.data.manifest)).items()})
     state.history.append(record)
     remaining = (cfg.optim.epochs - state.epoch - 1) * steps
     log.info("epoch %d done: step=%d loss=%.4f samples/s=%.0f (all workers %.0f) eta=%.0fs %s", state.epoch,

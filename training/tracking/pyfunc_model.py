@@ -17,7 +17,9 @@ columns, text categories, missing values) and applies the same transform the sha
 (``raw_features``): train mean/std, the train median or most frequent value for a missing value
 when the run imputed, one-hot categories with the unknown bucket for a value the train split
 never had. It is a copy of ``data_checks.preprocess.transform`` for a DataFrame (this file cannot
-import the project); a test checks that both give the same float32 bits.
+import the project); a test checks that both give the same float32 bits. A regression network
+trained on standardised targets (the record's ``targets``: train mean and std) has its outputs
+turned back into the targets' units (``restore_targets``), so predictions are in those units.
 
 This file is logged *as code* ("models from code", MLflow's recommended way): MLflow copies it
 into the model and executes it at load time, so it must stay self-contained (stdlib, numpy,
@@ -147,8 +149,10 @@ class LoadedNet:
         return self._forward(features, len(self.classes), batch_size, softmax=True)
 
     def predict_values(self, features: np.ndarray, batch_size: int = PREDICT_BATCH) -> np.ndarray:
-        """Regression: the network's outputs ``[n, num_targets]`` for float features ``[n, num_features]``."""
-        return self._forward(features, len(self.target_columns), batch_size, softmax=False)
+        """Regression: the predictions ``[n, num_targets]`` (float64, in the targets' units) for
+        float features ``[n, num_features]``."""
+        outputs = self._forward(features, len(self.target_columns), batch_size, softmax=False)
+        return restore_targets(self.preprocessing, outputs)
 
     def _forward(self, features: np.ndarray, width: int, batch_size: int, softmax: bool) -> np.ndarray:
         mx = _import_mxnet()
@@ -200,6 +204,18 @@ def raw_features(record: dict[str, Any], frame: pd.DataFrame) -> np.ndarray:
     return out
 
 
+def restore_targets(record: dict[str, Any] | None, outputs: np.ndarray) -> np.ndarray:
+    """Network outputs → predictions in the targets' units: a network trained on targets
+    standardised with the train split's mean and std (the record's ``targets``) predicts
+    ``(y - mean) / std``. A copy of ``common.preprocessing.TargetScale.restore`` (float64)."""
+    targets = (record or {}).get("targets")
+    if not targets:
+        return outputs.astype(np.float64)
+    mean = np.array([t["mean"] for t in targets], np.float64)
+    std = np.array([t["std"] for t in targets], np.float64)
+    return outputs.astype(np.float64) * std + mean
+
+
 def load_exported(symbol_file: str, params_file: str, meta_file: str,
                   preprocessing_file: str | None = None) -> LoadedNet:
     """Load an ``net.export`` pair with ``SymbolBlock.imports`` on CPU."""
@@ -238,7 +254,7 @@ def predict_frame(loaded: LoadedNet, features: np.ndarray, index: pd.Index | Non
     """The model's output for float features: ``label`` and ``probability`` (classification), or
     one float64 column per target (regression)."""
     if loaded.task == "regression":
-        values = loaded.predict_values(features).astype(np.float64)
+        values = loaded.predict_values(features)
         return pd.DataFrame(values, columns=loaded.target_columns, index=index)
     return predictions_frame(loaded, loaded.predict_proba(features), index=index)
 
