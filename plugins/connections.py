@@ -186,7 +186,7 @@ def task_environment(params: Mapping[str, Any] | None = None) -> Iterator[None]:
     """This process's environment with the run's connections applied, restored on the way out.
     A missing or unusable connection fails the task without a retry."""
     # The one helper that snapshots variables and puts them back (tests/unit/test_settings.py).
-    from training.tracking.registry import environ_restored
+    from training.tracking.runs import environ_restored
 
     try:
         changes = connection_env(params)

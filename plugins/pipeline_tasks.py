@@ -358,7 +358,8 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
     from training.feed import data
     from training.tracking.evaluation import EvaluationError, load_test_split
     from training.tracking.mlflow_params import ParamConflictError
-    from training.tracking.registry import find_run, log_model_run
+    from training.tracking.registry import ModelRunRequest, log_model_run
+    from training.tracking.runs import find_run
     from training.tracking.run_extras import plot_artifacts
 
     cfg = load_config(config)
@@ -381,7 +382,7 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
         extra.update(plot_artifacts(metrics["history"], os.path.join(tmp, "plots")))
         try:
             test = load_test_split(shards["shards_prefix"], os.path.join(tmp, "test"))
-            result = log_model_run(
+            result = log_model_run(ModelRunRequest(
                 tracking_uri=tracking_uri, experiment=EXPERIMENT, run_name=f"{dag_id}/{run_id}",
                 tags={**run_tags, "airflow.try_number": str(try_number),
                       "dataset.manifest_digest": shards["manifest_digest"], "mlflow.source.git.commit": git_sha(),
@@ -399,7 +400,7 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
                          "digest": shards["manifest_digest"]},
                 log_system_metrics=True, step_metrics=metrics.get("step_history", []),
                 selection=metrics.get("best"),
-            )
+            ))
         except (ParamConflictError, EvaluationError) as exc:  # conflicting params, unscorable test split: no retry
             raise _fail(str(exc)) from exc
     if test.task == "regression":

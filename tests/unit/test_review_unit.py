@@ -25,12 +25,12 @@ def results(tmp_path_factory):
     import pandas as pd
     from mlflow import MlflowClient
 
-    from training.tracking.registry import _tracking_uri
+    from training.tracking.runs import fluent_tracking_uri
 
     tmp = tmp_path_factory.mktemp("evaluate")
     truth = np.asarray(CLASSES * (ROWS // len(CLASSES) + 1))[:ROWS]
     out = {}
-    with _tracking_uri(f"sqlite:///{tmp / 'mlflow.db'}"):
+    with fluent_tracking_uri(f"sqlite:///{tmp / 'mlflow.db'}"):
         experiment = MlflowClient().create_experiment("review-unit", artifact_location=(tmp / "artifacts").as_uri())
         for name, errors in ERRORS.items():
             predicted = truth.copy()
