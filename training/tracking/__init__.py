@@ -2,8 +2,9 @@
 
 Owns: flattening the config into MLflow params (``mlflow_params``), the run's extras (plots,
 dataset input: ``run_extras``), the self-contained pyfunc model file (``pyfunc_model``),
-logging and registering a trained job (``registry``), scoring a model on a test split
-(``evaluation``), the challenger-vs-champion comparison (``review``), the automatic gate
+logging and registering a model run (``registry``), a DAG run's trained job registered
+(``job_registration``), scoring a model on a test split (``evaluation.score_model``, for
+registration and review alike), the challenger-vs-champion comparison (``review``), the automatic gate
 before a human review (``gate``) and resolving a ``models:/`` warm start to a checkpoint
 (``warm_start``). Runs in Airflow tasks and CLIs, never
 in a role process. May import ``common`` and ``training.feed``/``training.checkpoint`` (to read
