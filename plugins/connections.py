@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from common.roles import TRACKING_SECRETS
+from plugins.failures import fail_without_retry
 
 if TYPE_CHECKING:
     from airflow.sdk import Connection
@@ -175,12 +176,6 @@ def _apply(changes: EnvChanges) -> None:
             os.environ[key] = value
 
 
-def _fail(exc: ConnectionSettingsError) -> Exception:
-    from airflow.sdk.exceptions import AirflowFailException
-
-    return AirflowFailException(f"connections: {exc}")
-
-
 @contextmanager
 def task_environment(params: Mapping[str, Any] | None = None) -> Iterator[None]:
     """This process's environment with the run's connections applied, restored on the way out.
@@ -191,7 +186,7 @@ def task_environment(params: Mapping[str, Any] | None = None) -> Iterator[None]:
     try:
         changes = connection_env(params)
     except ConnectionSettingsError as exc:
-        raise _fail(exc) from exc
+        raise fail_without_retry(f"connections: {exc}") from exc
     with environ_restored(changes):
         _apply(changes)
         yield
@@ -215,7 +210,7 @@ def apply_connections() -> None:
     try:
         _apply(connection_env())
     except ConnectionSettingsError as exc:
-        raise _fail(exc) from exc
+        raise fail_without_retry(f"connections: {exc}") from exc
 
 
 def role_base_env(environ: Mapping[str, str]) -> dict[str, str]:

@@ -148,7 +148,7 @@ def test_default_gate_fits_its_schema_and_unknown_metrics_are_named(results):
 
 
 def test_decision_and_event_reading():
-    from plugins.review import _decision, _from_events, model_asset
+    from plugins.review_tasks import _decision, _from_events, model_asset
 
     approval = {"chosen_options": ["Reject"], "params_input": {"comment": "worse on class 3"},
                 "responded_by_user": {"id": "admin", "name": "admin"}}
