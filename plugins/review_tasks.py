@@ -85,10 +85,11 @@ def compare(target: Mapping[str, Any], dag_id: str, run_id: str) -> dict[str, An
     """Evaluate challenger and champion on the same test split; log the review run."""
     from training.tracking.evaluation import EvaluationError
     from training.tracking.review import Target, review
+    from training.tracking.runs import dag_run_name, dag_run_tags
 
     try:
-        return review(_tracking_uri(), Target(**target), run_name=f"{dag_id}/{run_id}",
-                      tags={"airflow.dag_id": dag_id, "airflow.run_id": run_id})
+        return review(_tracking_uri(), Target(**target), run_name=dag_run_name(dag_id, run_id),
+                      tags=dag_run_tags(dag_id, run_id))
     except EvaluationError as exc:  # no test rows, or a version that cannot score them: no retry
         raise fail_without_retry(f"review: {exc}") from exc
 
