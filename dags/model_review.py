@@ -10,10 +10,11 @@ and the champion's; a failure tags the version ``review=gate_failed`` with the r
 Approve: the ``champion`` alias moves to the version) / reject (on Reject: the version is
 tagged ``review=rejected`` with the reviewer's comment; the aliases stay).
 
-Triggered by the Asset ``x-mlflow://models/<name>`` (``plugins.review_tasks.model_asset``) of each model in ``MXPIPE_REVIEW_MODELS``
-(default ``digits-classifier``): the training DAG's ``register`` task emits it through the
-AssetAlias ``mxpipe.registered_model`` with ``extra={"registered_model_name": ..., "version": ...}``,
-and ``resolve`` reviews the version that event names.
+Triggered by the Asset ``x-mlflow://models/<name>`` (``plugins.review_tasks.model_asset``) of each
+model in ``MXPIPE_REVIEW_MODELS`` (default ``digits-classifier``): the training DAG's ``register``
+task emits it through the AssetAlias ``mxpipe.registered_model`` with
+``extra={"registered_model_name": ..., "version": ...}``, and ``resolve`` reviews the version that
+event names.
 Or by hand, with the Params below. No answer within ``MXPIPE_REVIEW_TIMEOUT_H`` hours (default
 72) fails the approval task and changes nothing; a new manual run asks again.
 """

@@ -223,8 +223,9 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
             job = self._job or (store.get(self.external_id_key) if store is not None else None)
             if job is not None:
                 self._stop(job, f"the task's execution_timeout ({self.execution_timeout}) passed")
-            raise fail_without_retry(f"train: the job ran past the task's execution_timeout ({self.execution_timeout}); "
-                        "it was stopped (emergency checkpoint first)") from None
+            raise fail_without_retry(f"train: the job ran past the task's execution_timeout "
+                                     f"({self.execution_timeout}); it was stopped (emergency checkpoint "
+                                     "first)") from None
 
     def on_kill(self) -> None:
         if self._job is not None:

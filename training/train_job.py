@@ -2,13 +2,14 @@
 what a succeeded job hands on to registration.
 
 ``stage_run`` writes the run's config and stages a custom network's code before the data is
-read; ``check_model_fits`` builds that network for the sharded data. ``prepare_attempt`` writes one attempt's ``JobSpec`` (``training.launch.job``): the resolved
-config, where to read the shards and write checkpoints, the model and metrics, the warm start
+read; ``check_model_fits`` builds that network for the sharded data. ``prepare_attempt`` writes
+one attempt's ``JobSpec`` (``training.launch.job``): the resolved config, where to read the
+shards and write checkpoints, the model and metrics, the warm start
 (``training.tracking.warm_start``), a custom network's staged code, the status record, the
 cluster the supervisor attaches to (provisioned again for a retry: ``for_attempt``) and the
 live MLflow run's settings (``live_tracking``); it reports the step the attempt resumes from
-(``training.checkpoint``). ``job_result`` reads a succeeded job's metrics into the small dict of
-pointers the register step takes.
+(``training.checkpoint``). ``job_result`` reads a succeeded job's metrics into the small dict
+of pointers the register step takes.
 
 A top-level module of ``training`` because it joins its parts (launch, checkpoint, tracking);
 Airflow-free: the training DAG's train task calls it through ``plugins.pipeline_tasks``. The

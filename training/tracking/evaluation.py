@@ -1,13 +1,14 @@
 """Score a logged model on a held-out test split with MLflow's evaluation API.
 
 ``score_model`` is the one entry point (registration and review call it): it picks the
-evaluation by the test split's task. ``evaluate_model`` loads a model through ``mlflow.pyfunc`` exactly as a serving job would and
-scores it with ``mlflow.models.evaluate`` (the default classifier evaluator: accuracy, precision,
-recall, F1, a per-class table and a confusion matrix; SHAP explanations off), linked to its
-LoggedModel (``model_id``): the metrics land on the active run and on the model's page alike,
-with the test split as their dataset. The training DAG's register step scores the model it just
-logged; a review scores challenger and champion the same way. ``load_test_split`` reads a sharded
-dataset's test split as the data to score on.
+evaluation by the test split's task. ``evaluate_model`` loads a model through ``mlflow.pyfunc``
+exactly as a serving job would and scores it with ``mlflow.models.evaluate`` (the default
+classifier evaluator: accuracy, precision, recall, F1, a per-class table and a confusion
+matrix; SHAP explanations off), linked to its LoggedModel (``model_id``): the metrics land on
+the active run and on the model's page alike, with the test split as their dataset. The
+training DAG's register step scores the model it just logged; a review scores challenger and
+champion the same way. ``load_test_split`` reads a sharded dataset's test split as the data to
+score on.
 
 Regression (a manifest with float targets): the frame holds each target as ``true_<target>``;
 ``evaluate_regressor`` scores the model with the default *regressor* evaluator on the first target

@@ -112,7 +112,8 @@ def register_trained_job(job: TrainedJob) -> dict[str, Any]:
         artifacts.update(plot_artifacts(metrics["history"], os.path.join(tmp, "plots")))
         test = load_test_split(job.shards_prefix, os.path.join(tmp, "test"))
         result = log_model_run(ModelRunRequest(
-            tracking_uri=job.tracking_uri, experiment=PIPELINE_EXPERIMENT, run_name=dag_run_name(job.dag_id, job.run_id),
+            tracking_uri=job.tracking_uri, experiment=PIPELINE_EXPERIMENT,
+            run_name=dag_run_name(job.dag_id, job.run_id),
             tags=run_tags(job), params={"config": job.config.to_dict(), "config_digest": job.config.digest()},
             epoch_metrics=metrics["history"],
             final_metrics={"global_step": metrics["global_step"], "resumed_from_step": job.resumed_from_step,

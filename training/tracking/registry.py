@@ -448,8 +448,8 @@ def log_model_run(request: ModelRunRequest) -> dict[str, Any]:
                 client, r.registered_model_name, rid, digest, retry=r.run_id is not None, files=files,
                 input_example=r.input_example, step=final_step, tags=version_tags)
         test_metrics, version = _score_and_register(
-            client, rid, url, r.run_name, r.registered_model_name, version, model_uri, model_id, r.test_data, final_step,
-            version_tags)
+            client, rid, url, r.run_name, r.registered_model_name, version, model_uri, model_id, r.test_data,
+            final_step, version_tags)
 
     log.info("logged run %s (%d params, %d metric points) and registered %s version %s as %r in %.1f s",
              rid, n_params, n_metrics, r.registered_model_name, version.version, CHALLENGER_ALIAS,
