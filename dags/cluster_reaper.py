@@ -14,7 +14,7 @@ from datetime import timedelta
 from airflow.sdk import CronTriggerTimetable, dag, task
 
 from common.settings import settings
-from plugins import pipeline_tasks as tasks
+from plugins import pipeline_tasks
 from plugins.connections import with_connections
 
 SCHEDULE = settings().reaper_schedule
@@ -33,7 +33,7 @@ def cluster_reaper() -> None:
     @task(execution_timeout=timedelta(minutes=10))
     @with_connections
     def reap() -> dict:
-        return tasks.reap()
+        return pipeline_tasks.reap()
 
     reap()
 

@@ -10,10 +10,11 @@ and the champion's; a failure tags the version ``review=gate_failed`` with the r
 Approve: the ``champion`` alias moves to the version) / reject (on Reject: the version is
 tagged ``review=rejected`` with the reviewer's comment; the aliases stay).
 
-Triggered by the Asset ``x-mlflow://models/<name>`` (``plugins.review.model_asset``) of each model in ``MXPIPE_REVIEW_MODELS``
-(default ``digits-classifier``): the training DAG's ``register`` task emits it through the
-AssetAlias ``mxpipe.registered_model`` with ``extra={"registered_model_name": ..., "version": ...}``,
-and ``resolve`` reviews the version that event names.
+Triggered by the Asset ``x-mlflow://models/<name>`` (``plugins.review_tasks.model_asset``) of each
+model in ``MXPIPE_REVIEW_MODELS`` (default ``digits-classifier``): the training DAG's ``register``
+task emits it through the AssetAlias ``mxpipe.registered_model`` with
+``extra={"registered_model_name": ..., "version": ...}``, and ``resolve`` reviews the version that
+event names.
 Or by hand, with the Params below. No answer within ``MXPIPE_REVIEW_TIMEOUT_H`` hours (default
 72) fails the approval task and changes nothing; a new manual run asks again.
 """
@@ -24,21 +25,21 @@ from datetime import timedelta
 from airflow.sdk import AssetAny, Param, dag, get_current_context, task
 
 from common.settings import settings
-from plugins import review as tasks
+from plugins import review_tasks
 from plugins.approval import DECISION_KEY, RecordedApprovalOperator
 
 GATE_KEY = "gate"  # the gate's outcome (table, reason) as an XCom of the gate task
 RESPONSE_TIMEOUT = timedelta(hours=settings().review_timeout_h)
 
 PARAMS = {
-    "model_name": Param(tasks.review_models()[0], type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",
+    "model_name": Param(review_tasks.review_models()[0], type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",
                         description="Registered model to review (ignored when an Asset event names one)."),
     "version": Param("", type="string", pattern=r"^[0-9]*$",
                      description="Version to review; empty: the version with alias 'challenger'."),
     "shards_prefix": Param("", type="string", pattern=r"^(|(s3://|/).+)$",
                            description="Test data (a shards prefix); empty: the version's "
                                        "'dataset.shards_prefix' tag."),
-    "gate": Param(tasks.DEFAULT_GATE, **tasks.GATE_SCHEMA,
+    "gate": Param(review_tasks.DEFAULT_GATE, **review_tasks.GATE_SCHEMA,
                   description="Automatic gate before the reviewer (left at this default, a regression model "
                               "gets root_mean_squared_error, at most 1 % above the champion's): "
                               "{metric: {greater_is_better, threshold, "
@@ -56,7 +57,7 @@ def _ids() -> tuple[str, str]:
 
 @dag(
     dag_id="model_review",
-    schedule=AssetAny(*(tasks.model_asset(name) for name in tasks.review_models())),
+    schedule=AssetAny(*(review_tasks.model_asset(name) for name in review_tasks.review_models())),
     catchup=False,
     # Reviews may wait for days; a few can wait side by side, each for its own version.
     max_active_runs=3,
@@ -69,16 +70,16 @@ def model_review() -> None:
     # A bad name/version fails at once (AirflowFailException); the retry is for MLflow hiccups.
     @task(execution_timeout=timedelta(minutes=5))
     def resolve(params: dict | None = None) -> dict:
-        return tasks.resolve(params, get_current_context().get("triggering_asset_events"))
+        return review_tasks.resolve(params, get_current_context().get("triggering_asset_events"))
 
     @task(execution_timeout=timedelta(minutes=30))
     def compare(target: dict) -> dict:
-        return tasks.compare(target, *_ids())
+        return review_tasks.compare(target, *_ids())
 
     # False (failed) skips every task after it, whatever its trigger rule: reject too.
     @task.short_circuit(execution_timeout=timedelta(minutes=5))
     def gate(target: dict, reviewed: dict, params: dict | None = None) -> bool:
-        outcome = tasks.gate(target, reviewed, params["gate"])
+        outcome = review_tasks.gate(target, reviewed, params["gate"])
         get_current_context()["ti"].xcom_push(key=GATE_KEY, value=outcome)
         return outcome["passed"]
 
@@ -97,7 +98,7 @@ def model_review() -> None:
 
     @task(execution_timeout=timedelta(minutes=5))
     def promote(target: dict, reviewed: dict, decision: dict) -> dict:
-        return tasks.apply_approval(target, reviewed, decision)
+        return review_tasks.apply_approval(target, reviewed, decision)
 
     # The operator skips its direct downstream (promote) on Reject. This task hangs off promote
     # with all_skipped, so it runs exactly then; its inputs are pulled, not passed, because an
@@ -105,7 +106,7 @@ def model_review() -> None:
     @task(trigger_rule="all_skipped", execution_timeout=timedelta(minutes=5))
     def reject() -> dict:
         ti = get_current_context()["ti"]
-        return tasks.apply_rejection(ti.xcom_pull(task_ids="resolve"), ti.xcom_pull(task_ids="compare"),
+        return review_tasks.apply_rejection(ti.xcom_pull(task_ids="resolve"), ti.xcom_pull(task_ids="compare"),
                                      ti.xcom_pull(task_ids="approval", key=DECISION_KEY))
 
     target = resolve()

@@ -37,6 +37,7 @@ from data_checks.readers import Chunk, TableReader, canonical_label
 
 if TYPE_CHECKING:
     from common.config import TrainConfig
+    from common.paths import DatasetPaths
 
 __all__ = ["shard_dataset", "shard_content_addressed", "fingerprint", "load_manifest", "manifest_digest",
            "download_shard"]
@@ -102,6 +103,26 @@ def shard_content_addressed(cfg: TrainConfig, root: str, *,
     if existing is not None:  # a leftover from an older format: rebuild it
         storage.delete_prefix(prefix)
     return prefix, _shard(plan, cfg, params, fp, prefix, work_dir), False
+
+
+def shard_for_run(cfg: TrainConfig, dataset: DatasetPaths) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A pipeline run's shards (``shard_content_addressed`` under the dataset's folder, reused when
+    the data is unchanged): ``(pointers, manifest)``, the pointers being what the run's later
+    steps read (prefix, manifest URI and digest, row counts, shard names, the source fingerprint,
+    and the dataset's last validated manifest, for the drift check)."""
+    from common.manifest import read_pointer
+
+    prefix, manifest, reused = shard_content_addressed(cfg, dataset.shards)
+    pointer = read_pointer(dataset.latest_validated)
+    splits = manifest["splits"]
+    log.info("%s %s: %s train / %s val / %s test rows in %d train shards under %s",
+             "reusing the shards of" if reused else "sharded", cfg.data.source_uri, splits["train"]["count"],
+             splits["val"]["count"], splits["test"]["count"], cfg.num_train_shards, prefix)
+    return {"shards_prefix": prefix, "manifest_uri": manifest_uri(prefix), "manifest_digest": manifest_digest(manifest),
+            "num_classes": manifest["num_classes"], "rows": {k: v["count"] for k, v in splits.items()},
+            "shard_names": [s["name"] for s in manifest["shards"]], "fingerprint": manifest["source_fingerprint"],
+            "reused": reused, "dataset_root": dataset.base,
+            "previous_manifest_uri": pointer["manifest_uri"] if pointer else None}, manifest
 
 
 def _existing_manifest(prefix: str) -> dict[str, Any] | None:

@@ -254,6 +254,37 @@ def finish_validation(manifest_prefix: str, cfg: "TrainConfig", outcomes: dict[s
     return summary
 
 
+# ---------------------------------------------------------------------------------------------
+# A pipeline run's validation: one step per shard, then one over all, the pointer last
+
+
+def validate_run_shard(manifest_prefix: str, shard_name: str, cfg: "TrainConfig", report_prefix: str, *,
+                       docs: bool = False) -> dict[str, Any]:
+    """Validate one shard and save its result under ``report_prefix`` (``finish_run_validation``
+    reads it from there); returns the saved result: ``success`` False is bad data."""
+    return save_outcome(validate_shard(manifest_prefix, shard_name, cfg, docs=docs), report_prefix)
+
+
+def finish_run_validation(manifest_prefix: str, cfg: "TrainConfig", shard_names: list[str], *, report_prefix: str,
+                          latest_validated_uri: str, previous_manifest_uri: str | None = None,
+                          **lineage: str) -> dict[str, Any]:
+    """After every shard's ``validate_run_shard``: the cross-shard checks and the full report
+    (``finish_validation``: raises ``DataValidationError`` on any failure), then, on success, the
+    dataset's "last validated manifest" pointer at ``latest_validated_uri`` (with ``lineage``,
+    e.g. the DAG and run ids), which the next run's drift check compares to."""
+    from datetime import datetime, timezone
+
+    from common.manifest import manifest_uri, write_pointer
+
+    outcomes = {name: load_outcome(report_prefix, name) for name in shard_names}
+    summary = finish_validation(manifest_prefix, cfg, outcomes, report_prefix=report_prefix,
+                                previous_manifest_uri=previous_manifest_uri)
+    write_pointer(latest_validated_uri, manifest_uri(manifest_prefix), load_manifest(manifest_prefix),
+                  report_uri=summary["report_uri"], **lineage,
+                  validated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    return summary
+
+
 def validate_shards(manifest_prefix: str, cfg: "TrainConfig", *, report_prefix: str | None = None,
                     previous_manifest_uri: str | None = None, docs: bool = False) -> dict[str, Any]:
     """Every shard, then the cross-shard checks, in this process (CLI, tests).

@@ -142,6 +142,12 @@ class Cluster(ABC):
     def extra_description(self) -> dict[str, Any]:
         return {}
 
+    def for_attempt(self, attempt: int) -> "Cluster":
+        """The cluster a job's attempt ``attempt`` (1, 2, ...) runs on. A retry provisions again
+        first: idempotent, it reuses what is healthy and replaces what was lost (a reclaimed spot
+        instance), where the previous attempt's failure may have come from."""
+        return self if attempt <= 1 else type(self).provision(self.spec, self.home)
+
     # -- the interface ----------------------------------------------------------------------
 
     @classmethod

@@ -8,10 +8,15 @@ functions so DAG files that import from here stay cheap to parse.
 - ``run_config``: a training run's config from the DAG's Params, in layers.
 - ``train_operator``: the training task: a durable, deferrable operator around a detached supervisor.
 - ``train_trigger``: the trigger the training operator defers to; it polls the job's status record.
-- ``review``: what each task of the model-review DAG does.
+- ``review_tasks``: what each task of the model-review DAG does.
+- ``failures``: ``fail_without_retry``, the one way a task fails without using its retries.
 - ``approval``: Airflow's ``ApprovalOperator``, with the reviewer's answer kept on Reject too.
 - ``assets``: the pipeline's Airflow Assets, for lineage and data-aware scheduling.
 - ``callbacks``: task callbacks: one log line per failure or retry.
 - ``connections``: the deployment's S3 and MLflow Connections and cluster Variables, for the layers below.
 - ``links``: the "MLflow run" extra link on the training DAG's train and register tasks.
+
+The tasks are thin: ``pipeline_tasks`` (the training DAG) and ``review_tasks`` (the review DAG)
+turn Params and XComs into a call of the layer below, and its deterministic errors into
+``failures.fail_without_retry`` (no retry).
 """

@@ -42,7 +42,7 @@ def check_landed(uri: str) -> dict[str, object]:
     else:
         found = storage.exists(uri)
     if not found:
-        from airflow.sdk.exceptions import AirflowFailException
+        from plugins.failures import fail_without_retry
 
-        raise AirflowFailException(f"dataset landed: nothing at {uri}; no asset event is emitted")
+        raise fail_without_retry(f"dataset landed: nothing at {uri}; no asset event is emitted")
     return {"dataset_uri": uri}

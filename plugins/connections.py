@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from common.errors import DeterministicError
 from common.roles import TRACKING_SECRETS
+from plugins.failures import fail_without_retry
 
 if TYPE_CHECKING:
     from airflow.sdk import Connection
@@ -176,23 +177,17 @@ def _apply(changes: EnvChanges) -> None:
             os.environ[key] = value
 
 
-def _fail(exc: ConnectionSettingsError) -> Exception:
-    from airflow.sdk.exceptions import AirflowFailException
-
-    return AirflowFailException(f"connections: {exc}")
-
-
 @contextmanager
 def task_environment(params: Mapping[str, Any] | None = None) -> Iterator[None]:
     """This process's environment with the run's connections applied, restored on the way out.
     A missing or unusable connection fails the task without a retry."""
     # The one helper that snapshots variables and puts them back (tests/unit/test_settings.py).
-    from training.tracking.registry import environ_restored
+    from training.tracking.runs import environ_restored
 
     try:
         changes = connection_env(params)
     except ConnectionSettingsError as exc:
-        raise _fail(exc) from exc
+        raise fail_without_retry(f"connections: {exc}") from exc
     with environ_restored(changes):
         _apply(changes)
         yield
@@ -216,7 +211,7 @@ def apply_connections() -> None:
     try:
         _apply(connection_env())
     except ConnectionSettingsError as exc:
-        raise _fail(exc) from exc
+        raise fail_without_retry(f"connections: {exc}") from exc
 
 
 def role_base_env(environ: Mapping[str, str]) -> dict[str, str]:

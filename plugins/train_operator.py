@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator, ResumableJobMixin
 
+from plugins.failures import fail_without_retry
+
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
@@ -51,12 +53,6 @@ POLL_S = 2.0
 
 class TrainingFailed(RuntimeError):
     """The training job ended without success in a way a retry may fix (retryable)."""
-
-
-def _fail(message: str) -> Exception:
-    from airflow.sdk.exceptions import AirflowFailException
-
-    return AirflowFailException(message)
 
 
 class TrainJobOperator(ResumableJobMixin, BaseOperator):
@@ -193,10 +189,10 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
 
     def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:
         from plugins.connections import task_environment
-        from plugins.pipeline_tasks import train_result
+        from training.train_job import job_result
 
         with task_environment(context["params"]):
-            return train_result(external_id)
+            return job_result(external_id)
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -208,7 +204,7 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
         if state == SUCCEEDED:
             return self.get_job_result(job, context)
         if state == FAILED and status.get("deterministic"):
-            raise _fail(f"train: {status.get('error', '')}")
+            raise fail_without_retry(f"train: {status.get('error', '')}")
         if state == FAILED:
             raise TrainingFailed(f"train: {status.get('error', '')}")
         if state == "stale":
@@ -227,8 +223,9 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
             job = self._job or (store.get(self.external_id_key) if store is not None else None)
             if job is not None:
                 self._stop(job, f"the task's execution_timeout ({self.execution_timeout}) passed")
-            raise _fail(f"train: the job ran past the task's execution_timeout ({self.execution_timeout}); "
-                        "it was stopped (emergency checkpoint first)") from None
+            raise fail_without_retry(f"train: the job ran past the task's execution_timeout "
+                                     f"({self.execution_timeout}); it was stopped (emergency checkpoint "
+                                     "first)") from None
 
     def on_kill(self) -> None:
         if self._job is not None:

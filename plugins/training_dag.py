@@ -18,12 +18,11 @@ from airflow.sdk import (DAG, AssetAlias, AssetOrTimeSchedule, CronTriggerTimeta
                          setup, task, teardown)
 
 from common.settings import settings
-from plugins import callbacks
+from plugins import callbacks, pipeline_tasks
 from plugins.assets import MODEL, SHARDS, SOURCE_DATASET
 from plugins.connections import with_connections
-from plugins import pipeline_tasks as tasks
 from plugins.params import training_params
-from plugins.review import model_asset
+from plugins.review_tasks import model_asset
 from plugins.train_operator import TrainJobOperator
 
 # The model name is a run-time Param, so the "new version of <name>" Asset the review DAG waits
@@ -97,8 +96,8 @@ def _checked_shards() -> tuple[Any, Any, Any]:
     @with_connections
     def shard(params: dict | None = None) -> dict:
         dag_id, run_id, _ = _ids()
-        config, out = tasks.shard(params, dag_id, run_id)
-        get_current_context()["ti"].xcom_push(key=tasks.CONFIG_XCOM_KEY, value=config)
+        config, out = pipeline_tasks.shard(params, dag_id, run_id)
+        get_current_context()["ti"].xcom_push(key=pipeline_tasks.CONFIG_XCOM_KEY, value=config)
         _emit(SHARDS, {"shards_prefix": out["shards_prefix"], "manifest_digest": out["manifest_digest"]})
         return out
 
@@ -113,7 +112,7 @@ def _checked_shards() -> tuple[Any, Any, Any]:
     @with_connections
     def validate_shard(shard_name: str, shards: dict, config: dict) -> dict:
         dag_id, run_id, _ = _ids()
-        return tasks.validate_shard(config, shards, shard_name, dag_id, run_id)
+        return pipeline_tasks.validate_shard(config, shards, shard_name, dag_id, run_id)
 
     # Runs when the shards exist and every shard task is done, even failed ones: it writes the
     # whole report and fails with every failure listed; provision runs only if it succeeds.
@@ -121,10 +120,10 @@ def _checked_shards() -> tuple[Any, Any, Any]:
     @with_connections
     def validate(shards: dict, config: dict) -> dict:
         dag_id, run_id, _ = _ids()
-        return tasks.validate(config, shards, dag_id, run_id)
+        return pipeline_tasks.validate(config, shards, dag_id, run_id)
 
     shards = shard()
-    config = shards[tasks.CONFIG_XCOM_KEY]
+    config = shards[pipeline_tasks.CONFIG_XCOM_KEY]
     per_shard = validate_shard.partial(shards=shards, config=config).expand(shard_name=shard_names(shards))
     checked = validate(shards, config)
     per_shard >> checked
@@ -139,21 +138,21 @@ def _train_and_register(shards: Any, config: Any, checked: Any, *, retry_delay: 
     @with_connections
     def provision(config: dict, params: dict | None = None) -> dict:
         dag_id, run_id, _ = _ids()
-        return tasks.provision(config, params, dag_id, run_id)
+        return pipeline_tasks.provision(config, params, dag_id, run_id)
 
     @teardown
     @with_connections
     def release(cluster: dict) -> dict:
-        return tasks.teardown(cluster)
+        return pipeline_tasks.teardown(cluster)
 
     @task(retries=2, retry_delay=retry_delay, outlets=[MODEL, REGISTERED_MODEL])
     @with_connections
     def register(shards: dict, trained: dict, validation: dict, config: dict, params: dict | None = None) -> dict:
         dag_id, run_id, try_number = _ids()
-        out = tasks.register(config, params, shards, trained, validation, dag_id, run_id, try_number)
+        out = pipeline_tasks.register(config, params, shards, trained, validation, dag_id, run_id, try_number)
         _emit(MODEL, {"name": out["registered_model_name"], "version": str(out["version"]),
                       "run_url": out["run_url"]})
-        # What model_review reads (plugins.review._from_events): which version to review.
+        # What model_review reads (plugins.review_tasks._from_events): which version to review.
         get_current_context()["outlet_events"][REGISTERED_MODEL].add(
             model_asset(out["registered_model_name"]),
             extra={"registered_model_name": out["registered_model_name"], "version": str(out["version"])})

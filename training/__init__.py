@@ -6,5 +6,6 @@
 - ``loop``: the training loop of one worker role and everything a step needs.
 - ``launch``: starting and supervising a job: the job spec, the role launcher, the supervisor.
 - ``tracking``: everything MLflow: runs, parameters, the pyfunc model, registration, review.
+- ``train_job``: a DAG run's job, attempt by attempt: its spec, staged code, warm start, result.
 - ``__main__``: the trainer's command line; runs with no Airflow at all.
 """

@@ -15,7 +15,7 @@ def dag(dagbag):
 
 
 def test_scheduled_on_the_registered_model_asset(dag):
-    from plugins.review import model_asset
+    from plugins.review_tasks import model_asset
 
     condition = dag.timetable.asset_condition
     assert type(condition).__name__ == "AssetAny"
@@ -44,7 +44,7 @@ def test_structure_and_decision_wiring(dag):
 def test_gate_sits_between_compare_and_approval_and_skips_all_after_it(dag):
     from airflow.providers.standard.operators.python import ShortCircuitOperator
 
-    from plugins.review import DEFAULT_GATE
+    from plugins.review_tasks import DEFAULT_GATE
 
     tasks = {t.task_id: t for t in dag.tasks}
     gate = tasks["gate"]

@@ -162,21 +162,21 @@ def test_the_registered_model_and_its_run_record_the_selection(reference, mlflow
     import pandas as pd
     from mlflow import MlflowClient
 
-    from training.tracking.registry import log_model_run
+    from training.tracking.registry import ModelRunRequest, log_model_run
 
     job, best = reference["job"], reference["metrics"]["best"]
     model_dir = tmp_path / "model"
     for uri in storage.list_uris(job.model_prefix):
         storage.download_file(uri, str(model_dir / uri.rsplit("/", 1)[1]))
     columns = json.loads((model_dir / "model_meta.json").read_text())["feature_columns"]
-    result = log_model_run(
+    result = log_model_run(ModelRunRequest(
         tracking_uri=mlflow_server.tracking_uri, experiment="early-stopping", run_name="early-stopping",
         tags={"airflow.dag_id": "test"}, params={"config": job.config.to_dict()},
         epoch_metrics=reference["metrics"]["history"],
         final_metrics={"global_step": reference["metrics"]["global_step"]},
         model_dir=str(model_dir), registered_model_name="early-stopping-test",
         input_example=pd.DataFrame(np.zeros((2, len(columns))), columns=columns),
-        selection=best)
+        selection=best))
     client = MlflowClient(mlflow_server.tracking_uri)
     expected = {"best.metric": "val_accuracy", "best.epoch": str(best["best_epoch"]),
                 "best.step": str(best["best_step"]), "best.value": repr(best["best_value"]),

@@ -25,7 +25,7 @@ import pytest
 
 from training.tracking.evaluation import TARGET_COLUMN, EvaluationData
 from training.tracking.mlflow_params import ParamConflictError
-from training.tracking.registry import CHALLENGER_ALIAS, log_model_run
+from training.tracking.registry import CHALLENGER_ALIAS, ModelRunRequest, log_model_run
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny_model import blobs, train_and_export  # noqa: E402
@@ -77,7 +77,7 @@ def logged(mlflow_server, tmp_path_factory):
     name = f"registry-test-{uuid.uuid4().hex[:8]}"
     kwargs = _call_kwargs(mlflow_server.tracking_uri, model_dir, name, frame.head(5), str(notes), test_data)
     started = time.monotonic()
-    result = log_model_run(**kwargs)
+    result = log_model_run(ModelRunRequest(**kwargs))
     seconds = time.monotonic() - started
     print(f"\nlog_model_run: {seconds:.1f} s -> {result}")
     return {
@@ -209,7 +209,7 @@ def test_retry_reuses_run_and_version_and_rejects_a_changed_param(logged, monkey
     model_id = client.get_model_version(r["registered_model_name"], r["version"]).tags["model_id"]
     evaluated = len(_linked_metrics(client, model_id, r["run_id"]))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9/not-this-one")
-    again = log_model_run(**{**logged["kwargs"], "run_id": r["run_id"]})
+    again = log_model_run(ModelRunRequest(**{**logged["kwargs"], "run_id": r["run_id"]}))
     assert again == r  # same run, same model, same version, same test metrics: nothing duplicated
     assert os.environ["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:9/not-this-one"  # left as found
     assert [m.step for m in client.get_metric_history(r["run_id"], "train_loss")] == [0, 1, 2]
@@ -219,7 +219,7 @@ def test_retry_reuses_run_and_version_and_rejects_a_changed_param(logged, monkey
     changed = {**logged["kwargs"], "run_id": r["run_id"],
                "params": {**logged["kwargs"]["params"], "optim": {"learning_rate": 0.5, "optimizer": "adam"}}}
     with pytest.raises(ParamConflictError, match=r"optim\.learning_rate: logged '0\.05', now '0\.5'"):
-        log_model_run(**changed)
+        log_model_run(ModelRunRequest(**changed))
     run = client.get_run(r["run_id"])
     assert run.data.params["optim.learning_rate"] == "0.05"
     assert run.info.status == "FINISHED"  # the refused retry did not mark the run FAILED
@@ -234,7 +234,7 @@ def test_unreachable_server_fails_fast(logged, tmp_path):
     kwargs = {**logged["kwargs"], "tracking_uri": f"http://127.0.0.1:{port}"}
     started = time.monotonic()
     with pytest.raises(Exception) as err:
-        log_model_run(**kwargs)
+        log_model_run(ModelRunRequest(**kwargs))
     seconds = time.monotonic() - started
     print(f"\ndead server: failed in {seconds:.1f} s with {type(err.value).__name__}")
     assert seconds < 30

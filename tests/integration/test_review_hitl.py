@@ -60,19 +60,19 @@ def shards(s3_server) -> dict:
 
 def _register(mlflow_server, shards: dict, tmp_path, steps: int, **extra) -> tuple[str, str]:
     """A new version of MODEL trained for ``steps`` steps: ``(version, MLflow run id)``."""
-    from training.tracking.registry import log_model_run
+    from training.tracking.registry import ModelRunRequest, log_model_run
 
     model_dir = str(tmp_path / f"model-{steps}")
     manifest = shards["manifest"]
     train_and_export(model_dir, shards["X"], shards["yi"], manifest["classes"], manifest["feature_columns"],
                      steps=steps)
-    result = log_model_run(
+    result = log_model_run(ModelRunRequest(
         tracking_uri=mlflow_server.tracking_uri, experiment="review-hitl", run_name=f"review-hitl-{steps}",
         tags={"dataset.shards_prefix": shards["prefix"], "airflow.dag_id": "test", "airflow.run_id": f"r{steps}"},
         params={"steps": steps}, epoch_metrics=extra.pop("epoch_metrics", [{"epoch": 0, "train_loss": 1.0}]),
         final_metrics={}, model_dir=model_dir, registered_model_name=MODEL,
         input_example=pd.DataFrame(shards["X"][:5].astype(np.float64), columns=manifest["feature_columns"]),
-        **extra)
+        **extra))
     return result["version"], result["run_id"]
 
 

@@ -40,9 +40,9 @@ def registered(s3_server, mlflow_server, digits_csv, tmp_path_factory):
     import pandas as pd
 
     from plugins.pipeline_tasks import run_paths
-    from training.feed import data
+    from common.manifest import load_manifest
     from common.config import recipe
-    from training.tracking.registry import log_model_run
+    from training.tracking.registry import ModelRunRequest, log_model_run
 
     tmp = tmp_path_factory.mktemp("warm-model")
     root = f"s3://{s3_server.bucket}/warm-model-{uuid.uuid4().hex[:8]}"
@@ -63,19 +63,20 @@ def registered(s3_server, mlflow_server, digits_csv, tmp_path_factory):
         model_dir = tmp / "model"
         for uri in storage.list_uris(paths.model):
             storage.download_file(uri, str(model_dir / uri.rsplit("/", 1)[1]))
-        manifest = data.load_manifest(shards)
+        manifest = load_manifest(shards)
         example = pd.DataFrame(np.zeros((2, manifest["num_features"])), columns=manifest["feature_columns"])
         name = f"warm-{uuid.uuid4().hex[:8]}"
         common = dict(tracking_uri=mlflow_server.tracking_uri, experiment="warm-start-model", params={"seed": 1},
                       epoch_metrics=metrics["history"], model_dir=str(model_dir), input_example=example,
                       final_metrics={"global_step": metrics["global_step"]},
                       step_metrics=metrics["step_history"])
-        # The tags plugins.pipeline_tasks.register sets on the run and so on every version.
-        version = log_model_run(run_name=f"{DAG_ID}/{SOURCE_RUN}", registered_model_name=name,
-                                tags={"airflow.dag_id": DAG_ID, "airflow.run_id": SOURCE_RUN}, **common)
+        # The tags training.tracking.job_registration sets on the run and so on every version.
+        version = log_model_run(ModelRunRequest(run_name=f"{DAG_ID}/{SOURCE_RUN}", registered_model_name=name,
+                                                tags={"airflow.dag_id": DAG_ID, "airflow.run_id": SOURCE_RUN},
+                                                **common))
         # A version of another model registered without them (not by this pipeline).
         foreign = f"{name}-foreign"
-        log_model_run(run_name="by-hand", registered_model_name=foreign, tags={}, **common)
+        log_model_run(ModelRunRequest(run_name="by-hand", registered_model_name=foreign, tags={}, **common))
         yield {"root": root, "cfg": cfg, "shards": shards, "paths": paths, "name": name, "foreign": foreign,
                "version": version, "final_step": metrics["global_step"], "tmp": tmp, "common": common,
                "tracking_uri": mlflow_server.tracking_uri}
@@ -90,7 +91,7 @@ def _check(ref, cfg):
 def _version_params(uri, tmp, tracking_uri):
     """The arrays of a registered version's exported ``-NNNN.params`` file, as downloaded from MLflow
     (the server named explicitly: a test run earlier in this process may have left MLflow's fluent
-    API pointing elsewhere, see ``training.tracking.registry._tracking_uri``)."""
+    API pointing elsewhere, see ``training.tracking.runs.fluent_tracking_uri``)."""
     import mlflow
 
     from training.tracking.pyfunc_model import _import_mxnet
@@ -146,12 +147,12 @@ def test_per_step_metrics_are_in_mlflow_once_per_step_even_after_a_retry(registe
     register (same run) adds no point twice."""
     from mlflow import MlflowClient
 
-    from training.tracking.registry import log_model_run
+    from training.tracking.registry import ModelRunRequest, log_model_run
 
     run_id = registered["version"]["run_id"]
-    again = log_model_run(run_name=f"{DAG_ID}/{SOURCE_RUN}", registered_model_name=registered["name"],
-                          tags={"airflow.dag_id": DAG_ID, "airflow.run_id": SOURCE_RUN}, run_id=run_id,
-                          **registered["common"])
+    again = log_model_run(ModelRunRequest(run_name=f"{DAG_ID}/{SOURCE_RUN}", registered_model_name=registered["name"],
+                                          tags={"airflow.dag_id": DAG_ID, "airflow.run_id": SOURCE_RUN}, run_id=run_id,
+                                          **registered["common"]))
     assert again["run_id"] == run_id and again["version"] == registered["version"]["version"]
     client = MlflowClient(registered["tracking_uri"])
     for key in ("train_loss_step", "learning_rate_step"):

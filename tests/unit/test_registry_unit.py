@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from training.tracking import mlflow_params
-from training.tracking import registry
+from training.tracking import registry, runs
 from training.tracking.mlflow_params import (
     ParamConflictError,
     chunked,
@@ -20,7 +20,7 @@ from training.tracking.mlflow_params import (
     params_to_log,
     truncate_value,
 )
-from training.tracking.registry import bounded_mlflow_env, run_url
+from training.tracking.runs import bounded_mlflow_env, run_url
 
 pytestmark = pytest.mark.unit
 
@@ -138,7 +138,7 @@ def test_bounded_http_sets_defaults_keeps_explicit_env_and_restores(monkeypatch)
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     with bounded_mlflow_env():
-        assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == registry.MLFLOW_ENV_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"]
+        assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == runs.MLFLOW_ENV_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"]
         assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "1"
     assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
     assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "1"
@@ -148,7 +148,7 @@ def test_bounded_http_sets_defaults_keeps_explicit_env_and_restores(monkeypatch)
 
 
 def test_worst_case_http_time_is_well_under_two_minutes():
-    d = registry.MLFLOW_ENV_DEFAULTS
+    d = runs.MLFLOW_ENV_DEFAULTS
     retries, timeout = int(d["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]), float(d["MLFLOW_HTTP_REQUEST_TIMEOUT"])
     factor, jitter = float(d["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"]), float(d["MLFLOW_HTTP_REQUEST_BACKOFF_JITTER"])
     # urllib3 2.x: no sleep before the first retry, then factor * 2**(n-1) (+ jitter).
@@ -188,7 +188,7 @@ def test_tracking_uri_context_leaves_the_environment_and_fluent_uri_as_found(mon
     else:
         monkeypatch.setenv("MLFLOW_TRACKING_URI", env)
     before = mlflow.get_tracking_uri()
-    with registry._tracking_uri("http://127.0.0.1:9/inside"):
+    with runs.fluent_tracking_uri("http://127.0.0.1:9/inside"):
         assert mlflow.get_tracking_uri() == "http://127.0.0.1:9/inside"
     assert os.environ.get("MLFLOW_TRACKING_URI") == env
     assert mlflow.get_tracking_uri() == before

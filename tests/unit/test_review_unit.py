@@ -25,12 +25,12 @@ def results(tmp_path_factory):
     import pandas as pd
     from mlflow import MlflowClient
 
-    from training.tracking.registry import _tracking_uri
+    from training.tracking.runs import fluent_tracking_uri
 
     tmp = tmp_path_factory.mktemp("evaluate")
     truth = np.asarray(CLASSES * (ROWS // len(CLASSES) + 1))[:ROWS]
     out = {}
-    with _tracking_uri(f"sqlite:///{tmp / 'mlflow.db'}"):
+    with fluent_tracking_uri(f"sqlite:///{tmp / 'mlflow.db'}"):
         experiment = MlflowClient().create_experiment("review-unit", artifact_location=(tmp / "artifacts").as_uri())
         for name, errors in ERRORS.items():
             predicted = truth.copy()
@@ -148,7 +148,7 @@ def test_default_gate_fits_its_schema_and_unknown_metrics_are_named(results):
 
 
 def test_decision_and_event_reading():
-    from plugins.review import _decision, _from_events, model_asset
+    from plugins.review_tasks import _decision, _from_events, model_asset
 
     approval = {"chosen_options": ["Reject"], "params_input": {"comment": "worse on class 3"},
                 "responded_by_user": {"id": "admin", "name": "admin"}}

@@ -3,8 +3,9 @@
 - ``mlflow_params``: flattening the config into MLflow params.
 - ``run_extras``: the run's extras (plots, dataset input).
 - ``pyfunc_model``: the self-contained pyfunc model file.
-- ``registry``: logging and registering a trained job.
-- ``evaluation``: scoring a model on a test split.
+- ``registry``: logging and registering a model run (``ModelRunRequest``).
+- ``job_registration``: a DAG run's trained job registered: artefacts, tags, headline metrics.
+- ``evaluation``: scoring a model on a test split (``score_model``, for registration and review).
 - ``review``: the challenger-vs-champion comparison.
 - ``gate``: the automatic gate before a human review.
 - ``warm_start``: resolving a ``models:/`` warm start to a checkpoint.

@@ -1,12 +1,14 @@
 """Score a logged model on a held-out test split with MLflow's evaluation API.
 
-``evaluate_model`` loads a model through ``mlflow.pyfunc`` exactly as a serving job would and
-scores it with ``mlflow.models.evaluate`` (the default classifier evaluator: accuracy, precision,
-recall, F1, a per-class table and a confusion matrix; SHAP explanations off), linked to its
-LoggedModel (``model_id``): the metrics land on the active run and on the model's page alike,
-with the test split as their dataset. The training DAG's register step scores the model it just
-logged; a review scores challenger and champion the same way. ``load_test_split`` reads a sharded
-dataset's test split as the data to score on.
+``score_model`` is the one entry point (registration and review call it): it picks the
+evaluation by the test split's task. ``evaluate_model`` loads a model through ``mlflow.pyfunc``
+exactly as a serving job would and scores it with ``mlflow.models.evaluate`` (the default
+classifier evaluator: accuracy, precision, recall, F1, a per-class table and a confusion
+matrix; SHAP explanations off), linked to its LoggedModel (``model_id``): the metrics land on
+the active run and on the model's page alike, with the test split as their dataset. The
+training DAG's register step scores the model it just logged; a review scores challenger and
+champion the same way. ``load_test_split`` reads a sharded dataset's test split as the data to
+score on.
 
 Regression (a manifest with float targets): the frame holds each target as ``true_<target>``;
 ``evaluate_regressor`` scores the model with the default *regressor* evaluator on the first target
@@ -82,11 +84,11 @@ def load_test_split(shards_prefix: str, work_dir: str) -> EvaluationData:
     import numpy as np
     import pandas as pd
 
-    from common.manifest import is_regression, manifest_uri
+    from common.manifest import is_regression, load_manifest, manifest_uri
     from common.preprocessing import input_columns
     from training.feed import data
 
-    manifest = data.load_manifest(shards_prefix)
+    manifest = load_manifest(shards_prefix)
     prep = manifest.get("preprocessing")
     columns = [str(c) for c in (input_columns(prep) if prep else manifest["feature_columns"])]
     regression = is_regression(manifest)
@@ -175,6 +177,33 @@ def evaluate_regressor(model_uri: str, data: EvaluationData, dataset: Any, *, mo
     true = data.frame[data.truth_columns].to_numpy(np.float64)
     metrics = {f"test_{k}": v for k, v in regression_metrics(predicted, true).items()}
     return RegressionScores(result=result, metrics=metrics, predictions=predicted)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One model's scores on a test split (``score_model``)."""
+
+    result: Any  # MLflow's EvaluationResult; a regressor's metrics include test_rmse, test_mae, test_r2
+    predictions: Any = None  # a regressor's: numpy [n, num_targets], in the order of the test rows
+
+
+def score_model(model_uri: str, test: EvaluationData, dataset: Any, *, model_id: str | None, what: str,
+                step: int = 0) -> Scores:
+    """Score the model at ``model_uri`` on ``test`` (its ``dataset()`` as ``dataset``) in the active
+    run, linked to the LoggedModel ``model_id``, by the test split's task: a classifier with
+    ``evaluate_model``; a regressor with ``evaluate_regressor``, whose ``test_rmse``/``test_mae``/
+    ``test_r2`` are logged at ``step`` (linked like the evaluator's) and added to the result's
+    metrics. The one scoring of the project: registration and review both call it, so a model
+    gets the same metrics wherever it is scored."""
+    if test.task != "regression":
+        return Scores(evaluate_model(model_uri, dataset, test.classes, model_id=model_id, what=what))
+    import mlflow
+
+    scores = evaluate_regressor(model_uri, test, dataset, model_id=model_id, what=what)
+    for key, value in scores.metrics.items():
+        mlflow.log_metric(key, value, step=step, model_id=model_id, dataset=dataset)
+    scores.result.metrics.update(scores.metrics)
+    return Scores(scores.result, scores.predictions)
 
 
 def raw_frame(record: dict[str, Any], X: np.ndarray) -> pd.DataFrame:

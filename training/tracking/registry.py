@@ -1,16 +1,17 @@
 """Log a trained model to MLflow and register it as the ``challenger``.
 
-``log_model_run`` is what the pipeline's register step calls (on rank 0 or in an Airflow task).
+``log_model_run`` takes a ``ModelRunRequest`` (what to log, where) and is what the training DAG's
+register step calls (``training.tracking.job_registration``), from an Airflow task or a shell.
 It is safe to retry: given the ``run_id`` of an earlier attempt it reuses that run, skips params
 and metric points that are already there, reuses a model version already registered from the
 same run with the same model bytes, and the test metrics already linked to that version's model.
 MLflow params are immutable, so a retry that brings a *different* value for a logged key fails
 at once with ``ParamConflictError`` (deterministic: not worth an Airflow retry) instead of the
 server's generic 400. What is sent (flattened params, metric points, batch sizes) is worked out
-by ``training.tracking.mlflow_params``; scoring the logged model on the test split is
-``training.tracking.evaluation``.
+by ``training.tracking.mlflow_params``; the logged model is scored on the test split by
+``training.tracking.evaluation.score_model``, the scoring a review uses too.
 
-Bounded waits: every MLflow HTTP call runs under ``bounded_mlflow_env()``, which sets
+Bounded waits: every MLflow HTTP call runs under ``runs.bounded_mlflow_env()``, which sets
 ``MLFLOW_HTTP_REQUEST_TIMEOUT`` / ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / backoff (only where the
 environment does not already set them). MLflow's defaults (120 s timeout, 7 retries with
 exponential backoff) let one call to a dead server hang for many minutes; with ours a refused
@@ -30,7 +31,8 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -44,12 +46,8 @@ from training.tracking.mlflow_params import (
     params_to_log,
     step_metric_points,
 )
-
-from training.tracking.runs import (MLFLOW_ENV_DEFAULTS, bounded_mlflow_env, environ_restored, find_run,
-                                    get_or_create_experiment, log_tags, open_run, run_url)
-
-__all__ = ["MLFLOW_ENV_DEFAULTS", "bounded_mlflow_env", "environ_restored", "find_run", "open_run", "run_url",
-           "log_model_run"]
+from training.tracking.runs import (bounded_mlflow_env, fluent_tracking_uri, get_or_create_experiment, log_tags,
+                                    run_url)
 
 log = logging.getLogger(__name__)
 
@@ -223,27 +221,6 @@ def _log_pyfunc(*, files: Mapping[str, str], input_example: Any, step: int, tags
     )
 
 
-@contextlib.contextmanager
-def _tracking_uri(uri: str) -> Iterator[None]:
-    """Point MLflow's fluent API (``log_model``, ``evaluate``) at ``uri`` for the duration.
-
-    ``mlflow.set_tracking_uri`` also writes ``MLFLOW_TRACKING_URI`` (for subprocesses), so a
-    plain set-and-restore would leave the variable changed, or set where the process had none:
-    the fluent API goes back to the URI it resolved before, and the variable to what it was.
-    (Public API only: that URI stays set in code afterwards, so a later change of the variable
-    in this process no longer moves the fluent API; the project passes URIs explicitly.)
-    """
-    import mlflow
-
-    previous = mlflow.get_tracking_uri()
-    with environ_restored(["MLFLOW_TRACKING_URI"]):
-        mlflow.set_tracking_uri(uri)
-        try:
-            yield
-        finally:
-            mlflow.set_tracking_uri(previous)
-
-
 def _fluent_run(run_id: str, log_system_metrics: bool = False) -> contextlib.AbstractContextManager[Any]:
     """``start_run(run_id)`` (FINISHED on success, FAILED on an exception) unless already active."""
     import mlflow
@@ -261,26 +238,27 @@ def _fluent_run(run_id: str, log_system_metrics: bool = False) -> contextlib.Abs
 
 def _evaluate(client: Any, run_id: str, model_uri: str, model_id: str, test_data: EvaluationData, step: int,
               what: str) -> dict[str, float]:
-    """Score the logged model on ``test_data`` in the active run, linked to its LoggedModel, and add
-    ``test_accuracy`` at the model's step; returns the metrics. A retry whose earlier attempt got
-    this far finds them on the LoggedModel (from this run, on this data) and reads them back
-    instead of scoring again."""
+    """Score the logged model on ``test_data`` in the active run (``evaluation.score_model``, at the
+    model's step): a classifier also gets ``test_accuracy``, a regressor the predicted-vs-true
+    plot; returns the metrics. A retry whose earlier attempt got this far finds them on the
+    LoggedModel (from this run, on this data) and reads them back instead of scoring again."""
     import mlflow
 
-    from training.tracking.evaluation import evaluate_model
+    from training.tracking.evaluation import score_model
 
     dataset = test_data.dataset()
     done = {m.key: m.value for m in client.get_logged_model(model_id).metrics
             if m.run_id == run_id and m.dataset_digest == dataset.digest}
-    if (TEST_RMSE if test_data.task == "regression" else TEST_ACCURACY) in done:
+    regression = test_data.task == "regression"
+    if (TEST_RMSE if regression else TEST_ACCURACY) in done:
         log.info("%s was already evaluated on this test split by run %s", what, run_id)
         return done
     started = time.monotonic()
-    if test_data.task == "regression":
-        metrics = _evaluate_regression(model_uri, model_id, test_data, dataset, step, what)
+    scores = score_model(model_uri, test_data, dataset, model_id=model_id, what=what, step=step)
+    metrics = {key: float(value) for key, value in scores.result.metrics.items()}
+    if regression:
+        _log_predicted_vs_true(test_data, scores.predictions)
     else:
-        result = evaluate_model(model_uri, dataset, test_data.classes, model_id=model_id, what=what)
-        metrics = {key: float(value) for key, value in result.metrics.items()}
         metrics[TEST_ACCURACY] = metrics["accuracy_score"]
         mlflow.log_metric(TEST_ACCURACY, metrics[TEST_ACCURACY], step=step, model_id=model_id, dataset=dataset)
     log.info("evaluated %s on %d test rows in %.1f s: %s", what, len(test_data.frame), time.monotonic() - started,
@@ -288,29 +266,20 @@ def _evaluate(client: Any, run_id: str, model_uri: str, model_id: str, test_data
     return metrics
 
 
-def _evaluate_regression(model_uri: str, model_id: str, test_data: EvaluationData, dataset: Any, step: int,
-                         what: str) -> dict[str, float]:
-    """MLflow's regressor evaluation plus ``test_rmse``/``test_mae``/``test_r2`` (at the model's step,
-    linked to its LoggedModel) and the predicted-vs-true plot, in the active run."""
+def _log_predicted_vs_true(test_data: EvaluationData, predictions: Any) -> None:
+    """A regressor's predicted-vs-true plot, under ``plots/`` of the active run."""
     import tempfile
 
     import mlflow
 
-    from training.tracking.evaluation import evaluate_regressor
     from training.tracking.run_extras import predicted_vs_true_png
 
-    scores = evaluate_regressor(model_uri, test_data, dataset, model_id=model_id, what=what)
-    metrics = {key: float(value) for key, value in scores.result.metrics.items()}
-    metrics.update(scores.metrics)
-    for key, value in scores.metrics.items():
-        mlflow.log_metric(key, value, step=step, model_id=model_id, dataset=dataset)
     with tempfile.TemporaryDirectory(prefix="mxpipe-plot-") as tmp:
         true = test_data.frame[test_data.truth_columns].to_numpy()
-        plot = predicted_vs_true_png(true, scores.predictions, test_data.target_columns,
+        plot = predicted_vs_true_png(true, predictions, test_data.target_columns,
                                      os.path.join(tmp, "predicted_vs_true.png"))
         if plot is not None:
             mlflow.log_artifact(plot, "plots")
-    return metrics
 
 
 def _export_files(model_dir: str) -> tuple[dict[str, str], str]:
@@ -405,78 +374,86 @@ def _score_and_register(client: Any, rid: str, url: str, run_name: str, name: st
     return test_metrics, version
 
 
-def log_model_run(
-    *,
-    tracking_uri: str,
-    experiment: str,
-    run_name: str,
-    tags: dict[str, str],
-    params: dict,
-    epoch_metrics: list[dict[str, float]],
-    final_metrics: dict[str, float],
-    model_dir: str,
-    registered_model_name: str,
-    input_example: Any,
-    artifacts: dict[str, str] | None = None,
-    run_id: str | None = None,
-    dataset: Mapping[str, Any] | None = None,
-    log_system_metrics: bool = False,
-    step_metrics: Sequence[Mapping[str, float]] = (),
-    test_data: EvaluationData | None = None,
-    selection: Mapping[str, Any] | None = None,
-) -> dict:
-    """Log params, metrics, extra artifacts and the pyfunc model; score the logged model on
-    ``test_data``; register it as ``challenger``.
+@dataclass(frozen=True)
+class ModelRunRequest:
+    """What ``log_model_run`` logs, scores and registers, and where.
 
     ``artifacts`` maps a run-relative artifact path to a local file (logged under that name, e.g.
     ``{"manifest.json": "/tmp/x/manifest.json"}`` or ``{"reports/val.json": ...}``) or to a local
-    folder (its files logged under that path). ``dataset`` (``{"manifest", "manifest_uri",
-    "digest"}``) becomes the run's ``mlflow.data`` input; ``log_system_metrics`` samples MLflow's
-    system metrics while this call logs (the training job's own processes are not covered).
-    ``step_metrics`` (the worker's ``step_history``: ``{"step": global_step, "train_loss": …}``)
-    are logged as ``train_loss_step`` etc. at ``step=global_step``, in the same batches.
-    ``test_data`` is scored by MLflow's classifier evaluator (``evaluation.evaluate_model``) before
-    the version is registered: its metrics (``accuracy_score``, ``f1_score``, ... and
-    ``test_accuracy``, the same accuracy) and plots go to the run, the metrics to the LoggedModel
-    too. ``selection`` (the worker's ``best`` summary) is recorded as the tags of ``selection_tags``
-    on the run and the version, and as the metrics of ``selection_metrics``. Returns ``run_id,
-    experiment_id, model_uri, registered_model_name, version, run_url`` and ``test_metrics``
-    (empty without ``test_data``).
+    folder (its files logged under that path). ``run_id``: an earlier attempt's run, reused (a
+    retry); None creates a run. ``dataset`` (``{"manifest", "manifest_uri", "digest"}``) becomes
+    the run's ``mlflow.data`` input; ``log_system_metrics`` samples MLflow's system metrics while
+    the call logs (the training job's own processes are not covered). ``step_metrics`` (the
+    worker's ``step_history``: ``{"step": global_step, "train_loss": …}``) are logged as
+    ``train_loss_step`` etc. at ``step=global_step``, in the same batches. ``test_data`` is scored
+    (``evaluation.score_model``) before the version is registered: its metrics (a classifier's
+    ``accuracy_score``, ``f1_score``, ... and ``test_accuracy``, the same accuracy; a regressor's
+    ``test_rmse``, ``test_mae``, ``test_r2`` beside the evaluator's) and plots go to the run, the
+    metrics to the LoggedModel too. ``selection`` (the worker's ``best`` summary) is recorded as
+    the tags of ``selection_tags`` on the run and the version, and as the metrics of
+    ``selection_metrics``.
+    """
+
+    tracking_uri: str
+    experiment: str
+    run_name: str
+    tags: Mapping[str, str]
+    params: Mapping[str, Any]
+    epoch_metrics: Sequence[Mapping[str, float]]
+    final_metrics: Mapping[str, float]
+    model_dir: str
+    registered_model_name: str
+    input_example: Any  # a pandas frame with (at least) the model's input columns
+    artifacts: Mapping[str, str] = field(default_factory=dict)
+    run_id: str | None = None
+    dataset: Mapping[str, Any] | None = None
+    log_system_metrics: bool = False
+    step_metrics: Sequence[Mapping[str, float]] = ()
+    test_data: EvaluationData | None = None
+    selection: Mapping[str, Any] | None = None
+
+
+def log_model_run(request: ModelRunRequest) -> dict[str, Any]:
+    """Log params, metrics, extra artifacts and the pyfunc model; score the logged model on the
+    request's ``test_data``; register it as ``challenger``. Returns ``run_id, experiment_id,
+    model_uri, registered_model_name, version, run_url`` and ``test_metrics`` (empty without
+    ``test_data``).
     """
     from mlflow import MlflowClient
 
     # Deterministic checks first: they must fail before anything is created.
-    files, digest = _export_files(model_dir)
-    flat = flatten_params(params)
-    points, final_step = metric_points(epoch_metrics, {**final_metrics, **selection_metrics(selection)})
-    points += step_metric_points(step_metrics)
-    extra = _existing_artifacts(artifacts or {})
-    str_tags = {**{str(k): str(v) for k, v in tags.items()}, **selection_tags(selection)}
+    r = request
+    files, digest = _export_files(r.model_dir)
+    flat = flatten_params(dict(r.params))
+    points, final_step = metric_points(list(r.epoch_metrics), {**r.final_metrics, **selection_metrics(r.selection)})
+    points += step_metric_points(r.step_metrics)
+    extra = _existing_artifacts(r.artifacts)
+    str_tags = {**{str(k): str(v) for k, v in r.tags.items()}, **selection_tags(r.selection)}
     started = time.monotonic()
 
-    with bounded_mlflow_env(), _tracking_uri(tracking_uri):
-        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-        run = _resolve_run(client, experiment=experiment, run_id=run_id, run_name=run_name, tags=str_tags)
+    with bounded_mlflow_env(), fluent_tracking_uri(r.tracking_uri):
+        client = MlflowClient(tracking_uri=r.tracking_uri, registry_uri=r.tracking_uri)
+        run = _resolve_run(client, experiment=r.experiment, run_id=r.run_id, run_name=r.run_name, tags=str_tags)
         rid, experiment_id = run.info.run_id, run.info.experiment_id
-        url = run_url(tracking_uri, experiment_id, rid)
+        url = run_url(r.tracking_uri, experiment_id, rid)
         # Before start_run: a conflicting retry must not flip the original run to FAILED.
         n_params = _log_params(client, run, flat)
 
-        with _fluent_run(rid, log_system_metrics):
-            n_metrics = _log_run_contents(client, run, refresh_tags=run_id is not None, tags=str_tags,
-                                          points=points, dataset=dataset, extra=extra)
-            version_tags = {**str_tags, "source_run_id": rid, "run_name": run_name,
-                            "experiment": experiment, "model_sha256": digest}
+        with _fluent_run(rid, r.log_system_metrics):
+            n_metrics = _log_run_contents(client, run, refresh_tags=r.run_id is not None, tags=str_tags,
+                                          points=points, dataset=r.dataset, extra=extra)
+            version_tags = {**str_tags, "source_run_id": rid, "run_name": r.run_name,
+                            "experiment": r.experiment, "model_sha256": digest}
             version, model_uri, model_id = _logged_model(
-                client, registered_model_name, rid, digest, retry=run_id is not None, files=files,
-                input_example=input_example, step=final_step, tags=version_tags)
+                client, r.registered_model_name, rid, digest, retry=r.run_id is not None, files=files,
+                input_example=r.input_example, step=final_step, tags=version_tags)
         test_metrics, version = _score_and_register(
-            client, rid, url, run_name, registered_model_name, version, model_uri, model_id, test_data, final_step,
-            version_tags)
+            client, rid, url, r.run_name, r.registered_model_name, version, model_uri, model_id, r.test_data,
+            final_step, version_tags)
 
     log.info("logged run %s (%d params, %d metric points) and registered %s version %s as %r in %.1f s",
-             rid, n_params, n_metrics, registered_model_name, version.version, CHALLENGER_ALIAS,
+             rid, n_params, n_metrics, r.registered_model_name, version.version, CHALLENGER_ALIAS,
              time.monotonic() - started)
     return {"run_id": rid, "experiment_id": experiment_id, "model_uri": model_uri,
-            "registered_model_name": registered_model_name, "version": str(version.version), "run_url": url,
+            "registered_model_name": r.registered_model_name, "version": str(version.version), "run_url": url,
             "test_metrics": test_metrics}

@@ -2,11 +2,11 @@
 gate the challenger automatically, and act on a reviewer's decision (move the ``champion``
 alias, or tag the version rejected).
 
-Airflow-free (the review DAG's tasks call it through ``plugins.review``): everything here runs
+Airflow-free (the review DAG's tasks call it through ``plugins.review_tasks``): everything here runs
 from a shell against any MLflow tracking server. Both versions are loaded through
 ``mlflow.pyfunc`` exactly as a serving job would load them and scored with
-``mlflow.models.evaluate`` (``training.tracking.evaluation``, as the training DAG's register
-step scores a new model: the default classifier evaluator's accuracy, precision, recall, F1,
+``mlflow.models.evaluate`` (``training.tracking.evaluation.score_model``, the scoring the training
+DAG's register step uses for a new model: the default classifier evaluator's accuracy, precision, recall, F1,
 per-class table and confusion matrix) on the *challenger's* test split (the shards its
 training run read, named by the version's ``dataset.shards_prefix`` tag), so the two are
 comparable. Each evaluation is a run nested in the review run and linked to the version's
@@ -22,10 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from training.tracking.evaluation import (EvaluationData, EvaluationError, class_key, evaluate_model,
-                                          evaluate_regressor, load_test_split)
-from training.tracking.registry import CHALLENGER_ALIAS, _tracking_uri, logged_model_id
-from training.tracking.runs import bounded_mlflow_env, get_or_create_experiment
+from training.tracking.evaluation import EvaluationData, EvaluationError, class_key, load_test_split, score_model
+from training.tracking.registry import CHALLENGER_ALIAS, logged_model_id
+from training.tracking.runs import bounded_mlflow_env, fluent_tracking_uri, get_or_create_experiment
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +177,10 @@ def resolve_target(tracking_uri: str, name: str, version: str | None = None,
 
 def evaluate_version(name: str, version: str, dataset: Any, test: EvaluationData, *, role: str,
                      experiment_id: str) -> tuple[Any, str | None]:
-    """Score a registered version (``evaluation.evaluate_model``) in a run nested in the active
+    """Score a registered version (``evaluation.score_model``) in a run nested in the active
     review run: its ``EvaluationResult`` and the id of the LoggedModel it is linked to.
 
-    Runs under ``_tracking_uri`` (evaluate logs through the fluent API).
+    Runs under ``runs.fluent_tracking_uri`` (evaluate logs through the fluent API).
     """
     import mlflow
     from mlflow import MlflowClient
@@ -189,14 +188,8 @@ def evaluate_version(name: str, version: str, dataset: Any, test: EvaluationData
     model_id = logged_model_id(MlflowClient().get_model_version(name, version))
     with mlflow.start_run(experiment_id=experiment_id, run_name=f"{role} (version {version})", nested=True,
                           tags={"model.name": name, "model.version": version, "review.role": role}) as run:
-        uri, what = f"models:/{name}/{version}", f"{name} version {version}"
-        if test.task == "regression":  # MLflow's regressor evaluator, plus RMSE/MAE/R² over every target
-            scores = evaluate_regressor(uri, test, dataset, model_id=model_id, what=what)
-            mlflow.log_metrics(scores.metrics)
-            result = scores.result
-            result.metrics.update(scores.metrics)
-        else:
-            result = evaluate_model(uri, dataset, test.classes, model_id=model_id, what=what)
+        result = score_model(f"models:/{name}/{version}", test, dataset, model_id=model_id,
+                             what=f"{name} version {version}").result
     log.info("%s version %s (%s): %s (run %s)", name, version, role, result.metrics, run.info.run_id)
     return result, model_id
 
@@ -221,7 +214,7 @@ def review(tracking_uri: str, target: Target, *, run_name: str, tags: Mapping[st
     with tempfile.TemporaryDirectory(prefix="mxpipe-review-") as tmp:
         test = load_test_split(target.shards_prefix, os.path.join(tmp, "data"))
         roles = {"challenger": target.challenger, **({"champion": target.champion} if target.champion else {})}
-        with bounded_mlflow_env(), _tracking_uri(tracking_uri):
+        with bounded_mlflow_env(), fluent_tracking_uri(tracking_uri):
             experiment_id = get_or_create_experiment(client(tracking_uri), REVIEW_EXPERIMENT)
             dataset = test.dataset()
             with mlflow.start_run(experiment_id=experiment_id, run_name=run_name, tags={

@@ -30,6 +30,20 @@ MLFLOW_ENV_DEFAULTS = {
     "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1",
 }
 
+# The experiment of the training DAG's runs (live tracking and ``register`` alike).
+PIPELINE_EXPERIMENT = "mxnet-pipeline"
+
+
+def dag_run_tags(dag_id: str, run_id: str) -> dict[str, str]:
+    """The tags that find a DAG run's MLflow run: every attempt (and ``register``) looks it up by them."""
+    return {"airflow.dag_id": dag_id, "airflow.run_id": run_id}
+
+
+def dag_run_name(dag_id: str, run_id: str) -> str:
+    """The MLflow run name of a DAG run (and the job's ``run_name``)."""
+    return f"{dag_id}/{run_id}"
+
+
 def run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
@@ -66,6 +80,27 @@ def bounded_mlflow_env(overrides: Mapping[str, str] | None = None) -> Iterator[N
             else:
                 os.environ.setdefault(key, str(value))
         yield
+
+
+@contextlib.contextmanager
+def fluent_tracking_uri(uri: str) -> Iterator[None]:
+    """Point MLflow's fluent API (``log_model``, ``evaluate``) at ``uri`` for the duration.
+
+    ``mlflow.set_tracking_uri`` also writes ``MLFLOW_TRACKING_URI`` (for subprocesses), so a
+    plain set-and-restore would leave the variable changed, or set where the process had none:
+    the fluent API goes back to the URI it resolved before, and the variable to what it was.
+    (Public API only: that URI stays set in code afterwards, so a later change of the variable
+    in this process no longer moves the fluent API; the project passes URIs explicitly.)
+    """
+    import mlflow
+
+    previous = mlflow.get_tracking_uri()
+    with environ_restored(["MLFLOW_TRACKING_URI"]):
+        mlflow.set_tracking_uri(uri)
+        try:
+            yield
+        finally:
+            mlflow.set_tracking_uri(previous)
 
 
 def get_or_create_experiment(client: Any, name: str) -> str:

@@ -69,7 +69,7 @@ def resolve_model(ref: str, tracking_uri: str) -> ModelSource:
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    from training.tracking.registry import bounded_mlflow_env
+    from training.tracking.runs import bounded_mlflow_env
 
     match = re.match(MODEL_URI_PATTERN, ref)
     if match is None:

@@ -20,6 +20,7 @@ from airflow.sdk import Asset
 
 from common.settings import settings
 from plugins.connections import apply_connections
+from plugins.failures import fail_without_retry
 from training.tracking.gate import DEFAULT_GATE, PARAM_SCHEMA as GATE_SCHEMA  # noqa: F401  (the DAG's Param)
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,8 @@ def _tracking_uri() -> str:
     apply_connections()  # mlflow_default and aws_default, for the rest of this task's process
     uri = settings().mlflow_tracking_uri
     if not uri:
-        from airflow.sdk.exceptions import AirflowFailException
-
-        raise AirflowFailException("no mlflow_default connection and MLFLOW_TRACKING_URI is not set: "
-                                   "nowhere to find the models")
+        raise fail_without_retry("no mlflow_default connection and MLFLOW_TRACKING_URI is not set: "
+                                 "nowhere to find the models")
     return uri
 
 
@@ -68,8 +67,6 @@ def _from_events(events: Mapping[Any, Iterable[Any]] | None) -> tuple[str | None
 
 def resolve(params: Mapping[str, Any], triggering_events: Mapping[Any, Iterable[Any]] | None) -> dict[str, Any]:
     """Which version to review: the triggering event's, else the Params' (empty = the challenger)."""
-    from airflow.sdk.exceptions import AirflowFailException
-
     from training.tracking.review import ReviewError, resolve_target
 
     event_name, event_version = _from_events(triggering_events)
@@ -78,7 +75,7 @@ def resolve(params: Mapping[str, Any], triggering_events: Mapping[Any, Iterable[
     try:
         target = resolve_target(_tracking_uri(), name, version, params.get("shards_prefix") or None)
     except ReviewError as exc:  # the same input fails the same way: no retry
-        raise AirflowFailException(f"review: {exc}") from exc
+        raise fail_without_retry(f"review: {exc}") from exc
     log.info("reviewing %s version %s against champion %s", target.name, target.challenger,
              target.champion or "(none yet)")
     return target.to_dict()
@@ -86,23 +83,20 @@ def resolve(params: Mapping[str, Any], triggering_events: Mapping[Any, Iterable[
 
 def compare(target: Mapping[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
     """Evaluate challenger and champion on the same test split; log the review run."""
-    from airflow.sdk.exceptions import AirflowFailException
-
     from training.tracking.evaluation import EvaluationError
     from training.tracking.review import Target, review
+    from training.tracking.runs import dag_run_name, dag_run_tags
 
     try:
-        return review(_tracking_uri(), Target(**target), run_name=f"{dag_id}/{run_id}",
-                      tags={"airflow.dag_id": dag_id, "airflow.run_id": run_id})
+        return review(_tracking_uri(), Target(**target), run_name=dag_run_name(dag_id, run_id),
+                      tags=dag_run_tags(dag_id, run_id))
     except EvaluationError as exc:  # no test rows, or a version that cannot score them: no retry
-        raise AirflowFailException(f"review: {exc}") from exc
+        raise fail_without_retry(f"review: {exc}") from exc
 
 
 def gate(target: Mapping[str, Any], reviewed: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
     """The automatic gate on ``compare``'s evaluations (``spec``: the ``gate`` Param); recorded on
     the version and the review run. ``passed`` decides whether a reviewer is asked at all."""
-    from airflow.sdk.exceptions import AirflowFailException
-
     from training.tracking.gate import GateConfigError
     from training.tracking.review import Target
     from training.tracking.review import gate as run_gate
@@ -110,7 +104,7 @@ def gate(target: Mapping[str, Any], reviewed: Mapping[str, Any], spec: Mapping[s
     try:
         return run_gate(_tracking_uri(), Target(**target), reviewed, spec)
     except GateConfigError as exc:  # a configuration error fails the same way on a retry
-        raise AirflowFailException(f"review gate: {exc}") from exc
+        raise fail_without_retry(f"review gate: {exc}") from exc
 
 
 def _decision(approval: Mapping[str, Any] | None) -> tuple[str, str, str]:
