@@ -69,12 +69,16 @@ class UsageMeter:
                         # An exited process not yet reaped reads as 0 bytes resident: not a sample.
                         if proc.status() == psutil.STATUS_ZOMBIE:
                             continue
-                        times = proc.cpu_times()
-                        rss += proc.memory_info().rss
+                        times, resident = proc.cpu_times(), proc.memory_info().rss
                         key = (proc.pid, proc.create_time())
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     continue
+                # A live process always has resident pages: 0 means it is exiting (its memory is
+                # released before it turns zombie), so that read is no sample of it either.
+                if resident == 0:
+                    continue
                 usage._per_process[key] = times.user + times.system
+                rss += resident
                 read += 1
             if not read:  # exited (a zombie until reaped): keep its last live sample
                 continue
