@@ -138,6 +138,7 @@ def run_bare(root: str, cfg: TrainConfig, shards: str) -> dict[str, Any]:
 def bare_child(spec_path: str) -> None:
     """What a person writes with Gluon alone: same rows, model, optimizer and kvstore."""
     from common import fpmode
+    from common.manifest import load_manifest
     from common.mx import import_mxnet
     from training.feed import data
     from training.loop.model import build_model
@@ -148,7 +149,7 @@ def bare_child(spec_path: str) -> None:
     if cfg.cluster.flush_denormals:
         fpmode.flush_denormals()  # what a role does before mxnet starts its threads
     mx = import_mxnet()
-    manifest = data.load_manifest(spec["shards"])
+    manifest = load_manifest(spec["shards"])
     with tempfile.TemporaryDirectory() as work:
         X, y = data.fetch_split(manifest, spec["shards"], data.train_shards(manifest), work)
     mx.random.seed(cfg.seed)

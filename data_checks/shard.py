@@ -39,8 +39,7 @@ if TYPE_CHECKING:
     from common.config import TrainConfig
     from common.paths import DatasetPaths
 
-__all__ = ["shard_dataset", "shard_content_addressed", "fingerprint", "load_manifest", "manifest_digest",
-           "download_shard"]
+__all__ = ["shard_dataset", "shard_content_addressed", "fingerprint"]
 
 log = logging.getLogger(__name__)
 

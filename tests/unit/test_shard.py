@@ -18,7 +18,8 @@ import pytest
 from common import record_codec, storage
 from data_checks import DataError
 from data_checks.assign import SplitBlock, expected_bounds
-from data_checks.shard import download_shard, load_manifest, manifest_digest, shard_content_addressed, shard_dataset
+from common.manifest import download_shard, load_manifest, manifest_digest
+from data_checks.shard import shard_content_addressed, shard_dataset
 from common.config import ClusterConfig, DataConfig, TrainConfig
 
 pytestmark = pytest.mark.unit

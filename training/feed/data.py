@@ -24,7 +24,7 @@ from common.manifest import download_shard, load_manifest, manifest_digest, reco
 from common.preprocessing import TargetScale
 from training.feed.shard_reader import ShardSet
 
-__all__ = ["load_manifest", "manifest_digest", "fetch_split", "open_split", "shards_for_rank", "steps_per_epoch",
+__all__ = ["fetch_split", "open_split", "shards_for_rank", "steps_per_epoch",
            "target_scale", "EpochOrder"]
 
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import ConfigError, TrainConfig
+from common.manifest import manifest_digest
 from common.events import Resumed, emit
 from training.checkpoint import state as ckpt_state
 from training.checkpoint.store import KEEP_STEP, Checkpoint, CheckpointStore, store_for
-from training.feed import data
 from training.launch.job import JobSpec
 from training.loop.early_stop import BestEpoch
 from training.loop.optim import reposition
@@ -97,7 +97,7 @@ def train_record(state: TrainState, step_records: list[dict[str, float]], cfg: T
     record = {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch, "global_step": state.global_step,
               "history": state.history, "step_history": step_records, "config_digest": cfg.digest(),
               "resume_digest": resume_digest(cfg), "num_workers": num_workers,
-              "global_batch": cfg.global_batch(num_workers), "manifest_digest": data.manifest_digest(manifest),
+              "global_batch": cfg.global_batch(num_workers), "manifest_digest": manifest_digest(manifest),
               "rng": RNG_SCHEME}
     if code_sha256:  # a custom network: its code is part of what was trained (check_compatible)
         record[CODE_SHA256] = code_sha256
@@ -169,6 +169,6 @@ def check_compatible(state: dict[str, Any], job: JobSpec, num_workers: int, mani
                              f"{num_workers}: set checkpoint.elastic=true to resume with another worker count")
         if "global_batch" not in state:
             raise ConfigError("checkpoint predates elastic resume (no global_batch recorded)")
-    if state.get("manifest_digest") not in (None, data.manifest_digest(manifest)):
+    if state.get("manifest_digest") not in (None, manifest_digest(manifest)):
         log.warning("checkpoint was written over other shards (manifest %s, now %s)", state["manifest_digest"],
-                    data.manifest_digest(manifest))
+                    manifest_digest(manifest))

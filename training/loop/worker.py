@@ -58,7 +58,7 @@ import numpy as np
 from common import fpmode, model_code, storage
 from common.config import TrainConfig
 from common.events import EpochDone, FirstStepAfterResume, Progress, WorkerStarted, emit
-from common.manifest import num_outputs
+from common.manifest import load_manifest, num_outputs
 from common.model_code import StagedCode
 from common.mx import import_mxnet
 from training.checkpoint import state as ckpt_state
@@ -160,7 +160,7 @@ def join_kvstore(cfg: TrainConfig) -> KVStoreTopology:
 
 def build_data(job: JobSpec, topology: KVStoreTopology) -> Data:
     cfg = job.config
-    manifest = feed_data.load_manifest(job.shards_prefix)
+    manifest = load_manifest(job.shards_prefix)
     steps = feed_data.steps_per_epoch(manifest, topology.num_workers, _step_rows(cfg))
     with tempfile.TemporaryDirectory(prefix="mxpipe-shards-") as work_dir:
         # Mapped, not loaded; readable after work_dir is removed (training.feed.shard_reader).
