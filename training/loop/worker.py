@@ -56,6 +56,7 @@ from common.config import ModelConfig, TrainConfig
 from common.manifest import is_regression, num_outputs
 from common.model_code import StagedCode
 from common.mx import import_mxnet
+from common.procs.watchdog import preempt_on_supervisor_loss
 from training.checkpoint import state as ckpt_state
 from training.checkpoint.manager import CheckpointManager
 from training.checkpoint.state import Snapshot
@@ -85,6 +86,8 @@ def run(job: JobSpec) -> dict[str, Any]:
         model_code.activate(StagedCode(job.model_code_uri, job.model_code_sha256))
     cluster = build_cluster(cfg)
     preemption = Preemption.install()
+    if cluster.rank == 0:  # its supervisor's loss is a preemption: the emergency checkpoint first
+        preempt_on_supervisor_loss(cfg.checkpoint.preempt_grace_s)
     data = build_data(job, cluster)
     model = build_net(cfg, data.manifest, cluster.ctxs)
     store = store_for(job.checkpoint_prefix, cfg.checkpoint)
@@ -452,8 +455,11 @@ class Preemption:
         # os._exit, not SystemExit: the kvstore's destructor would wait in a ps-lite barrier for
         # workers that never reach it.
         logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass  # a broken pipe: the supervisor that read it is gone (common.procs.watchdog)
         os._exit(EXIT_PREEMPTED)
 
 
