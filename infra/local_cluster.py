@@ -3,7 +3,9 @@
 ``provision`` checks that this host can run the roles (mxnet with the distributed kvstore) and
 writes the cluster's record. Each attempt's roles are started in process groups of their own
 and recorded under ``<record>/procs/<attempt>/``, so ``teardown`` (from any process, e.g. an
-Airflow teardown task after the training task was killed) stops every group still alive. The
+Airflow teardown task after the training task was killed) stops every group still alive. Each
+role watches its supervisor by pid and start time and ends itself within seconds of its death
+(``common.procs.watchdog``). The
 detached supervisor is recorded under ``$MXPIPE_HOME/jobs/<cluster>/procs/`` and logs to
 ``$MXPIPE_HOME/jobs/<cluster>/<job_id>.log``, outside the cluster's record, so its log outlives
 the teardown.

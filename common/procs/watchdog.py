@@ -64,7 +64,10 @@ _writer_grace_s: float | None = None  # set by preempt_on_supervisor_loss
 
 def supervised_by(identity: ProcessIdentity | None) -> dict[str, str]:
     """The role environment entry for a supervisor that is ``identity`` (a process of the role's
-    machine) or, with None, the holder of the role's standard input."""
+    machine) or, with None, the holder of the role's standard input. Empty where this machine
+    cannot tell its processes apart (no ``/proc``): its roles go unwatched."""
+    if identity is not None and not identity.visible:
+        return {}
     return {SUPERVISOR_ENV: identity.to_text() if identity is not None else STDIN}
 
 

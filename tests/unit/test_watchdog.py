@@ -159,3 +159,6 @@ def test_no_watch_without_the_variable_and_a_clear_error_for_a_bad_one():
     with pytest.raises(ValueError, match="not a process of this machine's table"):
         watch_supervisor({SUPERVISOR_ENV: f"another-boot/pid:[1] {os.getpid()} 1"})
     assert supervised_by(None) == {SUPERVISOR_ENV: STDIN}
+    me = ProcessIdentity.of()
+    assert supervised_by(me) == {SUPERVISOR_ENV: me.to_text()}
+    assert supervised_by(replace(me, table="")) == {}  # a machine without /proc: nothing to watch by
