@@ -162,3 +162,38 @@ def test_no_watch_without_the_variable_and_a_clear_error_for_a_bad_one():
     me = ProcessIdentity.of()
     assert supervised_by(me) == {SUPERVISOR_ENV: me.to_text()}
     assert supervised_by(replace(me, table="")) == {}  # a machine without /proc: nothing to watch by
+
+
+def test_a_stop_waits_for_roles_ending_themselves_instead_of_signalling_them(tmp_path):
+    from common.procs import kill_recorded
+
+    # A supervisor that records its role as the clusters do; the role notes any SIGTERM it gets.
+    marker = tmp_path / "terminated"
+    role_code = (f"import signal; signal.signal(signal.SIGTERM, lambda *a: open({str(marker)!r}, 'w').close()); "
+                 + ROLE)
+    supervisor_code = textwrap.dedent(f"""
+        import os, sys
+        from common.procs import GroupSpawner
+        from common.procs.identity import ProcessIdentity
+        from common.procs.watchdog import supervised_by
+        role = GroupSpawner({str(tmp_path / "procs")!r}).spawn(
+            "worker-1", [sys.executable, "-c", {role_code!r}], {{**os.environ, **supervised_by(ProcessIdentity.of())}})
+        assert role.stdout.readline().strip() == "ready"
+        print("started", flush=True)
+        import time; time.sleep(120)
+    """)
+    sup = subprocess.Popen([sys.executable, "-c", supervisor_code], env=_env(), stdout=subprocess.PIPE, text=True,
+                           cwd=ROOT)
+    try:
+        assert sup.stdout.readline().strip() == "started"
+        sup.kill()
+        sup.wait(timeout=30)
+        started = time.monotonic()
+        assert kill_recorded(str(tmp_path / "procs"), grace_s=0.5, wait_s=15.0) == ["worker-1"]
+        took = time.monotonic() - started
+    finally:
+        sup.kill()
+        sup.wait(timeout=30)
+        kill_recorded(str(tmp_path / "procs"), grace_s=0.5)
+    assert PEER_LINGER_S - 1.5 <= took < 10.0, took  # it ended itself, well within the wait
+    assert not marker.exists()  # and was never signalled
