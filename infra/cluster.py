@@ -183,8 +183,10 @@ class Cluster(ABC):
     @abstractmethod
     def stop_job(self, *, grace_s: float = STOP_JOB_GRACE_S) -> list[str]:
         """SIGTERM to the running supervisor (an orderly stop: rank 0's emergency checkpoint,
-        then every role), SIGKILL after ``grace_s``, then any role still alive. Idempotent;
-        returns the names of the process groups that were alive."""
+        then every role), SIGKILL after ``grace_s``, then any role still alive; roles that are
+        ending themselves because their supervisor is gone (``common.procs.watchdog``) get up
+        to ``grace_s`` to first. Idempotent; returns the names of the process groups that were
+        alive."""
 
     @abstractmethod
     def teardown(self) -> dict[str, Any]:

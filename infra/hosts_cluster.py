@@ -17,7 +17,9 @@ credentials stay off command lines), and the role is started as
 ``python -m common.procs exec-role --record … --env-file … -- python -m training worker JOB``:
 it leads its own process group on the host and records it, so stopping an attempt or tearing
 the cluster down runs ``python -m common.procs kill-records`` on every host and no role
-survives its ssh client. The job document and shards must be readable from every host: an
+survives its ssh client. A role's standard input is a pipe from its supervisor, through the
+transport (the SSH session's channel): when the supervisor dies, the role reads end of file and
+ends itself within seconds (``common.procs.watchdog``; rank 0 after its emergency checkpoint). The job document and shards must be readable from every host: an
 ``s3://`` URI every host can reach, or a folder every host mounts at the same path.
 
 The detached supervisor runs on the first host (``start_supervisor``): started through the
@@ -34,11 +36,13 @@ import logging
 import os
 import posixpath
 import shlex
+import subprocess
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from common.procs import GroupSpawner, ProcessRole, kill_groups, kill_recorded
+from common.procs.watchdog import supervised_by
 from common.roles import JobLaunch, Role, role_argv, role_env
 from infra.cluster import (STOP_JOB_GRACE_S, Cluster, ClusterSpec, ProvisionError, cluster_id_for,
                            supervise_argv)
@@ -143,7 +147,10 @@ class HostsCluster(Cluster):
         placed = self.placement(launch.roles())
         envs: dict[str, dict[str, dict[str, str]]] = {h.name: {} for h in self.hosts}
         for role, host in placed:
-            base = {**REMOTE_BASE_ENV, "HOME": host.state_dir, "MXPIPE_CLUSTER": self.cluster_id}
+            # The role's input is this process's pipe, through the transport (an SSH session's
+            # channel): its end is the supervisor's, and the role ends itself (common.procs.watchdog).
+            base = {**REMOTE_BASE_ENV, "HOME": host.state_dir, "MXPIPE_CLUSTER": self.cluster_id,
+                    **supervised_by(None)}
             knobs_env = role_env(launch, role.kind, node_host=host.address, root_uri=root_host, root_port=port,
                                  base=base, repo_root=host.workdir)
             if host.interface:
@@ -157,7 +164,7 @@ class HostsCluster(Cluster):
         try:
             for role, host in placed:
                 proc = spawner.spawn(role.name, host_argv(host, self._role_command(host, attempt, role, launch)),
-                                     {**os.environ, "MXPIPE_CLUSTER": self.cluster_id})
+                                     {**os.environ, "MXPIPE_CLUSTER": self.cluster_id}, stdin=subprocess.PIPE)
                 handles.append(RemoteRole(role.name, role.kind, host, proc))
         except BaseException:
             self.stop_roles(handles, grace_s=1.0)
@@ -185,12 +192,12 @@ class HostsCluster(Cluster):
         self._kill_on_hosts(grace_s)
         return alive
 
-    def _kill_on_hosts(self, grace_s: float) -> list[str]:
+    def _kill_on_hosts(self, grace_s: float, wait_s: float = 0.0) -> list[str]:
         def kill(host: HostSpec) -> list[str]:
             cmd = in_workdir(host, host.python, "-m", "common.procs", "kill-records",
-                             self._remote_dir(host), "--grace-s", str(grace_s))
+                             self._remote_dir(host), "--grace-s", str(grace_s), "--wait-s", str(wait_s))
             try:
-                out = run_on(host, cmd, timeout_s=REMOTE_CMD_TIMEOUT_S + grace_s)
+                out = run_on(host, cmd, timeout_s=REMOTE_CMD_TIMEOUT_S + wait_s + grace_s)
                 return list(json.loads(out.stdout.strip().splitlines()[-1])["stopped"])
             except (OSError, RuntimeError, TimeoutError, ValueError, KeyError, IndexError) as exc:
                 log.error("could not stop roles on %s: %s", host.name, exc)
@@ -235,7 +242,9 @@ class HostsCluster(Cluster):
             stopped = list(json.loads(out.stdout.strip().splitlines()[-1])["stopped"])
         except (OSError, RuntimeError, TimeoutError, ValueError, KeyError, IndexError) as exc:
             log.error("could not stop the supervisor on %s: %s", host.name, exc)
-        return stopped + [r for r in self._kill_on_hosts(5.0) if not r.endswith(": unreachable")]
+        # Roles a gone supervisor left are ending themselves (rank 0 writing its emergency
+        # checkpoint): they get the grace to, before anything is signalled.
+        return stopped + [r for r in self._kill_on_hosts(5.0, wait_s=grace_s) if not r.endswith(": unreachable")]
 
     def teardown(self) -> dict[str, Any]:
         """Stop the job and every role on every host, remove the hosts' state folders and the record."""

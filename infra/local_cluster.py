@@ -3,7 +3,9 @@
 ``provision`` checks that this host can run the roles (mxnet with the distributed kvstore) and
 writes the cluster's record. Each attempt's roles are started in process groups of their own
 and recorded under ``<record>/procs/<attempt>/``, so ``teardown`` (from any process, e.g. an
-Airflow teardown task after the training task was killed) stops every group still alive. The
+Airflow teardown task after the training task was killed) stops every group still alive. Each
+role watches its supervisor by pid and start time and ends itself within seconds of its death
+(``common.procs.watchdog``). The
 detached supervisor is recorded under ``$MXPIPE_HOME/jobs/<cluster>/procs/`` and logs to
 ``$MXPIPE_HOME/jobs/<cluster>/<job_id>.log``, outside the cluster's record, so its log outlives
 the teardown.
@@ -23,6 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.procs import GroupSpawner, ProcessRole, free_port, kill_groups, kill_recorded
+from common.procs.identity import ProcessIdentity
+from common.procs.watchdog import supervised_by
 from common.roles import TRACKING_SECRETS, WORKER, JobLaunch, role_argv, role_env
 from infra.cluster import (STOP_JOB_GRACE_S, Cluster, ClusterSpec, ProvisionError, cluster_id_for,
                            supervise_argv)
@@ -84,7 +88,9 @@ class LocalCluster(Cluster):
         host, port = self.scheduler_address()
         spawner = self.spawner()
         # This process is the job's supervisor: the MLflow credentials of its live run are never a role's.
-        base = {**{k: v for k, v in os.environ.items() if k not in TRACKING_SECRETS}, "MXPIPE_CLUSTER": self.cluster_id}
+        base = {**{k: v for k, v in os.environ.items() if k not in TRACKING_SECRETS}, "MXPIPE_CLUSTER": self.cluster_id,
+                # Every role watches this process by pid and start time and ends itself once it is gone.
+                **supervised_by(ProcessIdentity.of())}
         worker_argv = list(self.spec.options.get("worker_argv") or ())
         handles = []
         try:
@@ -118,18 +124,20 @@ class LocalCluster(Cluster):
         log.info("started supervisor of job %s: pid %d, log %s", job_id, proc.pid, log_path)
         return {"job_id": job_id, "host": self.host, "pid": proc.pid, "log": log_path}
 
-    def _stop_roles_recorded(self, grace_s: float) -> list[str]:
+    def _stop_roles_recorded(self, grace_s: float, wait_s: float = 0.0) -> list[str]:
         stopped: list[str] = []
         procs = os.path.join(self.state_dir, "procs")
         if os.path.isdir(procs):
             for attempt in sorted(os.listdir(procs)):
-                stopped += kill_recorded(os.path.join(procs, attempt), grace_s=grace_s)
+                stopped += kill_recorded(os.path.join(procs, attempt), grace_s=grace_s, wait_s=wait_s)
         return stopped
 
     def stop_job(self, *, grace_s: float = STOP_JOB_GRACE_S) -> list[str]:
         supervisors = os.path.join(self.jobs_dir, "procs")
         stopped = kill_recorded(supervisors, grace_s=grace_s) if os.path.isdir(supervisors) else []
-        stopped += self._stop_roles_recorded(5.0)
+        # Roles a gone supervisor left are ending themselves (rank 0 writing its emergency
+        # checkpoint): they get the grace to, before anything is signalled.
+        stopped += self._stop_roles_recorded(5.0, wait_s=grace_s)
         if stopped:
             log.info("stopped job of cluster %s: %s", self.cluster_id, stopped)
         return stopped

@@ -3,9 +3,10 @@
 It runs in the triggerer's event loop, so every storage read happens in a thread
 (``asyncio.to_thread``) under a bound (``READ_TIMEOUT_S``), one read every ``poll_s``. It fires
 one event, ``{"state": ..., "job": ..., "status": ...}``, when the record reaches a final state
-(``succeeded`` / ``failed`` / ``stopped``), when a live record's heartbeat is older than
-``stale_after_s`` (``stale``: the supervisor is gone; the operator stops whatever it left, as a
-stall), or when the job never shows up in the record within ``start_timeout_s`` (``lost``).
+(``succeeded`` / ``failed`` / ``stopped``), when an active record's supervisor is gone
+(``stale``: the operator stops whatever it left, as a stall): at once when it ran on this
+machine (its pid and start time, ``JobStatus.live``), else once its heartbeat is older than
+``stale_after_s``, or when the job never shows up in the record within ``start_timeout_s`` (``lost``).
 A read that fails is logged and retried: storage trouble is not a job failure, and a job that
 outlives it is found again.
 
@@ -107,9 +108,9 @@ class TrainJobTrigger(BaseTrigger):
         if status.state in FINAL_STATES:
             return self._event(status.state, status)
         if not status.live(now, self.stale_after_s):
-            return self._event("stale", status, f"the supervisor of job {job_id} on {status.host} has not "
-                                                f"written its status for {status.age_s(now):.0f}s "
-                                                f"(bound {self.stale_after_s:.0f}s)")
+            # Seen gone on this machine (pid and start time) at once; elsewhere by its heartbeat.
+            bound = "" if status.supervisor_running() is False else f" (bound {self.stale_after_s:.0f}s)"
+            return self._event("stale", status, f"job {job_id}: {status.gone_reason(now)}{bound}")
         return None
 
     async def run(self) -> AsyncIterator[TriggerEvent]:

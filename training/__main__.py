@@ -105,11 +105,15 @@ def _run(args: argparse.Namespace) -> int:
                   status_uri=storage.join(out, "config", "job_status.json"),
                   cluster=local_cluster(safe_component(f"run-{uuid.uuid4().hex[:8]}-{out}"), cfg))
     job_uri = storage.join(out, "config", "job.json")
+    # The previous command's cluster: what a supervisor that died mid-run may have left (stopped
+    # and torn down only if the status record shows that job active with its supervisor gone).
+    replaced = [JobSpec.load(job_uri).cluster] if storage.exists(job_uri) else []
     job.save(job_uri)
     # The supervisor bounds the job itself (cluster.job_timeout_s, stalls); this only bounds the wait.
     c = cfg.cluster
     try:
-        run_detached(job_uri, env=os.environ, timeout_s=c.job_timeout_s + 300.0 if c.job_timeout_s else math.inf)
+        run_detached(job_uri, env=os.environ, timeout_s=c.job_timeout_s + 300.0 if c.job_timeout_s else math.inf,
+                     replaced_clusters=replaced)
     except JobFailed as exc:
         print(f"training failed: {exc}", file=sys.stderr)
         return 1
@@ -171,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "worker":
+        from common.procs.watchdog import watch_supervisor
+
+        watch_supervisor()  # a role exits on its own once its supervisor is gone
         apply_from_env()  # the floating-point mode the engine's threads inherit: before mxnet starts them
         import_mxnet()  # before anything else can import mxnet with sklearn present
         return _worker(args.job_uri)

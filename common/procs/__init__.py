@@ -10,6 +10,10 @@ fork helpers that would outlive a plain ``kill pid``).
   different process (an Airflow teardown task, a reaper) can stop them later; ``exec_role`` for
   another host.
 - ``leftovers``: ``Watch``, the proof that a run left no process running.
+- ``identity``: ``ProcessIdentity`` (process table, pid, start time): whether a recorded
+  process, such as a job's supervisor, is still running, judged on its own machine only.
+- ``watchdog``: a role's watch on its supervisor (``watch_supervisor``): a role exits on its
+  own once its supervisor is gone (rank 0 after its emergency checkpoint).
 - ``ports``: ``free_port``.
 - ``usage``: what process trees consume (core-seconds, CPU %, resident memory), per named tree.
 - ``__main__``: ``python -m common.procs``, the host-side helpers below.

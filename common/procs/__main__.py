@@ -14,7 +14,7 @@ from common.procs.records import exec_role, kill_recorded
 
 EXAMPLES = """
 python -m common.procs exec-role --record /tmp/job/procs/worker-0.json -- python -m training worker JOB_URI
-python -m common.procs kill-records /tmp/job/procs --grace-s 5
+python -m common.procs kill-records /tmp/job/procs --grace-s 5 --wait-s 35
 python -m common.procs free-port 127.0.0.1
 """
 
@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("kill-records", help="stop every recorded group under DIR (recursively)")
     k.add_argument("dir")
     k.add_argument("--grace-s", type=float, default=5.0)
+    k.add_argument("--wait-s", type=float, default=0.0,
+                   help="first wait this long for the groups to exit on their own (default 0)")
     f = sub.add_parser("free-port", help="print a TCP port free on ADDRESS")
     f.add_argument("address")
     args = parser.parse_args(argv)
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         stopped: list[str] = []
         for root, _dirs, files in os.walk(args.dir):
             if any(f.endswith(".json") for f in files):
-                stopped += kill_recorded(root, grace_s=args.grace_s)
+                stopped += kill_recorded(root, grace_s=args.grace_s, wait_s=args.wait_s)
         print(json.dumps({"stopped": stopped}))
         return 0
     print(free_port(args.address))

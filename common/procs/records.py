@@ -14,15 +14,19 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from common.procs.groups import group_members, is_running, kill_groups, start_time, still_ours, stop_groups
+from common.procs.watchdog import ends_itself
 
 log = logging.getLogger(__name__)
 
 SIGKILL_WAIT_S = 10.0  # how long a stopped service's SIGKILLed processes get to disappear
+_WAIT_POLL_S = 0.1
+
 
 
 @dataclass
@@ -120,10 +124,14 @@ class GroupSpawner:
             os.makedirs(record_dir, exist_ok=True)
 
     def spawn(self, name: str, argv: Sequence[str], env: Mapping[str, str], *,
-              cwd: str | None = None, stdout: int | None = subprocess.PIPE) -> subprocess.Popen:
+              cwd: str | None = None, stdout: int | None = subprocess.PIPE,
+              stdin: int = subprocess.DEVNULL) -> subprocess.Popen:
+        """Start ``argv`` leading a session of its own. ``stdin=subprocess.PIPE``: a pipe only
+        this process writes to (never does), whose end tells the child this process is gone
+        (``common.procs.watchdog``); the ``Popen`` keeps it open."""
         proc = subprocess.Popen(
             list(argv), env=dict(env), cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1,
+            stdin=stdin, start_new_session=True, text=True, bufsize=1,
         )
         rec = GroupRecord(name=name, pid=proc.pid, pgid=proc.pid, start_time=start_time(proc.pid) or -1)
         self.records.append(rec)
@@ -156,13 +164,18 @@ def live_records(record_dirs: Iterable[str]) -> list[GroupRecord]:
             if group_members([rec.pgid]) and rec.may_be_ours()]
 
 
-def kill_recorded(record_dir: str, *, grace_s: float = 5.0) -> list[str]:
+def kill_recorded(record_dir: str, *, grace_s: float = 5.0, wait_s: float = 0.0) -> list[str]:
     """Stop every recorded group still alive; returns the names of those that were.
 
     Groups are found by pgid, so a group whose leader has exited but whose children remain is
-    stopped too; a leader pid that now belongs to another process is left alone.
+    stopped too; a leader pid that now belongs to another process is left alone. ``wait_s``:
+    first give the groups whose role is ending itself (``watchdog.ends_itself``: its supervisor
+    is gone) up to that long to exit, before anything is signalled.
     """
     live = live_records([record_dir])
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(ends_itself(rec.pid) for rec in live_records([record_dir])):
+        time.sleep(_WAIT_POLL_S)
     kill_groups((rec.pgid for rec in live), grace_s=grace_s)
     return [rec.name for rec in live]
 

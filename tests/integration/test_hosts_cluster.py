@@ -265,3 +265,55 @@ def test_ssh_job_rides_out_an_s3_outage_on_the_bridge(topology, bridge_s3, tmp_p
     failed = {k: v for k, v in trial.checks.items() if not v}
     assert not failed, (failed, details)
     assert details["retry_lines"] and "retrying in" in details["retry_lines"][0]
+
+
+@pytest.mark.parametrize("hosts", TRANSPORTS, indirect=True)
+def test_killed_supervisor_its_remote_roles_end_and_a_rerun_resumes(hosts, local_shards, tmp_path, nothing_left,
+                                                                    caplog):
+    """``kill -9`` of the supervisor on the first host: every role, on every host, sees its
+    transport's session end and ends itself within 5 s (rank 0 after its emergency checkpoint);
+    the record reads dead at once (the first host is a namespace of this machine, whose process
+    table it shares), and a new job on the prefix starts at once and resumes from that checkpoint."""
+    import signal
+    import time
+
+    from training.checkpoint.store import CheckpointStore
+    from training.launch.status import read_status
+
+    cfg, shards = local_shards
+    # Checkpoints at epoch ends only: one mid-epoch can only be the emergency one.
+    job, job_uri = _job(cfg, shards, str(tmp_path / "run"), optim={"epochs": 3},
+                        checkpoint={"every_n_steps": 100000})
+    spec = ClusterSpec(run_tag=f"hosts-test--supervisor-{hosts[0]['transport']}-{SUFFIX}", workers=2, servers=1,
+                       backend="hosts", options={"hosts": hosts})
+    cluster = provision(spec, home=str(tmp_path / "home"))
+    _watch(nothing_left, cluster, hosts)
+    job = dataclasses.replace(job, status_uri=storage.join(str(tmp_path / "run"), "job_status.json"),
+                              cluster=cluster.job_cluster())
+    job.save(job_uri)
+    store = CheckpointStore(job.checkpoint_prefix)
+    # Rank 0's steps slowed, so the kill lands mid-epoch (see test_supervisor_loss.SLOW_RANK_0).
+    slow = {"MXPIPE_FAULT_STEP_DELAY_S": "0.3", "MXPIPE_FAULT_KILL_RANK": "0"}
+    try:
+        cluster.start_supervisor(job_uri, job_id="0-killed", attempt=0, env={**os.environ, **slow})
+        deadline = time.monotonic() + 300
+        while not ((status := read_status(job.status_uri)) is not None
+                   and status.global_step > max(store.committed_steps(), default=0)):
+            assert time.monotonic() < deadline, "no progress past the newest checkpoint within 300s"
+            time.sleep(0.2)
+        before = max(store.committed_steps(), default=0)
+        os.kill(status.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        left = nothing_left.left(wait_s=5.0)
+        assert not left, f"{len(left)} process(es) still running {time.monotonic() - killed:.1f}s after the kill"
+        dead = read_status(job.status_uri)
+        assert dead.active and not dead.live() and dead.supervisor_running() is False
+        emergency = store.committed_steps()[0]
+        assert emergency >= status.global_step > before, (emergency, status.global_step, before)
+        caplog.set_level(logging.INFO, logger="training.launch.launcher")
+        run_detached(job_uri, env=dict(os.environ), timeout_s=JOB_TIMEOUT_S)
+    finally:
+        cluster.teardown()
+    nothing_left.check("the hosts cluster")
+    assert {int(s) for s in re.findall(r"resumed from step (\d+) ", caplog.text)} == {emergency}
+    assert json.loads(storage.get_bytes(job.metrics_uri))["history"][-1]["epoch"] == 2

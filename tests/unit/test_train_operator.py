@@ -40,6 +40,24 @@ def test_trigger_judges_each_record(tmp_path):
     assert lost["state"] == "lost" and "no status record within 100s" in lost["why"]
 
 
+def test_trigger_knows_a_supervisor_gone_on_this_machine_at_once(tmp_path):
+    import subprocess
+    import sys
+
+    from common.procs.identity import ProcessIdentity
+
+    t = _trigger(tmp_path)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    them = ProcessIdentity.of(child.pid)
+    rec = JobStatus(state=RUNNING, job_id="1-a", heartbeat=time.time(), host="h", pid=them.pid,
+                    process_table=them.table, pid_started=them.started)
+    assert t.judge(rec, time.time()) is None
+    child.kill()
+    child.wait(timeout=30)
+    gone = t.judge(rec, time.time()).payload  # its heartbeat is fresh: no waiting for the bound
+    assert gone["state"] == "stale" and f"its supervisor (pid {them.pid} on h, this machine) is gone" in gone["why"]
+
+
 def test_trigger_polls_until_the_record_is_final(tmp_path):
     t = _trigger(tmp_path)
     _write(tmp_path, state=RUNNING, global_step=5)

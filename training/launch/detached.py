@@ -3,7 +3,8 @@
 ``run_detached(job_uri, env=..., timeout_s=...)`` is what the Airflow operator does, without
 Airflow: it builds the cluster the job document names (``supervise.cluster_of``), starts
 ``python -m training supervise`` detached on it (``Cluster.start_supervisor``; not while the
-record shows another live job on the prefix) and reads the job's status record until it is final. A local supervisor is watched by its pid as well; a
+record shows another live job on the prefix, and only once the leftovers of a job whose
+supervisor died are stopped) and reads the job's status record until it is final. A local supervisor is watched by its pid as well; a
 remote one whose heartbeat is stale past ``STALE_AFTER_S`` is stopped as a stall. Then it makes
 sure nothing is left (``Cluster.stop_job``; a local supervisor, a child of this process, is
 also reaped). It returns the final record of a job that succeeded and raises ``JobFailed``
@@ -38,7 +39,7 @@ from common.config import TrainConfig
 from training.launch.job import JobSpec
 from training.launch.launcher import JobFailed, JobStopped, RoleCluster
 from training.launch.status import FAILED, FINAL_STATES, STOPPED, JobStatus, read_status
-from training.launch.supervise import SuperviseError, cluster_of
+from training.launch.supervise import SuperviseError, cluster_of, load_factory
 
 log = logging.getLogger(__name__)
 # The relayed lines keep the logger they were written under: the supervisor's.
@@ -78,10 +79,13 @@ def local_cluster(cluster_id: str, cfg: TrainConfig, *, home: str = "",
 
 
 def run_detached(job_uri: str, *, env: Mapping[str, str], timeout_s: float, job_id: str = "", attempt: int = 0,
-                 poll_s: float = POLL_S) -> JobStatus:
+                 poll_s: float = POLL_S, replaced_clusters: Sequence[Mapping[str, Any]] = ()) -> JobStatus:
     """Run the job at ``job_uri`` under a detached supervisor started with ``env``; the final
     status record of its success (see the module docstring for everything else). ``timeout_s``
-    may be ``math.inf``: the supervisor bounds the job itself (``cluster.job_timeout_s``, stalls)."""
+    may be ``math.inf``: the supervisor bounds the job itself (``cluster.job_timeout_s``, stalls).
+    ``replaced_clusters``: the clusters (a job document's ``cluster``) of earlier jobs on the same
+    status record, whose leftovers a dead supervisor may have left (``python -m training run``
+    makes a cluster of its own per command)."""
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     job = JobSpec.load(job_uri)
@@ -96,6 +100,8 @@ def run_detached(job_uri: str, *, env: Mapping[str, str], timeout_s: float, job_
     cluster: JobCluster = cluster_of(job)  # type: ignore[assignment]
     job_id = job_id or f"{attempt}-{uuid.uuid4().hex[:12]}"
     grace_s = float(job.config.checkpoint.preempt_grace_s) + STOP_MARGIN_S
+    if current is not None and current.active:
+        _stop_leftovers(current, cluster, [_attach(c) for c in replaced_clusters if c], grace_s)
     where = cluster.start_supervisor(job_uri, job_id=job_id, attempt=attempt, env=dict(env))
     pid = int(where.get("pid") or 0)  # the local backend's: a child of this process
     relay = _LogRelay(str(where.get("log") or ""))
@@ -124,6 +130,25 @@ def run_detached(job_uri: str, *, env: Mapping[str, str], timeout_s: float, job_
         raise JobStopped(status.error or f"job {job_id} was stopped")
     log.info("job %s succeeded at global step %d", job_id, status.global_step)
     return status
+
+
+def _attach(job_cluster: Mapping[str, Any]) -> JobCluster:
+    return load_factory(job_cluster["factory"])(job_cluster["description"])
+
+
+def _stop_leftovers(gone: JobStatus, cluster: JobCluster, replaced: Sequence[JobCluster], grace_s: float) -> None:
+    """The record's job is active but not live (its supervisor died without a final record):
+    stop whatever it left before another job starts on the prefix, and tear down the clusters
+    this job replaces. Its roles are ending themselves (rank 0 writing its emergency checkpoint,
+    which the next job resumes from), and ``stop_job`` gives them ``grace_s`` to before it
+    signals anything."""
+    log.warning("job %s on this run's checkpoint prefix is %s but %s: stopping what it left first",
+                gone.job_id, gone.state, gone.gone_reason())
+    for each in (cluster, *replaced):
+        if stopped := each.stop_job(grace_s=grace_s):
+            log.info("stopped the leftovers of job %s: %s", gone.job_id, stopped)
+    for each in replaced:
+        each.teardown()
 
 
 def _wait(status_uri: str, job_id: str, pid: int, timeout_s: float, poll_s: float,

@@ -13,7 +13,8 @@ Fields: ``state`` (``STATES``), ``job_id`` (unique per supervisor start), ``atte
 Airflow try that started it, 0 outside Airflow), ``global_step`` and ``epoch`` (from rank 0's
 events), ``heartbeat`` (Unix time of the last write; a live supervisor writes at least every
 ``HEARTBEAT_S``), ``error`` and ``deterministic`` (on failure: whether a retry can help), and
-``host`` / ``pid`` of the supervisor, which is what a stop signals, and on a role's failure
+``host`` / ``pid`` of the supervisor, which is what a stop signals (with ``process_table`` and
+``pid_started``, its identity: ``live`` checks it by pid and start time on its own machine), and on a role's failure
 ``role``, ``role_host`` and ``exit_code`` (negative for a signal; None for a stall).
 """
 from __future__ import annotations
@@ -26,18 +27,24 @@ from typing import Any
 
 from common import storage
 from common.events import EpochDone, EventError, Progress, parse_event
+from common.procs.identity import ProcessIdentity
 
 STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED = "starting", "running", "succeeded", "failed", "stopped"
 STATES = (STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED)
 ACTIVE_STATES = frozenset({STARTING, RUNNING})
 FINAL_STATES = frozenset({SUCCEEDED, FAILED, STOPPED})
-# A live supervisor refreshes its heartbeat at least this often, and at most every
-# MIN_WRITE_INTERVAL_S for progress alone: a 3-day run writes about 26k small objects.
-HEARTBEAT_S = 10.0
+# A live supervisor refreshes its heartbeat at least this often (with its progress, if any): a
+# 3-day run writes about 130k small objects. MIN_WRITE_INTERVAL_S bounds ``update``'s writes.
+HEARTBEAT_S = 2.0
 MIN_WRITE_INTERVAL_S = 5.0
 # A heartbeat older than this means the supervisor is gone (crashed host, kill -9): its job is
-# not live, whatever its state says. Several heartbeats, so one slow storage write is not a death.
-STALE_AFTER_S = 6 * HEARTBEAT_S
+# not live, whatever its state says. Only for a supervisor that this machine cannot inspect
+# (``JobStatus.supervisor_running``: one on this machine is judged by pid and start time, at
+# once). Five heartbeats: one storage put riding out botocore's retries, or a second of clock
+# skew between the supervisor's host and the reader's, must not read as a death (which stops a
+# healthy job); a bound of 5 s would not leave that margin. Its roles do not wait for it: they
+# end themselves within seconds of their supervisor (``common.procs.watchdog``).
+STALE_AFTER_S = 5 * HEARTBEAT_S
 
 
 class StatusError(RuntimeError):
@@ -57,6 +64,10 @@ class JobStatus:
     deterministic: bool = False
     host: str = ""
     pid: int = 0
+    # The supervisor's process table and start time (clock ticks since boot): with ``pid``, what
+    # tells it apart from a later process with its pid, and this machine from another.
+    process_table: str = ""
+    pid_started: int = 0
     role: str = ""
     role_host: str = ""
     exit_code: int | None = None
@@ -72,9 +83,30 @@ class JobStatus:
     def age_s(self, now: float | None = None) -> float:
         return (time.time() if now is None else now) - self.heartbeat
 
+    # -- liveness: the supervisor by pid and start time where this machine can see it ----------
+
+    def supervisor_running(self) -> bool | None:
+        """Whether the supervisor process still runs, judged by pid and start time on its own
+        machine (``common.procs.identity``); None where this machine cannot see it (another host
+        or container, or a record without its identity)."""
+        if not self.pid_started:
+            return None
+        return ProcessIdentity(self.process_table, self.pid, self.pid_started).running()
+
     def live(self, now: float | None = None, stale_after_s: float = STALE_AFTER_S) -> bool:
-        """Active and heard from within ``stale_after_s``."""
-        return self.active and self.age_s(now) <= stale_after_s
+        """Active, and its supervisor running: known at once where this machine can see it
+        (``supervisor_running``; its heartbeat may age through a storage outage the job rides
+        out), else heard from within ``stale_after_s``."""
+        if not self.active:
+            return False
+        running = self.supervisor_running()
+        return running if running is not None else self.age_s(now) <= stale_after_s
+
+    def gone_reason(self, now: float | None = None) -> str:
+        """Why an active record's job is not live (for messages)."""
+        if self.supervisor_running() is False:
+            return f"its supervisor (pid {self.pid} on {self.host}, this machine) is gone"
+        return f"its supervisor on {self.host} has not written its status for {self.age_s(now):.0f}s"
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

@@ -20,8 +20,8 @@ through the ``RoleCluster`` protocol. ``training`` depends on no backend; the jo
 says which one.
 
 One job per checkpoint prefix: a supervisor refuses to start (``EXIT_REFUSED``, the record
-untouched) while the record shows another live job (active state, heartbeat fresher than
-``STALE_AFTER_S``).
+untouched) while the record shows another live job (active state, and its supervisor running:
+by pid and start time on this machine, else a heartbeat fresher than ``STALE_AFTER_S``).
 """
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from common.events import EXIT_BAD_INPUT, EXIT_PREEMPTED
-from training.launch.job import JobSpec
 from common.errors import DeterministicError
+from common.events import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from common.procs.identity import ProcessIdentity
+from training.launch.job import JobSpec
 from common.roles import TRACKING_SECRETS
 from training.launch.launcher import JobFailed, JobObserver, JobStopped, RoleCluster, Supervisor
 from training.launch.status import (FAILED, RUNNING, STARTING, STOPPED, SUCCEEDED, JobStatus, StatusWriter,
@@ -88,8 +89,10 @@ def supervise(job_uri: str, *, job_id: str, attempt: int = 0, base_env: Mapping[
                   "checkpoint prefix", job_id, previous.job_id, previous.host, previous.pid, previous.state,
                   previous.age_s())
         return EXIT_REFUSED
+    me = ProcessIdentity.of()  # how a reader on this machine knows at once that this process is gone
     status = StatusWriter(job.status_uri, JobStatus(
-        state=STARTING, job_id=job_id, attempt=attempt, started_at=time.time(), host=socket.gethostname(), pid=os.getpid()),
+        state=STARTING, job_id=job_id, attempt=attempt, started_at=time.time(), host=socket.gethostname(), pid=me.pid,
+        process_table=me.table, pid_started=me.started),
         on_error=lambda exc: log.warning("could not write the status record %s: %s", job.status_uri, exc))
     status.update()
     try:

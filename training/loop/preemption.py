@@ -54,6 +54,9 @@ class Preemption:
         # os._exit, not SystemExit: the kvstore's destructor would wait in a ps-lite barrier for
         # workers that never reach it.
         logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass  # a broken pipe: the supervisor that read it is gone (common.procs.watchdog)
         os._exit(EXIT_PREEMPTED)

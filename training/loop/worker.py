@@ -61,6 +61,7 @@ from common.events import EpochDone, FirstStepAfterResume, Progress, WorkerStart
 from common.manifest import load_manifest, num_outputs
 from common.model_code import StagedCode
 from common.mx import import_mxnet
+from common.procs.watchdog import preempt_on_supervisor_loss
 from training.checkpoint import state as ckpt_state
 from training.checkpoint.manager import CheckpointManager
 from training.checkpoint.state import Snapshot
@@ -94,6 +95,8 @@ def run(job: JobSpec) -> dict[str, Any]:
         model_code.activate(StagedCode(job.model_code_uri, job.model_code_sha256))
     topology = join_kvstore(cfg)
     preemption = Preemption.install()
+    if topology.rank == 0:  # its supervisor's loss is a preemption: the emergency checkpoint first
+        preempt_on_supervisor_loss(cfg.checkpoint.preempt_grace_s)
     data = build_data(job, topology)
     model = build_net(cfg, data.manifest, topology.ctxs)
     # A fault plan's torn checkpoint: the writer dies between data files and manifest (only rank 0 saves).
