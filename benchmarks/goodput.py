@@ -1,13 +1,13 @@
 """G1: goodput under a failure rate — ``kill -9`` of a random role every T seconds of a long run.
 
-Runs the real DAG with ``dag.test()`` (``benchmarks/dag_stack.py``: Airflow's task runner and its
+Runs the real DAG with ``dag.test()`` (``testkit/dag_stack.py``: Airflow's task runner and its
 retry with ``MXPIPE_RETRY_DELAY_S``, the local cluster backend) against a SeaweedFS S3 server
 and an MLflow server started here. ``dag.test()`` rather than the scheduler: the figure is the
 training job's goodput, and a scheduler adds only its own polling delay to each retry (seconds,
 on a machine whose two cores are shared), which would be measured as the scheduler's latency and
 not the pipeline's recovery; the retry itself, its delay and the resume are Airflow's either way.
 
-A killer thread (``benchmarks/soak_killer.py``) kills one live role (scheduler, server or worker:
+A killer thread (``testkit/killer.py``) kills one live role (scheduler, server or worker:
 a seeded uniform choice among the newest attempt's live roles, found through the cluster's
 records and checked by command line) every ``--period-s`` seconds from the first job start, at
 most ``--max-kills`` times (default 2: the train task has 2 retries, a third failure would fail
@@ -45,12 +45,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from benchmarks.dag_stack import local_stack, read_events, run_dag, upload  # noqa: E402
-from benchmarks.result_file import write_json  # noqa: E402
-from benchmarks.soak_killer import Killer  # noqa: E402
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from testkit import REPO  # noqa: E402
+from testkit.dag_stack import local_stack, read_events, run_dag, upload  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
+from testkit.killer import Killer  # noqa: E402
 from benchmarks.timeline import cadence_plans, goodput  # noqa: E402
 
 TABLE = ("import sys, numpy as np, pandas as pd; from sklearn.datasets import make_classification; "

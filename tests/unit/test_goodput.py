@@ -1,5 +1,5 @@
 """The soak benchmark's pure parts: goodput and failure timelines from an event log, the killer's
-choice of a role and how it finds the roles (benchmarks/timeline.py, benchmarks/soak_killer.py)."""
+choice of a role and how it finds the roles (benchmarks/timeline.py, testkit/killer.py)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.soak_killer import Killer, LiveRole, choose_victim, is_role_command, live_roles
+from testkit.killer import Killer, LiveRole, choose_victim, is_role_command, live_roles
 from benchmarks.timeline import attempts, cadence_plans, failure_timeline, goodput
 from common.procs import GroupSpawner
 

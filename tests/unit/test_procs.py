@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import psutil
 import pytest
@@ -25,12 +24,12 @@ from common.procs import (
     stop_groups,
 )
 from common.procs.groups import KILL_WAIT_S
+from testkit import ROOT
 
 pytestmark = pytest.mark.unit
 
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parents[2]
 IGNORE_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(300)"
 
 

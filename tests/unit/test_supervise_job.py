@@ -17,10 +17,10 @@ from training.launch.job import JobSpec
 from training.launch.status import (FAILED, RUNNING, STOPPED, SUCCEEDED, JobStatus, StatusWriter, progress_of,
                                     read_status)
 from tests.unit import script_cluster
+from testkit import REPO
 
 pytestmark = pytest.mark.unit
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A worker that names its kvstore rank, logs progress as a worker does, and on SIGTERM says so
 # (rank 0: "checkpoints") and exits 75. ps-lite ranks need not follow the role names.
 def _loop(rank):
