@@ -17,7 +17,8 @@ import every package of the project. What it holds:
 - ``chaos_jobs`` / ``killer``: the chaos harness's job attempts and S3 server, and the soak's
   killer of random live roles;
 - ``cities_table``: a generated table with a text column and missing values;
-- ``result_file``: the ``--json`` result file of a benchmark script.
+- ``result_file``: the ``--json`` result file of a benchmark script;
+- ``waits``: waiting on a condition with a bound (never a fixed sleep and one read).
 """
 from __future__ import annotations
 

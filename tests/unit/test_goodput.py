@@ -14,6 +14,7 @@ import pytest
 from testkit.killer import Killer, LiveRole, choose_victim, is_role_command, live_roles
 from benchmarks.timeline import attempts, cadence_plans, failure_timeline, goodput
 from common.procs import GroupSpawner
+from testkit.waits import process_started
 
 pytestmark = pytest.mark.unit
 
@@ -126,8 +127,12 @@ def test_role_commands():
 
 
 def _fake_role(spawner: GroupSpawner, name: str, argv_tail: str) -> int:
+    """Spawn and record a stand-in role; returns once it runs its command line (right after the
+    spawn it may still be in its exec, its command line empty: no role's yet)."""
     argv = [sys.executable, "-c", "import time; time.sleep(60)", argv_tail]
-    return spawner.spawn(name, argv, dict(os.environ), stdout=None).pid
+    pid = spawner.spawn(name, argv, dict(os.environ), stdout=None).pid
+    process_started(pid, argv)
+    return pid
 
 
 def test_live_roles_and_killer_use_the_newest_attempts_records(tmp_path: Path):
@@ -135,7 +140,6 @@ def test_live_roles_and_killer_use_the_newest_attempts_records(tmp_path: Path):
     old, new = GroupSpawner(str(procs / "attempt-1")), None
     try:
         _fake_role(old, "worker-0", "training worker")
-        time.sleep(0.05)
         new = GroupSpawner(str(procs / "attempt-2"))
         pid = _fake_role(new, "worker-1", "training worker")
         _fake_role(new, "server-0", "not a role")  # its command line is no role's: never picked
