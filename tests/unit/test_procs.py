@@ -189,3 +189,26 @@ def test_usage_keeps_the_last_live_sample_of_an_exited_unreaped_role():
     finally:
         proc.wait(timeout=30)
 
+
+def test_usage_keeps_the_last_live_memory_of_a_role_that_is_exiting(monkeypatch):
+    """Between releasing its memory and becoming a zombie an exiting process still runs, and
+    reads as 0 bytes resident (the kernel's figure for a task without memory; simulated here on
+    a live process, the window is too short to catch): no sample of its memory, so the last live
+    one stands, while its CPU time still counts."""
+    from common.procs.usage import UsageMeter
+
+    proc = _holder()
+    try:
+        meter = UsageMeter()
+        live = meter.sample({"role": proc.pid})["role"].rss_bytes
+        # psutil's platform layer, under its per-call cache (Process.oneshot).
+        platform = psutil._psplatform.Process  # type: ignore[attr-defined]
+        real = platform.memory_info
+        monkeypatch.setattr(platform, "memory_info",
+                            lambda self: real(self)._replace(rss=0) if self.pid == proc.pid else real(self))
+        after = meter.sample({"role": proc.pid})["role"]
+        assert live > 40_000_000 and after.rss_bytes == live
+        assert after.last_seen > after.first_seen  # a sample all the same
+    finally:
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.wait(timeout=30)
