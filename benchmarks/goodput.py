@@ -199,19 +199,25 @@ def main() -> int:
                 print(f"parameters bit-identical to the uninterrupted run: {run['params_identical']}", flush=True)
                 report.update(reference=ref, headline=run)
             rows = []
-            for rnd in range(args.rounds):
-                # Interleaved, each round in a rotated order: a drift in the machine's load falls on
-                # every interval alike rather than on whichever ran last. One seed per round: the
-                # same kill times and roles for every interval of that round.
-                for every in compare[rnd % len(compare):] + compare[:rnd % len(compare)]:
-                    conf = conf_for(args, dataset, args.compare_epochs, every, args.compare_period_s)
-                    row = soak(env, root, f"compare-{every}-r{rnd}", conf, period_s=args.compare_period_s,
-                               seed=args.seed + rnd, max_kills=args.max_kills)
-                    rows.append(row | {"round": rnd})
+            for rnd, every in comparison_order(compare, args.rounds):
+                conf = conf_for(args, dataset, args.compare_epochs, every, args.compare_period_s)
+                row = soak(env, root, f"compare-{every}-r{rnd}", conf, period_s=args.compare_period_s,
+                           seed=args.seed + rnd, max_kills=args.max_kills)
+                rows.append(row | {"round": rnd})
             if rows:
                 report["comparison"] = comparison(rows, args)
     write_json(args.json, report)
     return 0 if report.get("headline", {}).get("params_identical", True) else 1
+
+
+def comparison_order(compare: list[int | str], rounds: int) -> list[tuple[int, int | str]]:
+    """The ``--compare`` soaks as (round, interval), in the order they run.
+
+    Interleaved, each round in a rotated order: a drift in the machine's load falls on every
+    interval alike rather than on whichever ran last. One seed per round: the same kill times and
+    roles for every interval of that round. No intervals (no ``--compare``): nothing to run."""
+    return [(rnd, every) for rnd in range(rounds) if compare
+            for every in compare[rnd % len(compare):] + compare[:rnd % len(compare)]]
 
 
 def comparison(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:

@@ -167,6 +167,22 @@ def _wait_dead(pid: int, timeout_s: float = 10.0) -> bool:
     return False
 
 
+def test_the_comparison_runs_each_interval_once_a_round_in_a_rotated_order():
+    from benchmarks.goodput import comparison_order
+
+    assert comparison_order([10, 100, "auto"], 2) == [(0, 10), (0, 100), (0, "auto"),
+                                                      (1, 100), (1, "auto"), (1, 10)]
+
+
+def test_without_compare_there_is_no_comparison_to_run():
+    """``goodput.py`` without ``--compare`` (the headline soak only) runs no comparison soak and
+    goes on to write its result file."""
+    from benchmarks.goodput import comparison_order
+
+    assert comparison_order([], 1) == []
+    assert comparison_order([], 3) == []
+
+
 def test_the_cadence_comparison_averages_runs_with_every_kill_and_ranks_by_wall_time():
     from benchmarks.goodput import summarise
 
