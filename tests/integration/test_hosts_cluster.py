@@ -36,7 +36,7 @@ from training.launch.job import JobSpec
 from training.launch.detached import run_detached
 from training.launch.launcher import JobFailed
 from testkit.netns_hosts import (controller_address, hosts_pids, link_stats, namespace_hosts,
-                         netns_available, ssh_hosts, sshd_available)
+                                 netns_available, ssh_hosts, sshd_available)
 
 pytestmark = pytest.mark.integration
 

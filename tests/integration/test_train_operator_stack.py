@@ -52,10 +52,11 @@ from infra.airflow_client import (TERMINAL_RUN_STATES, AirflowClient, trigger_da
 from training.launch.status import read_status
 from testkit.airflow_stack import killed_and_restarted, stack_client_env
 from testkit.dags_operator_variants import (DAGRUN_TIMEOUT_S, REFERENCE, RUN_TIMEOUT, SYNC, SYNC_REFERENCE,
-                                    TRAIN_TIMEOUT, TRAIN_TIMEOUT_S, VARIANTS)
+                                            TRAIN_TIMEOUT, TRAIN_TIMEOUT_S, VARIANTS)
 from testkit.operator_runs import (DAG_ID, STOP_BOUND_S, VARIANTS_ENV, alive, assert_same_params,
-                           check_stopped_in_order, conf, digits_uri, final_params, mark_failed_and_wait_stopped,
-                           status_uri, task_processes, train_ti, trained_steps, variants_stack, wait_training)
+                                   check_stopped_in_order, conf, digits_uri, final_params,
+                                   mark_failed_and_wait_stopped, status_uri, task_processes, train_ti,
+                                   trained_steps, variants_stack, wait_training)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 
