@@ -39,11 +39,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import chaos_jobs as cj  # noqa: E402
-from benchmarks.result_file import write_json  # noqa: E402
+from testkit import chaos_jobs as cj  # noqa: E402
+from testkit.digits import digits_csv  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
 from common import storage  # noqa: E402
 from common.config import TrainConfig, recipe  # noqa: E402
 
@@ -203,7 +204,7 @@ def shard_copies(stack: cj.ChaosStack, cfg: TrainConfig, name: str, copies: int)
     from data_checks.shard import shard_dataset
 
     base = f"s3://{stack.bucket}/chaos-data/{name}"
-    storage.put_bytes(storage.join(base, "digits.csv"), cj.digits_table(copies))
+    storage.put_bytes(storage.join(base, "digits.csv"), digits_csv(copies))
     shard_dataset(cfg.replace(data={"source_uri": storage.join(base, "digits.csv")}), storage.join(base, "shards"))
     return storage.join(base, "shards")
 

@@ -1,7 +1,7 @@
 """Chaos R4: a network fault on the multi-host (``hosts``) backend, over network namespaces.
 
 Three hosts are network namespaces of this machine linked by veth pairs and a bridge in a
-namespace of its own (``tests/integration/netns_hosts.py``): scheduler and server on host 0, one
+namespace of its own (``testkit/netns_hosts.py``): scheduler and server on host 0, one
 worker on each of hosts 1 and 2, so ps-lite traffic crosses the veth links. Mid-run (after the
 first committed checkpoint) worker-1's host link is cut (``ip -n HOST link set eth0 down``) and
 restored ``cut_s`` later, once shorter and once longer than the job's stall timeout.
@@ -27,12 +27,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from netns_hosts import hosts_pids, namespace_hosts, netns_available  # noqa: E402
-
-from benchmarks import chaos_jobs as cj  # noqa: E402
+from testkit.netns_hosts import hosts_pids, namespace_hosts, netns_available  # noqa: E402
+from testkit import chaos_jobs as cj  # noqa: E402
+from testkit.digits import digits_csv  # noqa: E402
 from common import storage  # noqa: E402
 from common.procs import Watch  # noqa: E402
 from common.config import TrainConfig  # noqa: E402
@@ -169,7 +169,7 @@ def r4(root: Path, cut_seconds: list[float], copies: int = 6) -> list[Any]:
     cfg = base_config().replace(optim={"epochs": 1}, cluster={"stall_timeout_s": STALL_S})
     data = root / "data"
     data.mkdir(exist_ok=True)
-    (data / "digits.csv").write_bytes(cj.digits_table(copies))
+    (data / "digits.csv").write_bytes(digits_csv(copies))
     cfg = cfg.replace(data={"source_uri": str(data / "digits.csv")})
     shard_dataset(cfg, str(data / "shards"))
     out = []

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import chaos
-from benchmarks import chaos_jobs as cj
+from testkit import chaos_jobs as cj
 from common.config import TrainConfig
 
 OUTAGE_WAIT_S = 300.0  # bound on waiting for the job to reach the kill step

@@ -31,13 +31,13 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
-from benchmarks.result_file import write_json  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
 
 BATCH = 16
 # Side by side in one run: no checkpoints, the synchronous writer, the asynchronous one.

@@ -37,11 +37,10 @@ import tempfile
 import time
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from benchmarks.result_file import write_json  # noqa: E402
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from testkit import REPO  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
 
 FEATURES, CLASSES = 64, 10
 
@@ -123,7 +122,7 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_job(args: argparse.Namespace, compression: bool, out: str) -> list[dict[str, Any]]:
-    from tests.integration.ps_cluster import run_script_job
+    from testkit.ps_cluster import run_script_job
 
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--out", out, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--batch", str(args.batch), "--threshold", str(args.threshold),

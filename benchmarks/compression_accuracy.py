@@ -18,14 +18,12 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HERE = os.path.dirname(os.path.abspath(__file__))
-for path in (REPO, HERE):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from testkit import REPO  # noqa: E402
 
 from data_checks.shard import shard_dataset  # noqa: E402
-from kvstore_modes import _source  # noqa: E402
+from benchmarks.kvstore_modes import _source  # noqa: E402
 from common.config import recipe  # noqa: E402
 
 

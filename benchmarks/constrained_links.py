@@ -1,7 +1,7 @@
 """N1 and C2: the same 2-worker job on namespace hosts whose links are slowed with ``tc``.
 
 Three hosts are network namespaces linked by veth pairs and a bridge
-(``tests/integration/netns_hosts.py``, the ``hosts`` backend over ``ip netns exec``): scheduler
+(``testkit/netns_hosts.py``, the ``hosts`` backend over ``ip netns exec``): scheduler
 and server on host 0, a worker on each of hosts 1 and 2, so every push and pull crosses two
 links. Every host's link is limited to the same rate in both directions (``tbf`` on its
 ``eth0`` and on its bridge port). The job: the ``debug`` recipe (digits, 2 workers, 1 server,
@@ -34,15 +34,13 @@ import time
 import uuid
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (REPO, os.path.join(REPO, "tests", "integration")):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from netns_hosts import clear_link, link_stats, namespace_hosts, netns_available, shape_link, shaping_available  # noqa: E402
-
-from benchmarks import chaos_jobs as cj  # noqa: E402
-from benchmarks.result_file import write_json  # noqa: E402
+from testkit.netns_hosts import clear_link, link_stats, namespace_hosts, netns_available, shape_link, shaping_available  # noqa: E402
+from testkit import chaos_jobs as cj  # noqa: E402
+from testkit.digits import digits_csv  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
 from common import storage  # noqa: E402
 from infra.planning import WIRE_BYTES  # noqa: E402
 
@@ -98,7 +96,7 @@ def measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
     data = os.path.join(root, "data")
     os.makedirs(data)
     with open(os.path.join(data, "digits.csv"), "wb") as fh:
-        fh.write(cj.digits_table(1))
+        fh.write(digits_csv(1))
     cfg = cfg.replace(data={"source_uri": os.path.join(data, "digits.csv")})
     shards = os.path.join(data, "shards")
     shard_dataset(cfg, shards)

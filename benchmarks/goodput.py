@@ -1,13 +1,13 @@
 """G1: goodput under a failure rate — ``kill -9`` of a random role every T seconds of a long run.
 
-Runs the real DAG with ``dag.test()`` (``benchmarks/dag_stack.py``: Airflow's task runner and its
+Runs the real DAG with ``dag.test()`` (``testkit/dag_stack.py``: Airflow's task runner and its
 retry with ``MXPIPE_RETRY_DELAY_S``, the local cluster backend) against a SeaweedFS S3 server
 and an MLflow server started here. ``dag.test()`` rather than the scheduler: the figure is the
 training job's goodput, and a scheduler adds only its own polling delay to each retry (seconds,
 on a machine whose two cores are shared), which would be measured as the scheduler's latency and
 not the pipeline's recovery; the retry itself, its delay and the resume are Airflow's either way.
 
-A killer thread (``benchmarks/soak_killer.py``) kills one live role (scheduler, server or worker:
+A killer thread (``testkit/killer.py``) kills one live role (scheduler, server or worker:
 a seeded uniform choice among the newest attempt's live roles, found through the cluster's
 records and checked by command line) every ``--period-s`` seconds from the first job start, at
 most ``--max-kills`` times (default 2: the train task has 2 retries, a third failure would fail
@@ -45,12 +45,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from benchmarks.dag_stack import local_stack, read_events, run_dag, upload  # noqa: E402
-from benchmarks.result_file import write_json  # noqa: E402
-from benchmarks.soak_killer import Killer  # noqa: E402
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from testkit import REPO  # noqa: E402
+from testkit.dag_stack import local_stack, read_events, run_dag, upload  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
+from testkit.killer import Killer  # noqa: E402
 from benchmarks.timeline import cadence_plans, goodput  # noqa: E402
 
 TABLE = ("import sys, numpy as np, pandas as pd; from sklearn.datasets import make_classification; "
@@ -199,19 +199,25 @@ def main() -> int:
                 print(f"parameters bit-identical to the uninterrupted run: {run['params_identical']}", flush=True)
                 report.update(reference=ref, headline=run)
             rows = []
-            for rnd in range(args.rounds):
-                # Interleaved, each round in a rotated order: a drift in the machine's load falls on
-                # every interval alike rather than on whichever ran last. One seed per round: the
-                # same kill times and roles for every interval of that round.
-                for every in compare[rnd % len(compare):] + compare[:rnd % len(compare)]:
-                    conf = conf_for(args, dataset, args.compare_epochs, every, args.compare_period_s)
-                    row = soak(env, root, f"compare-{every}-r{rnd}", conf, period_s=args.compare_period_s,
-                               seed=args.seed + rnd, max_kills=args.max_kills)
-                    rows.append(row | {"round": rnd})
+            for rnd, every in comparison_order(compare, args.rounds):
+                conf = conf_for(args, dataset, args.compare_epochs, every, args.compare_period_s)
+                row = soak(env, root, f"compare-{every}-r{rnd}", conf, period_s=args.compare_period_s,
+                           seed=args.seed + rnd, max_kills=args.max_kills)
+                rows.append(row | {"round": rnd})
             if rows:
                 report["comparison"] = comparison(rows, args)
     write_json(args.json, report)
     return 0 if report.get("headline", {}).get("params_identical", True) else 1
+
+
+def comparison_order(compare: list[int | str], rounds: int) -> list[tuple[int, int | str]]:
+    """The ``--compare`` soaks as (round, interval), in the order they run.
+
+    Interleaved, each round in a rotated order: a drift in the machine's load falls on every
+    interval alike rather than on whichever ran last. One seed per round: the same kill times and
+    roles for every interval of that round. No intervals (no ``--compare``): nothing to run."""
+    return [(rnd, every) for rnd in range(rounds) if compare
+            for every in compare[rnd % len(compare):] + compare[:rnd % len(compare)]]
 
 
 def comparison(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:

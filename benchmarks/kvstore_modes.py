@@ -22,16 +22,16 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.result_file import write_json  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
 from common import storage  # noqa: E402
 from data_checks.shard import shard_dataset  # noqa: E402
 from common.config import TrainConfig, recipe  # noqa: E402
 from training.launch.job import JobSpec  # noqa: E402
-from tests.integration.local_jobs import run_local  # noqa: E402
+from testkit.digits import digits_csv  # noqa: E402
+from testkit.local_jobs import run_local  # noqa: E402
 
 CHOSEN = "dist_sync/workers"
 
@@ -50,14 +50,8 @@ def modes(workers: int) -> list[tuple[str, dict, dict]]:
 
 
 def _source(root: str) -> str:
-    import pandas as pd
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    frame = pd.DataFrame(d.data, columns=[f"pixel_{i}" for i in range(64)])
-    frame["label"] = d.target
     uri = os.path.join(root, "digits.csv")
-    storage.put_bytes(uri, frame.to_csv(index=False).encode())
+    storage.put_bytes(uri, digits_csv())
     return uri
 
 

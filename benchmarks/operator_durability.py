@@ -36,13 +36,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.dag_services import embedded_services, use_in_this_process  # noqa: E402
-from benchmarks.dag_stack import upload  # noqa: E402
-from benchmarks.result_file import write_json  # noqa: E402
+from testkit.dag_services import embedded_services, use_in_this_process  # noqa: E402
+from testkit.dag_stack import upload  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
 
 # Long enough (about 20 steps an epoch, 0.4 s a step) to outlast the sampling and the act after it.
 LONG_EPOCHS = 10
@@ -70,7 +69,7 @@ def busy_executor_workers(stack_home: Path) -> int:
 
 def sample_slots(cfg: Any, run_id: str, seconds: float) -> dict[str, float]:
     from infra.airflow_client import AirflowClient
-    from operator_runs import DAG_ID
+    from testkit.operator_runs import DAG_ID
 
     tis, workers = [], []
     deadline = time.monotonic() + seconds
@@ -85,7 +84,7 @@ def sample_slots(cfg: Any, run_id: str, seconds: float) -> dict[str, float]:
 
 def steps_recomputed(home: Path, run_id: str) -> dict[str, int]:
     from infra.cluster import cluster_id_for
-    from operator_runs import DAG_ID
+    from testkit.operator_runs import DAG_ID
 
     logs = sorted((home / "jobs" / cluster_id_for(f"{DAG_ID}--{run_id}")).glob("*.log"),
                   key=lambda p: p.stat().st_mtime)
@@ -102,7 +101,7 @@ def steps_recomputed(home: Path, run_id: str) -> dict[str, int]:
 def jobs_stopped_on_the_way_out(run_ids: list[str]) -> Iterator[list[str]]:
     """On any way out (an interrupt, a failed step) the runs' detached supervisors and roles,
     which outlive the stack by design, are killed."""
-    from operator_runs import role_processes
+    from testkit.operator_runs import role_processes
 
     try:
         yield run_ids
@@ -125,9 +124,9 @@ def deferrable_runs(root: Path, s3: Any, mlflow: Any, dataset: str, sample_s: fl
                     runs: list[str]) -> dict[str, Any]:
     """O3 (mark failed), then O1 and O2 on one run (the restart comes last: it ends the stack's
     scheduler and triggerer with it)."""
-    from airflow_stack import killed_and_restarted, stack_client_env
+    from testkit.airflow_stack import killed_and_restarted, stack_client_env
     from infra.airflow_client import trigger_dag_run, wait_for_dag_run
-    from operator_runs import (DAG_ID, EXTRA_ENV, conf, mark_failed_and_wait_stopped, operator_stack, run_paths,
+    from testkit.operator_runs import (DAG_ID, EXTRA_ENV, conf, mark_failed_and_wait_stopped, operator_stack, run_paths,
                                train_ti, wait_training)
     from training.checkpoint.store import CheckpointStore
 
@@ -163,7 +162,7 @@ def synchronous_runs(root: Path, s3: Any, mlflow: Any, dataset: str, sample_s: f
                      runs: list[str]) -> dict[str, Any]:
     """O1 and O2 with the task polling in its own process."""
     from infra.airflow_client import trigger_dag_run, wait_for_dag_run
-    from operator_runs import DAG_ID, SYNC_ENV, conf, operator_stack, task_processes, train_ti, wait_training
+    from testkit.operator_runs import DAG_ID, SYNC_ENV, conf, operator_stack, task_processes, train_ti, wait_training
 
     home = root / "synchronous"
     out: dict[str, Any] = {}

@@ -14,11 +14,10 @@ import statistics
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from benchmarks.result_file import write_json  # noqa: E402
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from testkit import REPO  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
 
 DAG_FILES = sorted(glob.glob(os.path.join(REPO, "dags", "*.py")))
 HEAVY = ("mxnet", "mlflow", "great_expectations", "pandas", "boto3", "sklearn")

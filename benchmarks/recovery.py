@@ -32,11 +32,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.dag_stack import local_stack, read_events, run_dag, upload  # noqa: E402
-from benchmarks.result_file import write_json  # noqa: E402
+from testkit.dag_stack import local_stack, read_events, run_dag, upload  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
 from benchmarks.timeline import TERMS, Pred, failure_timeline, role_event  # noqa: E402
 from common.events import CheckpointCommitted  # noqa: E402
 

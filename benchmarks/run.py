@@ -26,7 +26,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The checkout on the path (run as ``python benchmarks/run.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from testkit import REPO  # noqa: E402
+
 README = os.path.join(REPO, "benchmarks", "README.md")
 RESULTS = os.path.join(REPO, "benchmarks", "results.json")
 BEGIN, END = "<!-- benchmarks/run: begin -->", "<!-- benchmarks/run: end -->"

@@ -27,10 +27,10 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from benchmarks.result_file import write_json  # noqa: E402
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from testkit import REPO  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
 
 CHILD_SHARD = """
 import json, logging, sys, time

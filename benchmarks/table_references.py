@@ -32,9 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Before anything imports mxnet (it would block scikit-learn's import, see common/record_codec.py).
 from sklearn.datasets import load_diabetes, load_wine  # noqa: E402
@@ -46,12 +45,12 @@ from sklearn.preprocessing import StandardScaler  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from benchmarks.dag_services import embedded_services, use_in_this_process  # noqa: E402
-from benchmarks.result_file import write_json  # noqa: E402
+from testkit.dag_services import embedded_services, use_in_this_process  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
 from common import record_codec, storage  # noqa: E402
 from common.manifest import download_shard, load_manifest, record_width  # noqa: E402
-from tests.integration.airflow_runs import airflow_env, run_confs  # noqa: E402
-from tests.integration.cities_table import UNSEEN_ROWS, cities_table  # noqa: E402
+from testkit.dag_runs import airflow_env, run_confs  # noqa: E402
+from testkit.cities_table import UNSEEN_ROWS, cities_table  # noqa: E402
 
 # The pipeline's settings per table (the benchmark's config: a user's choice, not the reference's).
 COMMON = {"recipe": "debug", "num_workers": 2, "num_servers": 1, "kvstore": "dist_sync", "optimizer": "adam",

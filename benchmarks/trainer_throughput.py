@@ -40,13 +40,13 @@ import tempfile
 import time
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from testkit import REPO  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from benchmarks.result_file import write_json  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
 from common import storage  # noqa: E402
 from common.config import CheckpointConfig, ClusterConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig  # noqa: E402
 
@@ -95,7 +95,7 @@ def _steady(rates: list[float]) -> float:
 
 
 def run_pipeline(root: str, cfg: TrainConfig, shards: str, label: str) -> dict[str, Any]:
-    from tests.integration.local_jobs import run_local
+    from testkit.local_jobs import run_local
     from training.launch.job import JobSpec
 
     prefix = tempfile.mkdtemp(prefix=f"{label}-", dir=root)

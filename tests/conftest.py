@@ -4,27 +4,23 @@ Every test carries one tier marker (unit, dag, integration, benchmark); an unmar
 collection. ``benchmark`` tests are skipped unless selected with ``-m benchmark``.
 
 Servers (SeaweedFS, MLflow) are started by session fixtures on free 127.0.0.1 ports in a temp
-folder with fresh random credentials, and stopped (whole process group) at the end.
+folder with fresh random credentials, and stopped (whole process group) at the end
+(``testkit.servers``; the fixtures set the environment a test process reads).
 
 ``nothing_left``: a test that starts processes proves at its end that none is still running.
 """
 from __future__ import annotations
 
-import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
 if TYPE_CHECKING:
     from common.procs import Watch
+    from testkit.servers import MLflowServer, S3Server
 
 TIERS = ("unit", "dag", "integration", "benchmark")
 
@@ -72,71 +68,39 @@ def nothing_left(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Wat
 # servers
 
 
-@dataclass
-class S3Server:
-    endpoint: str
-    bucket: str
-    access_key: str
-    secret_key: str
-    env: dict[str, str]
-    config: object  # infra.stack_config.StackConfig of the test stack (ports, home)
-    handle: object = field(repr=False)  # common.procs.GroupRecord
-
-
-@dataclass
-class MLflowServer:
-    tracking_uri: str
-    handle: object = field(repr=False)
-
-
 @pytest.fixture(scope="session")
 def _test_stack(tmp_path_factory: pytest.TempPathFactory):
-    from infra.stack_config import StackConfig
+    from testkit.servers import new_stack
 
-    cfg = StackConfig.with_free_ports(tmp_path_factory.mktemp("stack"))
-    cfg.save()
-    return cfg
+    return new_stack(tmp_path_factory.mktemp("stack"))
 
 
 @pytest.fixture(scope="session")
 def s3_server(_test_stack) -> Iterator[S3Server]:
     """A real SeaweedFS S3 gateway with enforced random credentials; sets the AWS_* env."""
-    from infra.s3_service import start_s3, stop_s3
-    from infra.stack_config import load_credentials, stack_env
+    from testkit.servers import running_s3
 
-    cfg = _test_stack
-    handle = start_s3(cfg)
-    creds = load_credentials(cfg.home)
-    env = {k: v for k, v in stack_env(cfg.home).items()
-           if k.startswith("AWS_") or k == "MXPIPE_ARTIFACT_ROOT"}
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
+    with running_s3(_test_stack) as server, pytest.MonkeyPatch.context() as mp:
+        for key, value in server.env.items():
             if key.startswith("AWS_"):
                 mp.setenv(key, value)
         mp.delenv("AWS_ENDPOINT_URL", raising=False)
         mp.delenv("AWS_SESSION_TOKEN", raising=False)
         mp.delenv("AWS_PROFILE", raising=False)
-        yield S3Server(endpoint=cfg.s3_endpoint, bucket=cfg.bucket, access_key=creds["access_key"],
-                       secret_key=creds["secret_key"], env=env, config=cfg, handle=handle)
-    if not stop_s3(handle):
-        raise RuntimeError(f"SeaweedFS left processes behind: {handle.processes()}")
+        yield server
 
 
 @pytest.fixture(scope="session")
 def mlflow_server(s3_server: S3Server) -> Iterator[MLflowServer]:
     """A real ``mlflow server`` (SQLite backend, artifacts proxied to the S3 fixture)."""
-    from infra.services import start_mlflow
+    from testkit.servers import running_mlflow
 
-    handle = start_mlflow(s3_server.config)  # type: ignore[arg-type]
-    uri = s3_server.config.mlflow_uri  # type: ignore[attr-defined]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", uri)
+    with running_mlflow(s3_server.config) as server, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", server.tracking_uri)
         # The client's default retry policy waits minutes on a dead server; fail sooner in tests.
         mp.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
         mp.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
-        yield MLflowServer(tracking_uri=uri, handle=handle)
-    if not handle.stop():  # type: ignore[attr-defined]
-        raise RuntimeError(f"mlflow server left processes behind: {handle.processes()}")  # type: ignore[attr-defined]
+        yield server
 
 
 @pytest.fixture
@@ -148,10 +112,6 @@ def s3_prefix(s3_server: S3Server) -> str:
 @pytest.fixture(scope="session")
 def digits_csv() -> bytes:
     """The demo dataset as the pipeline's source format: a CSV table with a ``label`` column."""
-    import pandas as pd
-    from sklearn.datasets import load_digits
+    from testkit.digits import digits_csv
 
-    digits = load_digits()
-    frame = pd.DataFrame(digits.data, columns=[f"pixel_{i}" for i in range(digits.data.shape[1])])
-    frame["label"] = digits.target
-    return frame.to_csv(index=False).encode()
+    return digits_csv()

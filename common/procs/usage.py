@@ -9,7 +9,9 @@ interval, is not counted, and a descendant born and gone between two samples is 
 ``children_*`` fields of ``cpu_times`` (exited children a process waited for) are left out: they
 would count a sampled child twice. CPU % is the growth of core-seconds over the wall time
 between two samples (100 = one core busy). Resident memory is the sum over the tree's live
-processes (pages shared between them count once per process).
+processes (pages shared between them count once per process); a process that reads as 0 bytes
+resident (exiting: its memory released, not yet a zombie) adds nothing, and a sample in which
+every process of the tree reads so keeps the tree's last resident figure.
 
 GPU time is not measured here (psutil sees no GPU); ``first_seen``/``last_seen`` give a tree's
 lifetime, from which a caller may derive the GPU-seconds allocated to it.
@@ -62,29 +64,31 @@ class UsageMeter:
                 continue
             now = time.monotonic()
             usage = self.trees.setdefault(name, TreeUsage(first_seen=now, last_seen=now))
-            rss, read = 0, 0
+            rss, read, resident = 0, 0, 0
             for proc in procs:
                 try:
                     with proc.oneshot():
                         # An exited process not yet reaped reads as 0 bytes resident: not a sample.
                         if proc.status() == psutil.STATUS_ZOMBIE:
                             continue
-                        times, resident = proc.cpu_times(), proc.memory_info().rss
+                        times = proc.cpu_times()
+                        held = proc.memory_info().rss
                         key = (proc.pid, proc.create_time())
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     continue
-                # A live process always has resident pages: 0 means it is exiting (its memory is
-                # released before it turns zombie), so that read is no sample of it either.
-                if resident == 0:
-                    continue
                 usage._per_process[key] = times.user + times.system
-                rss += resident
                 read += 1
+                # An exiting process has released its memory before it becomes a zombie: 0 bytes
+                # resident then is no sample of its memory (its CPU time still counts).
+                if held:
+                    rss, resident = rss + held, resident + 1
             if not read:  # exited (a zombie until reaped): keep its last live sample
                 continue
             before, elapsed = usage.core_seconds, now - usage.last_seen
             usage.core_seconds = sum(usage._per_process.values())
             if elapsed > 0:
                 usage.cpu_percent = 100.0 * (usage.core_seconds - before) / elapsed
-            usage.rss_bytes, usage.last_seen = rss, now
+            if resident:  # else every process of the tree is exiting: its last live RSS stands
+                usage.rss_bytes = rss
+            usage.last_seen = now
         return self.trees

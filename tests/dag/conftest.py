@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from testkit import REPO
 
 
 @pytest.fixture(scope="session")

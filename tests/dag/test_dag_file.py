@@ -3,6 +3,7 @@ the pipeline relies on (setup/teardown, retries on train only, params with bound
 import pytest
 
 from tests.dag.parse_probe import parse_in_fresh_process
+from testkit import REPO
 
 pytestmark = pytest.mark.dag
 
@@ -96,7 +97,6 @@ def test_a_three_day_run_takes_its_limits_from_the_environment(tmp_path):
     import subprocess
     import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import json, sys\n"
             "from airflow.dag_processing.dagbag import DagBag\n"
             "dag = DagBag(sys.argv[1]).dags['mxnet_training']\n"
@@ -105,9 +105,9 @@ def test_a_three_day_run_takes_its_limits_from_the_environment(tmp_path):
             "print(json.dumps([span(train.execution_timeout), span(dag.dagrun_timeout), train.deferrable, train.poll_s]))\n")
 
     def parsed(**env):
-        out = subprocess.run([sys.executable, "-c", code, os.path.join(repo, "dags", "mxnet_training.py")],
-                             capture_output=True, text=True, timeout=120, cwd=repo,
-                             env={**os.environ, "PYTHONPATH": repo, "AIRFLOW_HOME": str(tmp_path), **env})
+        out = subprocess.run([sys.executable, "-c", code, os.path.join(REPO, "dags", "mxnet_training.py")],
+                             capture_output=True, text=True, timeout=120, cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": REPO, "AIRFLOW_HOME": str(tmp_path), **env})
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 

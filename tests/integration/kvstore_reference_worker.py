@@ -19,7 +19,7 @@ does it (``training.loop.placement``: ``SplitNet``, one Trainer per stage from
 ``make_split_trainer`` on key-shifted views of the trial's view); the batch then enters whole
 on the first context. The reference stays one unsplit process.
 
-``--net custom`` trains the user's network of ``tests/custom_nets.py`` (built by
+``--net custom`` trains the user's network of ``testkit/custom_nets.py`` (built by
 ``training.loop.custom_model``), ``--features preprocessed`` a raw table's rows through the
 pipeline's table preprocessing: the same reference holds with either.
 """
@@ -43,7 +43,7 @@ from training.loop.kvstore_sync import with_gradient_compression, with_key_offse
 
 IN_UNITS, HIDDEN, CLASSES = 10, 16, 4
 KEY_STRIDE = 100
-# ``--net custom``: the user's network of tests/custom_nets.py, its folder on the path (``--code-dir``).
+# ``--net custom``: the user's network of testkit/custom_nets.py, its folder on the path (``--code-dir``).
 CUSTOM_NET = "mynet.arch:build"
 
 

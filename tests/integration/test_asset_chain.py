@@ -21,8 +21,6 @@ One stack, one pass, because each training run costs minutes on this 2-core mach
 """
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import pytest
@@ -37,8 +35,7 @@ from infra.airflow_client import (
     wait_for_task_state,
 )
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from airflow_stack import airflow_stack, wait_until_parked  # noqa: E402
+from testkit.airflow_stack import airflow_stack, wait_until_parked
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.integration.airflow_runs import airflow_env, run_confs
+from testkit.dag_runs import airflow_env, run_confs
 
 pytestmark = pytest.mark.integration
 

@@ -12,14 +12,10 @@ Bounded: every job attempt has a 300 s job timeout (the supervisor then stops ev
 the whole test has a pytest timeout.
 """
 import os
-import sys
 
 import pytest
 
 pytestmark = pytest.mark.integration
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
 
 
 @pytest.mark.timeout(1800)

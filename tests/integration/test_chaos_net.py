@@ -9,19 +9,15 @@ The short cut (5 s, which the job rides out) is in ``benchmarks/chaos.py --scena
 to keep this test near two minutes. Needs root and ``ip netns``; skipped with the reason if not.
 """
 import os
-import sys
 
 import pytest
 
+from benchmarks import chaos_net
+from benchmarks import constrained_links
+from testkit.digits import digits_csv
+from testkit.netns_hosts import link_stats, namespace_hosts
+
 pytestmark = pytest.mark.integration
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
-
-from benchmarks import chaos_jobs as cj  # noqa: E402
-from benchmarks import chaos_net  # noqa: E402
-from benchmarks import constrained_links  # noqa: E402
-from netns_hosts import link_stats, namespace_hosts  # noqa: E402
 
 _WHY_NOT = chaos_net.why_not()
 
@@ -52,7 +48,7 @@ def test_a_lossy_link_slows_the_job_without_failing_it(tmp_path):
 
     data = tmp_path / "data"
     data.mkdir()
-    (data / "digits.csv").write_bytes(cj.digits_table(1))
+    (data / "digits.csv").write_bytes(digits_csv(1))
     cfg = base_config().replace(data={"source_uri": str(data / "digits.csv")}, optim={"epochs": 2},
                                 cluster={"stall_timeout_s": 60.0})
     shard_dataset(cfg, str(data / "shards"))

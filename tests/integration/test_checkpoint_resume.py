@@ -10,7 +10,6 @@ import io
 import json
 import logging
 import os
-import sys
 import re
 import time
 
@@ -22,9 +21,7 @@ from training.checkpoint.store import CheckpointKeyError, CheckpointStore, store
 from common.config import recipe
 from common.events import EXIT_PREEMPTED
 from training.launch.launcher import JobFailed
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_jobs import make_job as _job, run_job as _run  # noqa: E402
+from testkit.local_jobs import make_job as _job, run_job as _run, shard_digits
 
 pytestmark = pytest.mark.integration
 
@@ -36,12 +33,8 @@ EXACT_ATOL = 1e-6
 
 @pytest.fixture(scope="module")
 def shards(s3_server, digits_csv):
-    bucket = f"s3://{s3_server.bucket}/test-ckpt-resume"
-    source = storage.join(bucket, "digits.csv")
-    storage.put_bytes(source, digits_csv)
-    cfg = recipe("debug", source)
-    shard_dataset(cfg, storage.join(bucket, "shards"))
-    return cfg.replace(**OVERRIDES), storage.join(bucket, "shards")
+    cfg, shards_prefix = shard_digits(f"s3://{s3_server.bucket}/test-ckpt-resume", digits_csv)
+    return cfg.replace(**OVERRIDES), shards_prefix
 
 
 def _final_params(job):
@@ -187,11 +180,10 @@ def test_elastic_resume_two_workers_to_one(shards, s3_prefix, tmp_path, caplog):
 
 @pytest.fixture(scope="module")
 def custom_code(s3_server, tmp_path_factory):
-    """The user's network package (tests/custom_nets.py) in a folder outside the repo, staged on S3."""
+    """The user's network package (testkit/custom_nets.py) in a folder outside the repo, staged on S3."""
     from common import model_code
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from custom_nets import write_package
+    from testkit.custom_nets import write_package
 
     code_dir = write_package(str(tmp_path_factory.mktemp("user-nets")))
     return model_code.stage(code_dir, f"s3://{s3_server.bucket}/test-ckpt-custom-code")

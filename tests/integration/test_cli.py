@@ -5,9 +5,10 @@ import subprocess
 import sys
 
 import pytest
-pytestmark = pytest.mark.integration
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from testkit import REPO
+
+pytestmark = pytest.mark.integration
 
 
 def _cli(*args, timeout=600):

@@ -17,13 +17,11 @@ import boto3
 import pytest
 from cfnlint.decode import decode_str
 from infra.cluster import ClusterSpec, provision
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moto_server import moto_server  # noqa: E402
+from tests.integration.moto_server import moto_server
+from testkit import REPO
 
 pytestmark = pytest.mark.integration
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEMPLATE = os.path.join(REPO, "infra", "cloudformation", "mxpipe-cluster.yaml")
 BIN = os.path.dirname(sys.executable)
 # checkov with its PyPI update check stubbed out; --skip-download stops its Prisma Cloud calls.

@@ -12,41 +12,16 @@ import sys
 
 import pytest
 from common import storage
+from testkit import REPO, dag_runs
 
 pytestmark = pytest.mark.integration
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-RUNNER = """
-import json, sys
-from airflow.dag_processing.dagbag import DagBag
-bag = DagBag(sys.argv[1])
-assert not bag.import_errors, bag.import_errors
-dag = bag.dags["mxnet_training"]
-dr = dag.test(run_conf=json.loads(sys.argv[2]))
-tis = {ti.task_id: {"state": str(ti.state), "try_number": ti.try_number} for ti in dr.get_task_instances()}
-print("DAGRUN_RESULT " + json.dumps({"state": str(dr.state), "run_id": dr.run_id, "tasks": tis}))
-"""
 
 
 @pytest.fixture(scope="module")
 def airflow_env(s3_server, mlflow_server, tmp_path_factory):
-    home = tmp_path_factory.mktemp("mxpipe-home")
-    env = {
-        **os.environ,
-        "MXPIPE_HOME": str(home),
-        "AIRFLOW_HOME": str(home / "airflow"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DAGS_FOLDER": os.path.join(REPO, "dags"),
-        "PYTHONPATH": REPO,
-        "MXPIPE_ARTIFACT_ROOT": f"s3://{s3_server.bucket}/dag-runs",
-        "MXPIPE_SCHEDULE": "none",
-        "MXPIPE_RETRY_DELAY_S": "1",
-        "MLFLOW_TRACKING_URI": mlflow_server.tracking_uri,
-    }
-    subprocess.run([os.path.join(os.path.dirname(sys.executable), "airflow"), "db", "migrate"], env=env,
-                   check=True, capture_output=True, timeout=300)
-    return env
+    return dag_runs.airflow_env(tmp_path_factory.mktemp("mxpipe-home"),
+                                MXPIPE_ARTIFACT_ROOT=f"s3://{s3_server.bucket}/dag-runs",
+                                MLFLOW_TRACKING_URI=mlflow_server.tracking_uri)
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +41,7 @@ def _conf(dataset_uri, **overrides):
 
 
 def _run_dag(env, conf, extra_env=None, timeout=900):
-    out = subprocess.run([sys.executable, "-c", RUNNER, os.path.join(REPO, "dags"), json.dumps(conf)],
-                         env={**env, **(extra_env or {})}, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("DAGRUN_RESULT ")]
-    assert lines, f"no result (rc={out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
-    return json.loads(lines[-1][len("DAGRUN_RESULT "):]), out.stdout + out.stderr
+    return dag_runs.run_dag({**env, **(extra_env or {})}, conf, timeout=timeout)
 
 
 def test_full_run_with_a_killed_worker_resumes_and_registers(airflow_env, digits_uri, tmp_path):
@@ -212,8 +183,7 @@ print("ACCURACY " + json.dumps(float((pred["label"].to_numpy() == rows["label"].
 
 def test_a_custom_network_from_a_folder_outside_the_repo_trains_and_serves(airflow_env, digits_uri, digits_csv,
                                                                            tmp_path_factory):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from custom_nets import write_package
+    from testkit.custom_nets import write_package
 
     code_dir = write_package(str(tmp_path_factory.mktemp("user-nets")))
     assert not code_dir.startswith(REPO)
@@ -243,8 +213,7 @@ def test_a_custom_network_from_a_folder_outside_the_repo_trains_and_serves(airfl
 
 
 def test_a_factory_that_cannot_be_imported_fails_shard_without_retry(airflow_env, digits_uri, tmp_path):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from custom_nets import write_package
+    from testkit.custom_nets import write_package
 
     model = {"name": "mynet.broken:build", "code_uri": write_package(str(tmp_path / "user-nets"))}
     result, logs = _run_dag(airflow_env, _conf(digits_uri, config={"model": model}))

@@ -5,50 +5,21 @@ a real SeaweedFS S3 server. The source has non-finite features (caught by the pe
 suites, in some mapped tasks) and duplicate ids (caught only by the cross-shard task).
 """
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pandas as pd
 import pytest
 
 from common import storage
+from testkit import dag_runs
 
 pytestmark = pytest.mark.integration
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-RUNNER = """
-import json, sys
-from airflow.dag_processing.dagbag import DagBag
-bag = DagBag(sys.argv[1])
-assert not bag.import_errors, bag.import_errors
-dag = bag.dags["mxnet_training"]
-dr = dag.test(run_conf=json.loads(sys.argv[2]))
-tis = [{"task_id": ti.task_id, "map_index": ti.map_index, "name": ti.rendered_map_index, "state": str(ti.state),
-        "try_number": ti.try_number} for ti in dr.get_task_instances()]
-print("DAGRUN_RESULT " + json.dumps({"state": str(dr.state), "run_id": dr.run_id, "tasks": tis}))
-"""
 
 
 @pytest.fixture(scope="module")
 def airflow_env(s3_server, tmp_path_factory):
-    home = tmp_path_factory.mktemp("mxpipe-home")
-    env = {
-        **os.environ,
-        "MXPIPE_HOME": str(home),
-        "AIRFLOW_HOME": str(home / "airflow"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DAGS_FOLDER": os.path.join(REPO, "dags"),
-        "PYTHONPATH": REPO,
-        "MXPIPE_ARTIFACT_ROOT": f"s3://{s3_server.bucket}/dag-validation",
-        "MXPIPE_SCHEDULE": "none",
-        "MXPIPE_RETRY_DELAY_S": "1",
-    }
-    subprocess.run([os.path.join(os.path.dirname(sys.executable), "airflow"), "db", "migrate"], env=env,
-                   check=True, capture_output=True, timeout=300)
-    return env
+    return dag_runs.airflow_env(tmp_path_factory.mktemp("mxpipe-home"),
+                                MXPIPE_ARTIFACT_ROOT=f"s3://{s3_server.bucket}/dag-validation")
 
 
 def test_bad_data_fails_validation_and_nothing_downstream_runs(airflow_env, s3_server, digits_csv):
@@ -64,13 +35,9 @@ def test_bad_data_fails_validation_and_nothing_downstream_runs(airflow_env, s3_s
             "batch_size": 32, "learning_rate": 0.005, "optimizer": "adam", "num_workers": 2, "num_servers": 1,
             "kvstore": "dist_sync", "checkpoint_every_n_steps": 10, "registered_model_name": "never",
             "data_options": {"id_column": "uid"}}
-    out = subprocess.run([sys.executable, "-c", RUNNER, os.path.join(REPO, "dags"), json.dumps(conf)],
-                         env=airflow_env, capture_output=True, text=True, timeout=600, cwd=REPO)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("DAGRUN_RESULT ")]
-    assert lines, f"no result (rc={out.returncode}):\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
-    result, logs = json.loads(lines[-1][len("DAGRUN_RESULT "):]), out.stdout + out.stderr
+    result, logs = dag_runs.run_dag(airflow_env, conf, timeout=600)
 
-    states = {(t["task_id"], t["name"] or t["map_index"]): t for t in result["tasks"]}
+    states = {(t["task_id"], t["name"] or t["map_index"]): t for t in result["task_instances"]}
     assert result["state"] == "failed"
     assert states[("shard", -1)]["state"] == "success"
     mapped = {name: t["state"] for (task, name), t in states.items() if task == "validate_shard"}

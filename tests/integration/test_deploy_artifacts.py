@@ -14,9 +14,10 @@ import sys
 import pytest
 import yaml
 
+from testkit import REPO
+
 pytestmark = pytest.mark.integration
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCKER = os.path.join(REPO, "docker")
 BIN = os.path.dirname(sys.executable)
 # checkov with its PyPI update check stubbed out; --skip-download stops its Prisma Cloud calls.

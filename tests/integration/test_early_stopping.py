@@ -12,9 +12,7 @@ standardisation (``data.standardize``, on by default since), which changes it.
 """
 import json
 import logging
-import os
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -22,9 +20,7 @@ import pytest
 from common import storage
 from training.checkpoint.store import CheckpointStore
 from training.launch.launcher import JobFailed
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_jobs import checkpoint_params, make_job as _job, run_job as _run, shard_digits  # noqa: E402
+from testkit.local_jobs import checkpoint_params, make_job as _job, run_job as _run, shard_digits
 
 pytestmark = pytest.mark.integration
 

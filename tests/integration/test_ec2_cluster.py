@@ -10,7 +10,6 @@ every test, the moto server has no instance left that is not terminated.
 """
 import json
 import os
-import sys
 import time
 
 import boto3
@@ -18,9 +17,7 @@ import pytest
 from infra.cluster import ClusterSpec, ProvisionError, find_leaked, provision, reap
 from infra.ec2_cluster import TAG_CLUSTER, TAG_EXPIRES, TAG_RUN, Ec2Options, _wait, find_expired, reap_expired
 from common.roles import JobLaunch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moto_server import moto_server  # noqa: E402
+from tests.integration.moto_server import moto_server
 
 pytestmark = pytest.mark.integration
 

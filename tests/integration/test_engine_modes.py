@@ -26,10 +26,8 @@ from training.checkpoint.store import store_for
 from common.config import OPTIMIZERS, recipe
 from common.events import EXIT_PREEMPTED
 from training.launch.launcher import JobFailed
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kvstore_reference_worker import two_bit as _two_bit  # noqa: E402
-from local_jobs import make_job, run_job  # noqa: E402
+from tests.integration.kvstore_reference_worker import two_bit as _two_bit
+from testkit.local_jobs import make_job, run_job
 
 pytestmark = pytest.mark.integration
 
@@ -219,9 +217,9 @@ def test_two_bit_pushes_carry_mxnets_quantisation(tmp_path):
     """The engine's compressing view (push then pull) in a real 2-worker dist_sync job: every
     pull returns the sum of both workers' quantised gradients, with each worker's residual
     carried to its next push, exactly as the algorithm written out here."""
-    from ps_cluster import run_script_job
+    from testkit.ps_cluster import run_script_job
 
-    import compression_probe_worker as probe
+    from tests.integration import compression_probe_worker as probe
 
     out, steps, t, seed = str(tmp_path / "out"), 6, 0.5, 5
     run_script_job([sys.executable, probe.__file__, "--steps", str(steps), "--threshold", str(t), "--seed",

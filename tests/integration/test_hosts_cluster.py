@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-import sys
 import uuid
 
 import pytest
@@ -36,10 +35,8 @@ from common.config import recipe
 from training.launch.job import JobSpec
 from training.launch.detached import run_detached
 from training.launch.launcher import JobFailed
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from netns_hosts import (controller_address, hosts_pids, link_stats, namespace_hosts,  # noqa: E402
-                         netns_available, ssh_hosts, sshd_available)
+from testkit.netns_hosts import (controller_address, hosts_pids, link_stats, namespace_hosts,
+                                 netns_available, ssh_hosts, sshd_available)
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +83,7 @@ def local_shards(tmp_path_factory, digits_csv):
 def bridge_s3(topology, tmp_path_factory):
     """SeaweedFS on this machine's bridge address (credentials enforced), this process's and
     every role's S3 while the module's S3 tests run."""
-    from benchmarks.chaos_jobs import ChaosStack
+    from testkit.chaos_jobs import ChaosStack
 
     stack = ChaosStack(tmp_path_factory.mktemp("bridge-s3"), address=controller_address(topology["netns"]))
     stack.start()
@@ -158,8 +155,7 @@ def test_a_custom_network_reaches_the_remote_workers_through_storage(hosts, loca
 
     from common import model_code
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from custom_nets import write_package
+    from testkit.custom_nets import write_package
 
     cfg, shards = local_shards
     code_dir = write_package(str(tmp_path / "user-nets"))
@@ -223,7 +219,7 @@ def test_unreachable_host_fails_provision_with_its_name(hosts, tmp_path):
 @needs_sshd
 def test_ssh_job_reads_its_shards_and_commits_checkpoints_through_s3_over_the_links(
         topology, bridge_s3, digits_csv, tmp_path, nothing_left, caplog):
-    from benchmarks.chaos_jobs import store_facts
+    from testkit.chaos_jobs import store_facts
     from training.checkpoint.store import CheckpointStore
 
     hosts = topology["ssh"]

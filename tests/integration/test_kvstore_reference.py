@@ -33,14 +33,11 @@ import sys
 import numpy as np
 import pytest
 
+from common.config import ConfigError, TrainConfig
+from tests.integration import kvstore_reference_worker as ref
+from testkit.ps_cluster import run_script_job
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-
-import kvstore_reference_worker as ref  # noqa: E402
-from ps_cluster import run_script_job  # noqa: E402
-
-from common.config import ConfigError, TrainConfig  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -121,8 +118,7 @@ def test_dist_sync_matches_single_process_with_a_custom_network_or_preprocessed_
     """The user's own network (its package in a folder outside the repo, built the pipeline's
     way), or a raw table's rows through the table preprocessing (standardised, imputed, one-hot
     with an unknown bucket): 2 dist_sync workers still compute what one process does."""
-    sys.path.insert(0, os.path.dirname(HERE))
-    from custom_nets import write_package
+    from testkit.custom_nets import write_package
 
     code_dir = write_package(str(tmp_path / "user-nets"))
     sys.path.insert(0, code_dir)  # the reference below builds the same network in this process

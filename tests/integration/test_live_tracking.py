@@ -6,19 +6,14 @@ import _thread
 import dataclasses
 import logging
 import os
-import sys
 import threading
 import time
 
 import pytest
 
 from common import storage
-from data_checks.shard import shard_dataset
-from common.config import recipe
 from training.launch.launcher import JobFailed
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_jobs import make_job, run_job  # noqa: E402
+from testkit.local_jobs import make_job, run_job, shard_digits
 
 pytestmark = pytest.mark.integration
 
@@ -31,12 +26,7 @@ WAIT_S = 240.0
 
 @pytest.fixture(scope="module")
 def digits_shards(s3_server, digits_csv):
-    bucket = f"s3://{s3_server.bucket}/test-live"
-    source = storage.join(bucket, "digits.csv")
-    storage.put_bytes(source, digits_csv)
-    cfg = recipe("debug", source)
-    shard_dataset(cfg, storage.join(bucket, "shards"))
-    return cfg, storage.join(bucket, "shards")
+    return shard_digits(f"s3://{s3_server.bucket}/test-live", digits_csv)
 
 
 def _tracked(job, mlflow_server, run_id):

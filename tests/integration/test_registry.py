@@ -26,9 +26,7 @@ import pytest
 from training.tracking.evaluation import TARGET_COLUMN, EvaluationData
 from training.tracking.mlflow_params import ParamConflictError
 from training.tracking.registry import CHALLENGER_ALIAS, ModelRunRequest, log_model_run
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_model import blobs, train_and_export  # noqa: E402
+from tests.integration.tiny_model import blobs, train_and_export
 
 pytestmark = pytest.mark.integration
 

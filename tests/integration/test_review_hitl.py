@@ -15,8 +15,6 @@ Every wait is bounded; the stack's process groups are stopped by the fixture.
 """
 from __future__ import annotations
 
-import os
-import sys
 import uuid
 
 import numpy as np
@@ -24,10 +22,8 @@ import pandas as pd
 import pytest
 
 from infra.airflow_client import AirflowClient, trigger_dag_run, wait_for_dag_run, wait_for_new_run, wait_for_task_state
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from airflow_stack import airflow_stack, wait_until_parked  # noqa: E402
-from tiny_model import blobs, train_and_export  # noqa: E402
+from testkit.airflow_stack import airflow_stack, wait_until_parked
+from tests.integration.tiny_model import blobs, train_and_export
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 

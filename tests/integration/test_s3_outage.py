@@ -17,15 +17,11 @@ an uninterrupted run's with the same seed (run at full speed); the job finishes;
 Robust under load: the outage starts at a training step, not at a clock time, and is timed
 from that kill; every wait is bounded (job timeout, outage thread join, server start timeouts).
 """
-import os
-import sys
 
 import pytest
 
 pytestmark = pytest.mark.integration
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)
 
 OUTAGE_S = 30.0
 
@@ -33,7 +29,7 @@ OUTAGE_S = 30.0
 @pytest.mark.timeout(1200)
 def test_training_survives_a_30s_s3_outage(tmp_path):
     from benchmarks import chaos
-    from benchmarks.chaos_jobs import ChaosStack
+    from testkit.chaos_jobs import ChaosStack
     from benchmarks.chaos_outage import r3
 
     stack = ChaosStack(tmp_path)

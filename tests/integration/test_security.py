@@ -19,7 +19,6 @@ scanner to find it there: a scan that read nothing could not pass.
 import json
 import os
 import sqlite3
-import sys
 import threading
 import time
 import urllib.error
@@ -34,11 +33,9 @@ from common.procs import tagged_processes
 from data_checks.shard import shard_dataset
 from infra.s3_service import s3_client
 from common.config import recipe
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from airflow_runs import airflow_env, run_confs  # noqa: E402
-from local_jobs import make_job, run_job  # noqa: E402
-from secret_scan import Scanner  # noqa: E402
+from testkit.dag_runs import airflow_env, run_confs
+from testkit.local_jobs import make_job, run_job
+from tests.integration.secret_scan import Scanner
 
 pytestmark = pytest.mark.integration
 

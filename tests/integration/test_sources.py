@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 
 # Before anything imports mxnet (see test_shard.py).
-from sklearn.datasets import load_digits
+from sklearn.datasets import load_digits  # noqa: F401
 
 import numpy as np
 import pandas as pd
@@ -24,6 +24,7 @@ from common import storage
 from common.config import DataConfig, TrainConfig
 from data_checks import DataError
 from data_checks.shard import shard_dataset
+from testkit.digits import digits_frame
 
 pytestmark = pytest.mark.integration  # a real HTTP server on loopback
 
@@ -53,9 +54,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
     """``(folder, base_url)``: digits as CSV and Parquet, served over HTTP on loopback."""
     root = tmp_path_factory.mktemp("served")
-    d = load_digits()
-    frame = pd.DataFrame(d.data, columns=[f"pixel_{i}" for i in range(64)])
-    frame["label"] = d.target
+    frame = digits_frame()
     frame.to_csv(root / "digits.csv", index=False)
     frame.to_parquet(root / "digits.parquet", row_group_size=256)
     (root / "private").mkdir()

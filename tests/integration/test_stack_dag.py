@@ -1,15 +1,11 @@
 """The project's DAG on the real Airflow stack (api-server, scheduler, dag-processor, triggerer,
 LocalExecutor, SQLite), exactly as ``make demo`` runs it: triggered over the REST API, run by
 the scheduler, against real SeaweedFS and MLflow servers from the fixtures."""
-import os
-import sys
 
 import pytest
 from common import storage
 from infra.airflow_client import AirflowAPIError, AirflowClient, trigger_dag_run, wait_for_dag_run
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from airflow_stack import airflow_stack  # noqa: E402
+from testkit.airflow_stack import airflow_stack
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from common import storage
-from tests.integration.airflow_runs import airflow_env, run_confs
-from tests.integration.cities_table import UNSEEN_ROWS, cities_table
+from testkit.dag_runs import airflow_env, run_confs
+from testkit.cities_table import UNSEEN_ROWS, cities_table
 
 pytestmark = pytest.mark.integration
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,14 +50,13 @@ import pytest
 from infra.airflow_client import (TERMINAL_RUN_STATES, AirflowClient, trigger_dag_run, wait_for_dag_run,
                                   wait_for_task_state)
 from training.launch.status import read_status
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from airflow_stack import killed_and_restarted, stack_client_env  # noqa: E402
-from dags_operator_variants import (DAGRUN_TIMEOUT_S, REFERENCE, RUN_TIMEOUT, SYNC, SYNC_REFERENCE,  # noqa: E402
-                                    TRAIN_TIMEOUT, TRAIN_TIMEOUT_S, VARIANTS)
-from operator_runs import (DAG_ID, STOP_BOUND_S, VARIANTS_ENV, alive, assert_same_params,  # noqa: E402
-                           check_stopped_in_order, conf, digits_uri, final_params, mark_failed_and_wait_stopped,
-                           status_uri, task_processes, train_ti, trained_steps, variants_stack, wait_training)
+from testkit.airflow_stack import killed_and_restarted, stack_client_env
+from testkit.dags_operator_variants import (DAGRUN_TIMEOUT_S, REFERENCE, RUN_TIMEOUT, SYNC, SYNC_REFERENCE,
+                                            TRAIN_TIMEOUT, TRAIN_TIMEOUT_S, VARIANTS)
+from testkit.operator_runs import (DAG_ID, STOP_BOUND_S, VARIANTS_ENV, alive, assert_same_params,
+                                   check_stopped_in_order, conf, digits_uri, final_params,
+                                   mark_failed_and_wait_stopped, status_uri, task_processes, train_ti,
+                                   trained_steps, variants_stack, wait_training)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 

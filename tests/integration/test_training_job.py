@@ -2,32 +2,21 @@
 reading shards from and checkpointing to a real S3 server (SeaweedFS)."""
 import json
 import logging
-import os
-import sys
 import re
 
 import pytest
 
 from common import storage
-from data_checks.shard import shard_dataset
 from training.checkpoint.store import CheckpointStore
-from common.config import recipe
 from training.launch.launcher import JobFailed
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_jobs import make_job as _job, run_job as _run  # noqa: E402
+from testkit.local_jobs import make_job as _job, run_job as _run, shard_digits
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def digits_shards(s3_server, digits_csv):
-    bucket = f"s3://{s3_server.bucket}/test-jobs"
-    source = storage.join(bucket, "digits.csv")
-    storage.put_bytes(source, digits_csv)
-    cfg = recipe("debug", source)
-    shard_dataset(cfg, storage.join(bucket, "shards"))
-    return cfg, storage.join(bucket, "shards")
+    return shard_digits(f"s3://{s3_server.bucket}/test-jobs", digits_csv)
 
 
 def test_dist_sync_two_workers_one_server(digits_shards, s3_prefix, tmp_path):

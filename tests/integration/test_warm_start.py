@@ -8,8 +8,6 @@ started from them, and differ by orders of magnitude from a fresh Xavier start.
 import dataclasses
 import io
 import logging
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -18,9 +16,7 @@ from data_checks.shard import shard_dataset
 from training.checkpoint.store import store_for
 from common.config import recipe
 from training.launch.launcher import JobFailed
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_jobs import make_job, run_job  # noqa: E402
+from testkit.local_jobs import make_job, run_job
 
 pytestmark = pytest.mark.integration
 

@@ -16,17 +16,14 @@ import dataclasses
 import io
 import json
 import os
-import sys
 import uuid
 
 import numpy as np
 import pytest
 
 from common import storage
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from airflow_runs import airflow_env, run_confs  # noqa: E402
-from local_jobs import make_job, run_job  # noqa: E402
+from testkit.dag_runs import airflow_env, run_confs
+from testkit.local_jobs import make_job, run_job
 
 pytestmark = pytest.mark.integration
 

@@ -4,14 +4,12 @@ produced it, and ``--record`` puts such a file's figure into the table with that
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks import run  # noqa: E402
-from benchmarks.result_file import command_line, write_json  # noqa: E402
+from testkit.result_file import command_line, write_json
 
 pytestmark = pytest.mark.unit
 

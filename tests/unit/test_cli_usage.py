@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from common.config import TrainConfig, recipe
+from testkit import REPO
 
 pytestmark = pytest.mark.unit
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLIS = [("-m", "training"), ("-m", "data_checks"), ("-m", "infra.services"), ("-m", "infra"),
         ("-m", "infra.planning"), ("-m", "infra.cluster"), ("-m", "common.procs"), ("scripts/plan.py",),
         ("scripts/demo.py",)]

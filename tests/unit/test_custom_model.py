@@ -13,10 +13,9 @@ import subprocess
 import sys
 
 # Before anything imports mxnet (see test_shard.py).
-from sklearn.datasets import load_digits
+from sklearn.datasets import load_digits  # noqa: F401
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from common import model_code, storage
@@ -24,9 +23,9 @@ from common.config import ConfigError, TrainConfig
 from common.model_code import ModelCodeError, StagedCode
 from training.loop.custom_model import ModelBuildError
 from training.loop.model import build_model, count_model
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from custom_nets import write_package  # noqa: E402
+from testkit.custom_nets import write_package
+from testkit.digits import digits_frame
+from testkit import REPO
 
 pytestmark = pytest.mark.unit
 
@@ -177,7 +176,7 @@ def test_the_planning_cli_takes_a_custom_network_and_its_code(code_dir):
     out = subprocess.run([sys.executable, "scripts/plan.py", "--model", "mynet.arch:build", "--model-code", code_dir,
                           "--model-options", '{"width": 16}', "--input-shape", "64", "--classes", "10", "--json"],
                          capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                         cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["params"] == 2 * (FEATURES * 16 + 16) + (16 * CLASSES + CLASSES)
 
@@ -202,9 +201,8 @@ def test_the_export_loads_without_the_users_code_or_the_project(code_dir, tmp_pa
             "    else:\n        raise SystemExit(name + ' is importable')\n"
             "net = mx.gluon.SymbolBlock.imports('export/model-symbol.json', ['data'], 'export/model-0000.params')\n"
             "np.save('y.npy', net(mx.nd.array(np.load('x.npy'))).asnumpy())\n")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", load, "-", repo, code_dir], cwd=tmp_path, env=env,
+    out = subprocess.run([sys.executable, "-c", load, "-", REPO, code_dir], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     np.testing.assert_allclose(np.load(tmp_path / "y.npy"), expected, rtol=1e-5, atol=1e-6)
@@ -223,9 +221,7 @@ def tasks(tmp_path, monkeypatch):
 
 @pytest.fixture
 def digits_uri(tmp_path):
-    d = load_digits()
-    frame = pd.DataFrame(d.data, columns=[f"pixel_{i}" for i in range(64)]).assign(label=d.target)
-    frame.to_csv(tmp_path / "digits.csv", index=False)
+    digits_frame().to_csv(tmp_path / "digits.csv", index=False)
     return str(tmp_path / "digits.csv")
 
 

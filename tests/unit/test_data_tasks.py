@@ -9,20 +9,14 @@ from __future__ import annotations
 import json
 
 # Before anything imports mxnet (see test_shard.py).
-from sklearn.datasets import load_digits
+from sklearn.datasets import load_digits  # noqa: F401
 
 import numpy as np
-import pandas as pd
 import pytest
 
+from testkit.digits import digits_frame
+
 pytestmark = pytest.mark.unit
-
-
-def digits_frame() -> pd.DataFrame:
-    d = load_digits()
-    df = pd.DataFrame(d.data, columns=[f"pixel_{i}" for i in range(64)])
-    df["label"] = d.target
-    return df
 
 
 def params(dataset_uri: str, **data_options: object) -> dict:

@@ -24,12 +24,13 @@ from pathlib import Path
 
 import pytest
 
+from testkit import ROOT as REPO
+
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[2]
 # Code an Airflow deployment runs, and code only a checkout runs (tools, tests, measurements).
 RUNTIME_FOLDERS = ("common", "training", "infra", "plugins", "dags", "data_checks")
-CHECKOUT_FOLDERS = ("scripts", "benchmarks", "tests")
+CHECKOUT_FOLDERS = ("scripts", "benchmarks", "tests", "testkit")
 # Declared for what they are, not for an import.
 NOT_IMPORTED = {
     "s3fs": "fsspec loads it by protocol for s3:// sources (data_checks/filesystems.py)",

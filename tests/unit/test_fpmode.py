@@ -8,11 +8,11 @@ import sys
 import pytest
 from common import fpmode
 from common.roles import SERVER, WORKER, role_argv, role_env
+from testkit import REPO
 
 pytestmark = [pytest.mark.unit,
               pytest.mark.skipif(not fpmode.supported(), reason="FTZ/DAZ are x86-64 MXCSR bits")]
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # What a role does at start (apply_from_env, then mxnet), then operators that run on MXNet's
 # engine and OpenMP threads: an elementwise product whose exact result is denormal, on an array

@@ -1,5 +1,5 @@
 """The soak benchmark's pure parts: goodput and failure timelines from an event log, the killer's
-choice of a role and how it finds the roles (benchmarks/timeline.py, benchmarks/soak_killer.py)."""
+choice of a role and how it finds the roles (benchmarks/timeline.py, testkit/killer.py)."""
 from __future__ import annotations
 
 import json
@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.soak_killer import Killer, LiveRole, choose_victim, is_role_command, live_roles
+from testkit.killer import Killer, LiveRole, choose_victim, is_role_command, live_roles
 from benchmarks.timeline import attempts, cadence_plans, failure_timeline, goodput
 from common.events import (CheckpointCommitted, EpochDone, FirstStepAfterResume, Progress, Resumed, WorkerStarted,
                            event_line)
 from common.procs import GroupSpawner
+from testkit.waits import process_started
 
 pytestmark = pytest.mark.unit
 
@@ -133,8 +134,12 @@ def test_role_commands():
 
 
 def _fake_role(spawner: GroupSpawner, name: str, argv_tail: str) -> int:
+    """Spawn and record a stand-in role; returns once it runs its command line (right after the
+    spawn it may still be in its exec, its command line empty: no role's yet)."""
     argv = [sys.executable, "-c", "import time; time.sleep(60)", argv_tail]
-    return spawner.spawn(name, argv, dict(os.environ), stdout=None).pid
+    pid = spawner.spawn(name, argv, dict(os.environ), stdout=None).pid
+    process_started(pid, argv)
+    return pid
 
 
 def test_live_roles_and_killer_use_the_newest_attempts_records(tmp_path: Path):
@@ -142,7 +147,6 @@ def test_live_roles_and_killer_use_the_newest_attempts_records(tmp_path: Path):
     old, new = GroupSpawner(str(procs / "attempt-1")), None
     try:
         _fake_role(old, "worker-0", "training worker")
-        time.sleep(0.05)
         new = GroupSpawner(str(procs / "attempt-2"))
         pid = _fake_role(new, "worker-1", "training worker")
         _fake_role(new, "server-0", "not a role")  # its command line is no role's: never picked
@@ -168,6 +172,22 @@ def _wait_dead(pid: int, timeout_s: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_the_comparison_runs_each_interval_once_a_round_in_a_rotated_order():
+    from benchmarks.goodput import comparison_order
+
+    assert comparison_order([10, 100, "auto"], 2) == [(0, 10), (0, 100), (0, "auto"),
+                                                      (1, 100), (1, "auto"), (1, 10)]
+
+
+def test_without_compare_there_is_no_comparison_to_run():
+    """``goodput.py`` without ``--compare`` (the headline soak only) runs no comparison soak and
+    goes on to write its result file."""
+    from benchmarks.goodput import comparison_order
+
+    assert comparison_order([], 1) == []
+    assert comparison_order([], 3) == []
 
 
 def test_the_cadence_comparison_averages_runs_with_every_kill_and_ranks_by_wall_time():

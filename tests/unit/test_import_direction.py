@@ -4,24 +4,31 @@ Every ``.py`` file of the six packages is parsed (not imported) and every import
 edge: module level, inside functions, under ``if TYPE_CHECKING``, and ``importlib.import_module``
 / ``__import__`` calls with a string literal. An edge the rules below do not allow fails the
 test with ``file:line: importer → imported``. The rules are the ones docs/architecture.md
-("Layers and import direction") and each package's docstring state; ``tests/``,
-``benchmarks/`` and ``scripts/`` sit above everything and are not checked.
+("Layers and import direction") and each package's docstring state.
+
+``tests/``, ``benchmarks/``, ``scripts/`` and ``testkit/`` sit above everything: no package
+imports them, they may import every package. Among themselves (``test_the_checkout_folders_*``):
+what tests and benchmarks share is in ``testkit/``, which imports neither of them; tests never
+import benchmarks (but for the tests of a benchmark's own code, ``BENCHMARK_TESTS``), and
+benchmarks never import tests. A bare import of a module that lives in one of these folders
+(``sys.path`` set to the folder) counts as an import of that folder.
 """
 from __future__ import annotations
 
 import ast
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
 
+from testkit import REPO
+
 pytestmark = pytest.mark.unit
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGES = ("dags", "plugins", "training", "data_checks", "infra", "common")
 # Project code that no package may import (it may import the packages).
-ABOVE = ("tests", "benchmarks", "scripts")
+ABOVE = ("tests", "benchmarks", "scripts", "testkit")
 PROJECT = PACKAGES + ABOVE
 
 # Which other packages each one may import (every package may import its own modules).
@@ -139,23 +146,29 @@ def _training_problem(src: list[str], imported: str) -> str | None:
     return f"training.{own} may import common and {allowed} (training/{own}/__init__.py)"
 
 
-def project_files() -> list[str]:
+def python_files(folders: tuple[str, ...]) -> list[str]:
+    """Every ``.py`` file under ``folders``, relative to the repository, with "/"."""
     out = []
-    for package in PACKAGES:
-        for root, dirs, files in os.walk(os.path.join(REPO, package)):
+    for folder in folders:
+        for root, dirs, files in os.walk(os.path.join(REPO, folder)):
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")
             out += [os.path.relpath(os.path.join(root, f), REPO).replace(os.sep, "/")
                     for f in sorted(files) if f.endswith(".py")]
     return out
 
 
-def violations(files: list[str]) -> list[str]:
+def project_files() -> list[str]:
+    return python_files(PACKAGES)
+
+
+def violations(files: list[str], judge: Callable[[Edge], str | None] = problem) -> list[str]:
+    """``file:line: importer → imported: why`` of every edge of ``files`` that ``judge`` forbids."""
     found = []
     for path in files:
         with open(os.path.join(REPO, path), encoding="utf-8") as fh:
             source = fh.read()
         for edge in edges(path, source):
-            if (why := problem(edge)) is not None:
+            if (why := judge(edge)) is not None:
                 found.append(f"{edge.path}:{edge.line}: {edge.importer} → {edge.imported}: {why}")
     return found
 
@@ -215,3 +228,81 @@ def test_every_package_says_what_it_is(package):
     with open(path, encoding="utf-8") as fh:
         doc = ast.get_docstring(ast.parse(fh.read()))
     assert doc and doc.strip(), f"{package}/__init__.py has no module docstring"
+
+
+# --- the checkout folders among themselves -----------------------------------------------------
+
+# What each checkout folder must not import (every package, and testkit, it may).
+CHECKOUT_FORBIDDEN: dict[str, frozenset[str]] = {
+    "tests": frozenset({"benchmarks"}),
+    "benchmarks": frozenset({"tests"}),
+    "testkit": frozenset({"tests", "benchmarks"}),
+    "scripts": frozenset({"tests", "benchmarks", "testkit"}),
+}
+# Tests of a benchmark's own code (its report, its figures, its harness run in quick mode) import
+# that benchmark: the one exception to "tests never import benchmarks". Helpers both use go in
+# testkit/ instead.
+BENCHMARK_TESTS: dict[str, frozenset[str]] = {
+    "tests/unit/test_benchmark_report.py": frozenset({"benchmarks.run"}),
+    "tests/unit/test_goodput.py": frozenset({"benchmarks.timeline", "benchmarks.goodput"}),
+    "tests/integration/test_chaos.py": frozenset({"benchmarks.chaos"}),
+    "tests/integration/test_chaos_net.py": frozenset({"benchmarks.chaos", "benchmarks.chaos_net",
+                                                      "benchmarks.constrained_links"}),
+    "tests/integration/test_s3_outage.py": frozenset({"benchmarks.chaos", "benchmarks.chaos_outage"}),
+    "tests/integration/test_hosts_cluster.py": frozenset({"benchmarks.chaos", "benchmarks.chaos_outage"}),
+}
+
+
+def bare_modules(files: list[str]) -> dict[str, str]:
+    """Module name → dotted path of every module file of the checkout folders, for bare imports
+    (``from netns_hosts import x`` with the file's folder put on ``sys.path``)."""
+    return {path.rsplit("/", 1)[-1][:-3]: module_name(path) for path in files
+            if not path.endswith("/__init__.py")}
+
+
+def checkout_problem(edge: Edge, bare: dict[str, str]) -> str | None:
+    """Why ``edge`` (from a checkout folder) is forbidden, or None."""
+    head = edge.imported.split(".")[0]
+    imported = bare[head] + edge.imported[len(head):] if head in bare else edge.imported
+    src, dst = edge.importer.split(".")[0], imported.split(".")[0]
+    if dst not in CHECKOUT_FORBIDDEN[src]:
+        return None
+    if any(_within(imported, allowed) for allowed in BENCHMARK_TESTS.get(edge.path, ())):
+        return None
+    return f"{src}/ never imports {dst}/ (what both use goes in testkit/)"
+
+
+def test_the_checkout_folders_import_through_testkit_only():
+    files = python_files(tuple(CHECKOUT_FORBIDDEN))
+    assert {f.split("/")[0] for f in files} == set(CHECKOUT_FORBIDDEN), "a checkout folder has no Python files"
+    bare = bare_modules(files)
+    found = violations(files, lambda edge: checkout_problem(edge, bare))
+    assert not found, "imports between tests/, benchmarks/, scripts/ and testkit/:\n" + "\n".join(found)
+
+
+BARE = {"netns_hosts": "tests.integration.netns_hosts", "chaos": "benchmarks.chaos"}
+
+
+@pytest.mark.parametrize("path, source, imported", [
+    ("tests/unit/test_x.py", "from benchmarks.soak_killer import Killer\n", "benchmarks.soak_killer.Killer"),
+    ("tests/unit/test_goodput.py", "from benchmarks.chaos import base_config\n", "benchmarks.chaos.base_config"),
+    ("benchmarks/x.py", "def f():\n    from tests.integration.local_jobs import run_local\n",
+     "tests.integration.local_jobs.run_local"),
+    ("benchmarks/x.py", "from netns_hosts import namespace_hosts\n", "netns_hosts.namespace_hosts"),
+    ("testkit/x.py", "import benchmarks.chaos\n", "benchmarks.chaos"),
+    ("testkit/x.py", "import chaos\n", "chaos"),
+    ("testkit/x.py", "from tests.conftest import S3Server\n", "tests.conftest.S3Server"),
+    ("scripts/x.py", "from testkit import REPO\n", "testkit.REPO"),
+])
+def test_the_checkout_walk_finds_a_forbidden_edge(path, source, imported):
+    assert [e.imported for e in edges(path, source) if checkout_problem(e, BARE)] == [imported]
+
+
+@pytest.mark.parametrize("path, source", [
+    ("tests/unit/test_goodput.py", "from benchmarks.timeline import goodput\nfrom testkit.killer import Killer\n"),
+    ("benchmarks/x.py", "from testkit.local_jobs import run_local\nfrom benchmarks import chaos\nimport chaos\n"),
+    ("testkit/x.py", "from testkit import REPO\nfrom training.launch.job import JobSpec\n"),
+    ("tests/integration/x.py", "import netns_hosts\nfrom tests.integration import tiny_model\n"),
+])
+def test_the_checkout_walk_allows_what_the_rules_allow(path, source):
+    assert [e for e in edges(path, source) if checkout_problem(e, BARE)] == []

@@ -10,6 +10,7 @@ import pytest
 from infra.catalogue import CATALOGUE, by_name
 from infra.planning import ModelShape, memory_per_device, plan, servers_for, size_on, state_per_param
 from training.loop.model import count_model
+from testkit import REPO
 
 pytestmark = pytest.mark.unit
 
@@ -120,13 +121,12 @@ def test_cli_prints_a_plan_and_fails_when_nothing_fits():
 def test_a_model_by_name_is_planned_by_scripts_plan_not_by_infra():
     """infra does not import the trainer: ``--model`` needs scripts/plan.py, which counts with
     training.loop.model and hands the counts to the same CLI."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     flags = ["--model", "lenet", "--input-shape", "1,28,28", "--classes", "10", "--batch-size", "64", "--json"]
     refused = subprocess.run([sys.executable, "-m", "infra.planning", *flags], capture_output=True, text=True,
-                             timeout=120, cwd=repo)
+                             timeout=120, cwd=REPO)
     assert refused.returncode == 2 and "scripts/plan.py" in refused.stderr
-    ok = subprocess.run([sys.executable, os.path.join(repo, "scripts", "plan.py"), *flags], capture_output=True,
-                        text=True, timeout=300, cwd=repo)
+    ok = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "plan.py"), *flags], capture_output=True,
+                        text=True, timeout=300, cwd=REPO)
     assert ok.returncode == 0, ok.stderr
     counts = count_model("lenet", (1, 28, 28), 10)
     assert json.loads(ok.stdout)["params"] == counts["params"]

@@ -12,6 +12,7 @@ import pytest
 
 from common.config import ConfigError, DataConfig, TrainConfig
 from training.feed.data import EpochOrder
+from testkit.waits import wait_for
 from training.feed.prefetch import PrefetchError, prefetched
 
 pytestmark = pytest.mark.unit
@@ -126,7 +127,9 @@ def test_the_thread_stays_at_most_depth_batches_ahead():
     order = EpochOrder(num_rows=30, steps=20, batch_size=3, seed=0, rank=0)
     feed = prefetched(order.batches(0), lambda ix: loaded.append(1) or ix, 3)
     next(feed)
-    time.sleep(0.5)
+    # The thread runs ahead until it blocks on the full queue: then it has loaded the one taken,
+    # a full queue and one waiting to be put, and no more.
+    wait_for(lambda: len(loaded) >= 1 + 3 + 1, timeout_s=30, what="the prefetch thread ahead")
     assert len(loaded) <= 1 + 3 + 1  # the one taken, a full queue, one waiting to be put
     feed.close()
     assert not prefetch_threads()

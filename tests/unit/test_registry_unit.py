@@ -21,6 +21,7 @@ from training.tracking.mlflow_params import (
     truncate_value,
 )
 from training.tracking.runs import bounded_mlflow_env, run_url
+from testkit import REPO
 
 pytestmark = pytest.mark.unit
 
@@ -157,14 +158,13 @@ def test_worst_case_http_time_is_well_under_two_minutes():
 
 
 def test_registry_and_pyfunc_modules_do_not_import_mxnet():
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # registry (and the helpers it imports), evaluation: stdlib only at import time;
     # pyfunc_model: mlflow (it subclasses PythonModel), never mxnet.
     code = ("import sys, training.tracking.registry, training.tracking.evaluation; "
             "assert not {'mlflow', 'mxnet', 'numpy'} & set(sys.modules), sys.modules.keys()")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=repo)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=REPO)
     code = "import sys, training.tracking.pyfunc_model; assert 'mxnet' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=180, cwd=repo)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=180, cwd=REPO)
 
 
 def test_logged_model_id_of_a_version():

@@ -4,17 +4,16 @@ error."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from common.settings import env_table, settings
+from testkit import ROOT as REPO
 from training.tracking.server import tracking_uri as mlflow_tracking_uri
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[2]
 # The project's code; tests and benchmarks set up environments for what they run.
 CODE_DIRS = ("common", "training", "data_checks", "infra", "plugins", "dags", "scripts")
 SETTINGS_FILE = "common/settings.py"

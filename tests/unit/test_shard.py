@@ -9,7 +9,7 @@ import tracemalloc
 
 # Before anything imports mxnet: common.record_codec keeps mxnet from importing scikit-learn by
 # blocking the name, which would also block load_digits if it came later.
-from sklearn.datasets import load_digits
+from sklearn.datasets import load_digits  # noqa: F401
 
 import numpy as np
 import pandas as pd
@@ -21,17 +21,11 @@ from data_checks.assign import SplitBlock, expected_bounds
 from common.manifest import download_shard, load_manifest, manifest_digest
 from data_checks.shard import shard_content_addressed, shard_dataset
 from common.config import ClusterConfig, DataConfig, TrainConfig
+from testkit.digits import digits_frame
 
 pytestmark = pytest.mark.unit
 
 N_DIGITS = 1797
-
-
-def digits_frame() -> pd.DataFrame:
-    d = load_digits()
-    df = pd.DataFrame(d.data, columns=[f"pixel_{i}" for i in range(64)])
-    df["label"] = d.target
-    return df
 
 
 def config(source: str, workers: int = 2, **data: object) -> TrainConfig:

@@ -18,10 +18,11 @@ from training.launch.job import JobSpec
 from training.launch.status import (FAILED, RUNNING, STOPPED, SUCCEEDED, JobStatus, StatusWriter, progress_of,
                                     read_status)
 from tests.unit import script_cluster
+from testkit import REPO
+from testkit.waits import wait_for
 
 pytestmark = pytest.mark.unit
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A worker that names its kvstore rank, logs progress as a worker does (a human line and its
 # event, common.events), and on SIGTERM says so (rank 0: "checkpoints") and exits 75. ps-lite
 # ranks need not follow the role names.
@@ -55,16 +56,6 @@ def _supervise(uri, job_id="1-abc", watch=None):
     return subprocess.Popen([sys.executable, "-m", "training", "supervise", uri, "--job-id", job_id, "--attempt", "1"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-
-
-def _wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise TimeoutError(what)
 
 
 def test_progress_is_read_from_rank_0_progress_and_epoch_events():
@@ -110,8 +101,8 @@ def test_job_succeeds_with_its_progress_in_the_record(tmp_path, nothing_left):
 def test_sigterm_stops_the_job_in_order_and_records_stopped(tmp_path, nothing_left):
     job, uri = _job(tmp_path, nothing_left, {"worker-0": _loop(1), "worker-1": _loop(0)})
     proc = _supervise(uri, watch=nothing_left)
-    _wait_for(lambda: (s := read_status(job.status_uri)) and s.state == RUNNING and s.global_step > 100, 60,
-              "the job running with progress")
+    wait_for(lambda: (s := read_status(job.status_uri)) and s.state == RUNNING and s.global_step > 100,
+             timeout_s=60, poll_s=0.2, what="the job running with progress")
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
@@ -155,7 +146,8 @@ def test_local_cluster_starts_the_supervisor_detached_and_stops_it_within_the_bo
     job, uri = _job(tmp_path, nothing_left, {"worker-0": LOOP, "worker-1": _loop(1)})
     where = cluster.start_supervisor(uri, job_id="1-det", attempt=1, env={**os.environ, **nothing_left.env})
     assert where["log"].endswith("1-det.log")
-    _wait_for(lambda: (s := read_status(job.status_uri)) and s.state == RUNNING, 60, "the job running")
+    wait_for(lambda: (s := read_status(job.status_uri)) and s.state == RUNNING, timeout_s=60, poll_s=0.2,
+             what="the job running")
     assert os.getsid(where["pid"]) == where["pid"]  # a session of its own: it outlives its starter
     started = time.monotonic()
     assert cluster.stop_job(grace_s=30) == ["1-det"]

@@ -8,7 +8,7 @@ import shutil
 import tempfile
 
 # Before anything imports mxnet (see test_shard.py).
-from sklearn.datasets import load_digits
+from sklearn.datasets import load_digits  # noqa: F401
 
 import numpy as np
 import pandas as pd
@@ -20,15 +20,9 @@ from data_checks import DataValidationError
 from data_checks.shard import shard_dataset
 from data_checks.validate import finish_validation, load_outcome, save_outcome, validate_shard, validate_shards
 from common.config import DataConfig, TrainConfig
+from testkit.digits import digits_frame
 
 pytestmark = pytest.mark.unit
-
-
-def digits_frame() -> pd.DataFrame:
-    d = load_digits()
-    df = pd.DataFrame(d.data, columns=[f"pixel_{i}" for i in range(64)])
-    df["label"] = d.target
-    return df
 
 
 def config(source: str = "", **data: object) -> TrainConfig:

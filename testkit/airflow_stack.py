@@ -15,6 +15,7 @@ from common.procs import Watch
 from infra.airflow_client import wait_for_dag
 from infra.airflow_service import AIRFLOW_COMPONENTS, start_airflow, stop_airflow
 from infra.stack_config import StackConfig, connections_env
+from testkit.waits import wait_for
 
 
 @contextlib.contextmanager
@@ -57,13 +58,16 @@ def killed_and_restarted(cfg: StackConfig, client_env: Mapping[str, str], compon
     from common.procs import group_members
     from infra.processes import load_handle
 
+    killed = []
     for comp in components:
         handle = load_handle(cfg.home, f"airflow-{comp}")
         if handle is not None and handle.may_be_ours():
+            killed.append(handle.pgid)
             for proc in group_members([handle.pgid], sessions=True):
                 with contextlib.suppress(OSError):
                     proc.send_signal(signal.SIGKILL)
-    time.sleep(2)  # the leaders gone, so start_airflow launches fresh ones instead of reusing them
+    # The leaders gone, so start_airflow launches fresh ones instead of reusing them.
+    wait_for(lambda: not group_members(killed, sessions=True), timeout_s=30, what="the killed Airflow components gone")
     handles = start_airflow(cfg, client_env=client_env, components=components)
     try:
         yield

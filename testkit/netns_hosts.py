@@ -32,10 +32,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from testkit import REPO
+
 SUBNET = "10.213.0"
 CONTROLLER_NET = "10.214"
 CONTROLLER_HOST = 254
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SSHD_READY_S = 30.0
 
 

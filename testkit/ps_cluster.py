@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from common.config import TrainConfig
-from tests.integration.local_jobs import run_local
+from testkit.local_jobs import run_local
 from training.launch.job import JobSpec
 
 

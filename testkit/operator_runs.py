@@ -18,10 +18,9 @@ import pytest
 from common import storage
 from common.paths import RunPaths
 from infra.airflow_client import AirflowClient, wait_for_task_state
+from testkit import ROOT
 from training.launch.status import read_status
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 DAG_ID = "mxnet_training"
 EXTRA_ENV = {"MXPIPE_FAULT_STEP_DELAY_S": "0.4"}
 # A task whose heartbeats stop is failed (and retried) after 30 s rather than Airflow's 300. The
@@ -39,7 +38,7 @@ STOP_BOUND_S = 30 + 1 + 5 + 20
 def operator_stack(home: Any, s3_server: Any, mlflow_server: Any, **env: str) -> Any:
     """The real Airflow stack (``airflow_stack``) with the training DAG, every step slowed, and
     ``env`` for its components and tasks."""
-    from airflow_stack import airflow_stack
+    from testkit.airflow_stack import airflow_stack
 
     return airflow_stack(home, s3_server, mlflow_server, {DAG_ID: "mxnet_training.py"},
                          extra_env={**EXTRA_ENV, **env})
@@ -49,11 +48,11 @@ def variants_stack(home: Path, s3_server: Any, mlflow_server: Any, variants: Ite
     """The real Airflow stack parsing the shipped training DAG and its test variants
     (``dags_operator_variants.py``, the ids ``variants``), steps slowed, ``VARIANTS_ENV``: one
     stack for runs that need different DAG-level limits. Its DAG folder links both files."""
-    from airflow_stack import airflow_stack
+    from testkit.airflow_stack import airflow_stack
 
     folder = home / "dag-files"
     folder.mkdir(parents=True)
-    for source in (REPO / "dags" / "mxnet_training.py", HERE / "dags_operator_variants.py"):
+    for source in (ROOT / "dags" / "mxnet_training.py", Path(__file__).with_name("dags_operator_variants.py")):
         (folder / source.name).symlink_to(source)
     dags = {DAG_ID: "mxnet_training.py", **{v: "dags_operator_variants.py" for v in variants}}
     return airflow_stack(home, s3_server, mlflow_server, dags, extra_env=VARIANTS_ENV, dags_folder=folder)

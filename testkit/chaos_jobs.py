@@ -239,16 +239,3 @@ def final_step(job: JobSpec) -> int | None:
         return int(json.loads(storage.get_bytes(job.metrics_uri))["global_step"])
     except Exception:  # noqa: BLE001 - no metrics: the job did not finish
         return None
-
-
-def digits_table(copies: int = 1, seed: int = 0) -> bytes:
-    """scikit-learn's digits as the pipeline's CSV (``copies`` > 1: jittered copies, a longer epoch)."""
-    import pandas as pd
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    rng = np.random.default_rng(seed)
-    parts = [digits.data if i == 0 else digits.data + rng.normal(0, 0.5, digits.data.shape) for i in range(copies)]
-    frame = pd.DataFrame(np.vstack(parts), columns=[f"pixel_{i}" for i in range(digits.data.shape[1])])
-    frame["label"] = np.tile(digits.target, copies)
-    return frame.to_csv(index=False).encode()

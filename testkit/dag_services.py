@@ -1,6 +1,6 @@
 """The embedded services a benchmark that runs the real DAG (``dag.test()``) needs: a SeaweedFS S3
 server and an MLflow server on free ports in a folder of the benchmark's own, stopped on the way
-out, and the environment a DAG run reads them from (keys, endpoints, its own AIRFLOW_HOME)."""
+out (``testkit.servers``), and the environment a DAG run reads them from (keys, endpoints)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,30 +9,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from infra.stack_config import StackConfig
+from testkit.servers import new_stack, running_mlflow, running_s3
 
 
 @contextlib.contextmanager
 def embedded_services(root: Path) -> Iterator[tuple[StackConfig, dict[str, str]]]:
     """Start S3 and MLflow under ``root/stack``; yields the stack config and the variables that
     point a process at them (AWS keys and S3 endpoint, ``MLFLOW_TRACKING_URI``)."""
-    from infra.s3_service import start_s3, stop_s3
-    from infra.services import start_mlflow
-    from infra.stack_config import load_credentials, stack_env
-
-    cfg = StackConfig.with_free_ports(root / "stack")
-    cfg.save()
-    s3 = start_s3(cfg)
-    mlflow = None
-    try:
-        mlflow = start_mlflow(cfg)
-        creds = load_credentials(cfg.home)
-        env = {k: v for k, v in stack_env(cfg.home).items() if k.startswith("AWS_") or k == "MLFLOW_TRACKING_URI"}
-        env.update({"AWS_ACCESS_KEY_ID": creds["access_key"], "AWS_SECRET_ACCESS_KEY": creds["secret_key"]})
+    cfg = new_stack(root / "stack")
+    with running_s3(cfg) as s3, running_mlflow(cfg) as mlflow:
+        env = {k: v for k, v in s3.env.items() if k.startswith("AWS_")}
+        env.update({"MLFLOW_TRACKING_URI": mlflow.tracking_uri, "AWS_ACCESS_KEY_ID": s3.access_key,
+                    "AWS_SECRET_ACCESS_KEY": s3.secret_key})
         yield cfg, env
-    finally:
-        if mlflow is not None:
-            mlflow.stop()
-        stop_s3(s3)
 
 
 def use_in_this_process(env: dict[str, str]) -> None:

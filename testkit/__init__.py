@@ -1,0 +1,28 @@
+"""Test support shared by the test suite (``tests/``) and the benchmarks (``benchmarks/``).
+
+Both import it; it imports neither of them (tests/unit/test_import_direction.py), and it may
+import every package of the project. What it holds:
+
+- ``ROOT`` / ``REPO``: the repository's folder (a ``Path`` and its ``str``), defined here only;
+- ``digits``: scikit-learn's digits as the pipeline's source table (a frame, CSV bytes);
+- ``dag_runs``: ``dag.test()`` runs of a DAG in a child process with an AIRFLOW_HOME of its own
+  (the one DagBag runner script), and the environment such a run needs;
+- ``dag_services`` / ``dag_stack``: S3 and MLflow servers of a benchmark's own, and the training
+  DAG run against them;
+- ``airflow_stack`` / ``operator_runs`` / ``dags_operator_variants``: the real Airflow stack
+  (scheduler, triggerer, ...) and what the training operator's tests run on it;
+- ``local_jobs`` / ``ps_cluster``: a JobSpec run as every run is (local backend, detached
+  supervisor), or a worker script run as a ps-lite job, with nothing left behind;
+- ``netns_hosts``: throwaway hosts in network namespaces for the ``hosts`` backend;
+- ``chaos_jobs`` / ``killer``: the chaos harness's job attempts and S3 server, and the soak's
+  killer of random live roles;
+- ``cities_table``: a generated table with a text column and missing values;
+- ``result_file``: the ``--json`` result file of a benchmark script;
+- ``waits``: waiting on a condition with a bound (never a fixed sleep and one read).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REPO = str(ROOT)
