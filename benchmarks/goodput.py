@@ -12,7 +12,7 @@ a seeded uniform choice among the newest attempt's live roles, found through the
 records and checked by command line) every ``--period-s`` seconds from the first job start, at
 most ``--max-kills`` times (default 2: the train task has 2 retries, a third failure would fail
 the run). The supervisor's event log (``MXPIPE_EVENTS_FILE``) gives the goodput and each
-failure's timeline (``benchmarks/timeline.py``, whose docstring defines productive time: the wall
+failure's timeline (``testkit/timeline.py``, whose docstring defines productive time: the wall
 time of the steps that were kept, without startup, restore or recomputed steps).
 
 The same config is first run once without failures (the reference): its final checkpoint's
@@ -51,7 +51,7 @@ from testkit import REPO  # noqa: E402
 from testkit.dag_stack import local_stack, read_events, run_dag, upload  # noqa: E402
 from testkit.result_file import write_json  # noqa: E402
 from testkit.killer import Killer  # noqa: E402
-from benchmarks.timeline import cadence_plans, goodput  # noqa: E402
+from testkit.timeline import cadence_plans, goodput  # noqa: E402
 
 TABLE = ("import sys, numpy as np, pandas as pd; from sklearn.datasets import make_classification; "
          "from common import storage; rows, feats = int(sys.argv[2]), int(sys.argv[3]); "

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from testkit.dag_stack import local_stack, read_events, run_dag, upload  # noqa: E402
 from testkit.result_file import write_json  # noqa: E402
-from benchmarks.timeline import TERMS, Pred, failure_timeline, role_event  # noqa: E402
+from testkit.timeline import TERMS, Pred, failure_timeline, role_event  # noqa: E402
 from common.events import CheckpointCommitted  # noqa: E402
 
 

@@ -14,9 +14,15 @@ import every package of the project. What it holds:
 - ``local_jobs`` / ``ps_cluster``: a JobSpec run as every run is (local backend, detached
   supervisor), or a worker script run as a ps-lite job, with nothing left behind;
 - ``netns_hosts``: throwaway hosts in network namespaces for the ``hosts`` backend;
+- ``chaos`` / ``chaos_outage`` / ``chaos_net``: the chaos harness (R1–R4) that
+  ``benchmarks/chaos.py`` runs and the chaos tests share; ``constrained_links``: jobs on
+  namespace hosts behind rate-limited links (``benchmarks/constrained_links.py``);
 - ``chaos_jobs`` / ``killer``: the chaos harness's job attempts and S3 server, and the soak's
   killer of random live roles;
+- ``timeline``: a job's event log read as attempts, failures and goodput (P4, G1, the tests);
 - ``cities_table``: a generated table with a text column and missing values;
+- ``scaled_tables`` / ``default_runs``: generated tables with features on scales from 0.01 to
+  1000, and a job trained on them with the DAG's defaults, scored beside scikit-learn's MLP;
 - ``result_file``: the ``--json`` result file of a benchmark script;
 - ``waits``: waiting on a condition with a bound (never a fixed sleep and one read).
 """

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.timeout(1800)
 def test_quick_chaos_run_passes_every_check(tmp_path):
-    from benchmarks import chaos
+    from testkit import chaos
 
     seed = int(os.environ.get("MXPIPE_CHAOS_SEED", "17"))
     report = chaos.run(tmp_path, ["R1", "R2"], trials=2, seed=seed, outage_s=0)

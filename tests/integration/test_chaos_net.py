@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from benchmarks import chaos_net
-from benchmarks import constrained_links
+from testkit import chaos_net
+from testkit import constrained_links
 from testkit.digits import digits_csv
 from testkit.netns_hosts import link_stats, namespace_hosts
 
@@ -44,7 +44,7 @@ def test_a_lossy_link_slows_the_job_without_failing_it(tmp_path):
     """Worker-1's host loses 10 % of the packets it sends and receives: TCP retransmits, the
     steps take longer than on the clean link, and the job finishes as accurate as before."""
     from data_checks.shard import shard_dataset
-    from benchmarks.chaos import base_config
+    from testkit.chaos import base_config
 
     data = tmp_path / "data"
     data.mkdir()

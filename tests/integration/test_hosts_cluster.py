@@ -247,8 +247,8 @@ def test_ssh_job_reads_its_shards_and_commits_checkpoints_through_s3_over_the_li
 @needs_sshd
 @pytest.mark.timeout(1200)
 def test_ssh_job_rides_out_an_s3_outage_on_the_bridge(topology, bridge_s3, tmp_path):
-    from benchmarks import chaos
-    from benchmarks.chaos_outage import r3
+    from testkit import chaos
+    from testkit.chaos_outage import r3
 
     spec = ClusterSpec(run_tag=f"hosts-test--s3-outage-{SUFFIX}", workers=2, servers=1, backend="hosts",
                        options={"hosts": topology["ssh"]})

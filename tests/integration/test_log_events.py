@@ -8,20 +8,17 @@ goodput (``benchmarks/timeline.py``). With every human line reworded, or removed
 compute exactly the same: rewording a log message cannot break them.
 """
 import json
-import os
-import sys
 
 import pytest
 
-from benchmarks.timeline import attempts, goodput
+from testkit.timeline import attempts, goodput
 from common import storage
 from common.events import EVENT_MARK
 from training.launch.launcher import PROGRESS_ROLE, JobFailed
 from training.launch.status import JobStatus, StatusWriter
 from training.tracking.live import LiveRun
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_jobs import make_job, run_job, shard_digits  # noqa: E402
+from testkit.local_jobs import make_job, run_job, shard_digits
 
 pytestmark = pytest.mark.integration
 

@@ -2,8 +2,6 @@
 in the manifest (fitted once, at shard time), and every worker standardises the rows it gathers
 with them, so a job killed mid-run and resumed ends with the uninterrupted job's parameters.
 Real 2-worker ps-lite jobs checkpointing to a real S3 server (SeaweedFS)."""
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -12,9 +10,8 @@ from common import storage
 from training.checkpoint.store import store_for
 from training.launch.launcher import JobFailed
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from local_jobs import checkpoint_params, make_job as _job, run_job as _run  # noqa: E402
-from scaled_tables import TARGET, scaled_regression_table  # noqa: E402
+from testkit.local_jobs import checkpoint_params, make_job as _job, run_job as _run
+from testkit.scaled_tables import TARGET, scaled_regression_table
 
 pytestmark = pytest.mark.integration
 

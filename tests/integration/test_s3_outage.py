@@ -28,9 +28,9 @@ OUTAGE_S = 30.0
 
 @pytest.mark.timeout(1200)
 def test_training_survives_a_30s_s3_outage(tmp_path):
-    from benchmarks import chaos
+    from testkit import chaos
     from testkit.chaos_jobs import ChaosStack
-    from benchmarks.chaos_outage import r3
+    from testkit.chaos_outage import r3
 
     stack = ChaosStack(tmp_path)
     stack.start()

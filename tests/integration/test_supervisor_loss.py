@@ -43,7 +43,7 @@ def _run_argv(tmp_path):
 
 
 def test_killed_supervisor_roles_end_and_a_rerun_resumes_at_once(tmp_path, digits_csv):
-    from tests.integration.local_jobs import shard_digits
+    from testkit.local_jobs import shard_digits
 
     cfg, _ = shard_digits(str(tmp_path / "data"), digits_csv)
     # Checkpoints at epoch ends only: a checkpoint mid-epoch can only be the emergency one.

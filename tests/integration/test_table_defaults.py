@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.default_runs import train_and_score
-from tests.integration.scaled_tables import TARGET, scaled_regression_table
+from testkit.default_runs import train_and_score
+from testkit.scaled_tables import TARGET, scaled_regression_table
 
 pytestmark = pytest.mark.integration
 

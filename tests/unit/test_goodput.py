@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from testkit.killer import Killer, LiveRole, choose_victim, is_role_command, live_roles
-from benchmarks.timeline import attempts, cadence_plans, failure_timeline, goodput
+from testkit.timeline import attempts, cadence_plans, failure_timeline, goodput
 from common.events import (CheckpointCommitted, EpochDone, FirstStepAfterResume, Progress, Resumed, WorkerStarted,
                            event_line)
 from common.procs import GroupSpawner

@@ -85,7 +85,7 @@ def _left(cluster: Any, hosts: list[dict]) -> list[int]:
 
 def trial(root: Path, hosts: list[dict], cfg: TrainConfig, shards: str, cut_s: float) -> Any:
     """One cut of ``cut_s`` seconds; a retry over the same run folder if the job was torn down."""
-    from benchmarks.chaos import Trial
+    from testkit.chaos import Trial
     from infra.cluster import ClusterSpec, provision
 
     name = f"r4-cut{cut_s:g}"
@@ -162,7 +162,7 @@ def _judge(trial_cls: Any, name: str, job: Any, cfg: TrainConfig, cut_s: float, 
 def r4(root: Path, cut_seconds: list[float], copies: int = 6) -> list[Any]:
     """Both cuts on one set of namespace hosts; the data is ``copies`` jittered digits copies, so
     the job is still training when the cut ends."""
-    from benchmarks.chaos import base_config
+    from testkit.chaos import base_config
     from data_checks.shard import shard_dataset
 
     root.mkdir(parents=True, exist_ok=True)

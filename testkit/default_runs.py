@@ -17,7 +17,7 @@ import pandas as pd
 
 from common import record_codec, storage
 from common.manifest import download_shard, load_manifest, record_width
-from tests.integration.local_jobs import make_job, run_local
+from testkit.local_jobs import make_job, run_local
 
 
 @dataclass

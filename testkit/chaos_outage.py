@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import chaos
+from testkit import chaos
 from testkit import chaos_jobs as cj
 from common.config import TrainConfig
 
