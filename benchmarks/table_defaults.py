@@ -39,7 +39,7 @@ from sklearn.neural_network import MLPRegressor  # noqa: E402, F401
 
 import pandas as pd  # noqa: E402
 
-from benchmarks.result_file import write_json  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
 from testkit.default_runs import train_and_score  # noqa: E402
 from testkit.scaled_tables import LABEL, TARGET, scaled_classification_table, scaled_regression_table  # noqa: E402
 
