@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 TERMINAL_RUN_STATES = frozenset({"success", "failed"})
 _PAGE = 100  # [api] maximum_page_limit
+DB_BUSY_RETRIES = 3  # repeats of an idempotent call answered "Database error" (see AirflowClient.request)
 
 
 class AirflowAPIError(RuntimeError):
@@ -52,12 +53,20 @@ class AirflowClient:
     def request(self, method: str, path: str, *, ok: tuple[int, ...] = (200,),
                 **kwargs: Any) -> requests.Response:
         url = f"{self.base_url}/api/v2{path}"
-        for attempt in (0, 1):
-            headers = {"Authorization": f"Bearer {self.token(refresh=attempt > 0)}"}
-            resp = self._session.request(method, url, headers=headers,
-                                         timeout=(5.0, self.timeout_s), **kwargs)
-            if resp.status_code != 401:
+        for busy in range(DB_BUSY_RETRIES + 1):
+            for attempt in (0, 1):
+                headers = {"Authorization": f"Bearer {self.token(refresh=attempt > 0)}"}
+                resp = self._session.request(method, url, headers=headers,
+                                             timeout=(5.0, self.timeout_s), **kwargs)
+                if resp.status_code != 401:
+                    break
+            # The API server answers 500 "Database error" when its metadata database is busy (the
+            # embedded stack's SQLite on a loaded machine): an idempotent call is worth repeating;
+            # a POST (a trigger) is not, since it may have been applied.
+            if not (resp.status_code == 500 and "Database error" in resp.text and method.upper() != "POST"
+                    and busy < DB_BUSY_RETRIES):
                 break
+            time.sleep(1.0 + busy)
         if resp.status_code not in ok:
             raise AirflowAPIError(f"{method} {path}: HTTP {resp.status_code}: {resp.text[:500]}")
         return resp
