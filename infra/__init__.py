@@ -15,7 +15,7 @@
 - ``transport``: how a command reaches a host of the ``hosts`` backend (SSH, ``ip netns exec``).
 - ``planning``: hardware planning: memory per device for a model, and which cluster to ask for.
 - ``catalogue``: the GPU instance types the planner chooses from, as data.
-- ``cost``: what a cluster's machines have cost so far: instance-hours and their price.
+- ``billing``: what a cluster's machines have cost so far: instance-hours and their price.
 - ``__main__``: ``python -m infra`` is ``python -m infra.services``.
 
 Never imports Airflow. Keep this file free of heavy imports: ``python -m infra.services`` and the

@@ -196,9 +196,9 @@ class Ec2Cluster(Cluster):
         return max(self.spec.workers, self.spec.servers)
 
     def cost(self) -> dict[str, float]:
-        """Instance-hours and their price so far (``infra.cost``): what a live run adds to the
+        """Instance-hours and their price so far (``infra.billing``): what a live run adds to the
         role core-seconds (the supervisor calls it through the observer's ``cost_extras``)."""
-        from infra.cost import cluster_cost
+        from infra.billing import cluster_cost
 
         return cluster_cost(self)
 

@@ -10,7 +10,7 @@ import pytest
 
 from common.events import EpochDone, FirstStepAfterResume, Progress, WorkerStarted, event_line
 from common.procs.usage import UsageMeter
-from infra.cost import instance_cost
+from infra.billing import instance_cost
 from training.launch.launcher import outcome_of
 from training.tracking.cost import RunCost, summary
 from training.tracking.live import LiveRun

@@ -100,7 +100,7 @@ def test_validation_metrics_are_in_the_targets_units(sharded, tmp_path):
     the trained (standardised) scale, its RMSE and MAE are 0.5 std in the targets' units."""
     import mxnet as mx
 
-    from training.loop.evaluation import evaluate
+    from training.loop.validation import evaluate
 
     prefix, manifest = sharded
     _, y = _split(manifest, prefix, "val", str(tmp_path / "val"))

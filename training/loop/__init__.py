@@ -1,7 +1,7 @@
 """The training loop of one worker role and everything a step needs.
 
 - ``worker``: the worker's ``run`` and its loop (set up → resume → steps → export).
-- ``evaluation``: rank 0's validation at an epoch end: one batch loop for every task.
+- ``validation``: rank 0's validation at an epoch end: one batch loop for every task.
 - ``preemption``: SIGTERM between steps: the emergency checkpoint and the exit code.
 - ``export``: the model export, and the best epoch's parameters for it.
 - ``resume``: where a run starts and what a checkpoint records of its position (checkpoint,

@@ -8,7 +8,7 @@ contexts), ``build_data`` (shards), ``build_net`` (the model, seeded), ``resume.
 checkpoint manager, fault plan, preemption flag, throughput meter; the one object the loop's
 functions take), ``train`` (each epoch's steps, then its end: evaluation, log lines, epoch-end
 checkpoint), the final commit check and the export (``training.loop.export``). Validation is
-``training.loop.evaluation``, SIGTERM handling ``training.loop.preemption``.
+``training.loop.validation``, SIGTERM handling ``training.loop.preemption``.
 
 Besides its human log lines the loop emits structured events (``common.events``: worker started,
 progress, epoch done with its record, first step after a resume); the supervisor's status record,
@@ -71,7 +71,7 @@ from training.feed.prefetch import prefetched
 from training.launch.job import JobSpec
 from training.loop import resume
 from training.loop.early_stop import agree_to_stop
-from training.loop.evaluation import evaluate
+from training.loop.validation import evaluate
 from training.loop.export import export, load_best
 from training.loop.faults import FaultPlan
 from training.loop.kvstore_sync import make_trainer, with_gradient_compression
