@@ -71,7 +71,8 @@ _DIGEST_OMITTED_AT_DEFAULT = {"data": ("target_columns", "target_range", "standa
                                        "rare_label_action", "rare_label_rows", "rare_label_ratio"),
                               "model": ("task", "loss", "huber_rho", "options", "code_uri"),
                               "optim": ("early_stopping_patience", "early_stopping_metric", "early_stopping_min_delta"),
-                              "checkpoint": ("export_epoch", "mtbf_s")}
+                              "checkpoint": ("export_epoch", "mtbf_s"),
+                              "cluster": ("max_restarts_without_progress",)}
 # Of those, the fields whose default changed since: omitted at their former default (what the
 # checkpoints written before embed), so the digest follows the value, not the default.
 _DIGEST_OMITTED_AT = {("optim", "early_stopping_patience"): 0}
@@ -465,6 +466,16 @@ class ClusterConfig(StrictModel):
     stall_timeout_s: Number = Field(120.0, gt=0,
                                     description="Seconds a worker may print nothing before the job ends as stalled.")
     job_timeout_s: Number = Field(0.0, ge=0, description="Seconds the whole job may run; 0 = no limit.")
+    # A lost role (crash, kill, stall) costs a restart of every role in place, on the same
+    # cluster, from the newest checkpoint (training.launch.restarts): seconds, where an Airflow
+    # retry costs its start as well. The budget counts failures without progress, not failures:
+    # a long run may lose any number of roles as long as checkpoints keep being committed
+    # between them; a job that fails this many times in a row with no new checkpoint stops.
+    max_restarts_without_progress: int = Field(3, ge=0, le=1000,
+                                               description="In-place restarts of every role in a row that commit no "
+                                                           "new checkpoint before the job gives up (not retried); "
+                                                           "0 = none: a failed role ends the attempt and the Airflow "
+                                                           "retry runs the job again.")
     # Threads per role process; on a small machine several roles share the cores.
     threads_per_role: int = Field(1, ge=1, description="Compute threads per role process.")
     # "workers" keeps the optimizer state on every worker (Trainer.save_states works: exact

@@ -185,6 +185,7 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
             else:
                 if (event := trigger.judge(status, time.time())) is not None:
                     return event.payload
+                trigger.report(status, self.log)
             time.sleep(self.poll_s)
 
     def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:

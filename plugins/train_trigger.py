@@ -23,6 +23,7 @@ triggerer (its environment holds no task's credentials).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
@@ -83,6 +84,8 @@ class TrainJobTrigger(BaseTrigger):
         self.stale_after_s = stale_after_s
         self.stop_grace_s = stop_grace_s
         self.start_timeout_s = start_timeout_s
+        # What ``report`` logged last: the task log gets a line per change, not per poll.
+        self._reported_step, self._reported_restarts = -1, 0
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return ("plugins.train_trigger.TrainJobTrigger",
@@ -113,9 +116,23 @@ class TrainJobTrigger(BaseTrigger):
             return self._event("stale", status, f"job {job_id}: {status.gone_reason(now)}{bound}")
         return None
 
+    def report(self, status: Any, log: logging.Logger) -> None:
+        """Log what changed in the job's record since the last read: a restart in place (with
+        the failure it followed), the step reached."""
+        if status is None or status.job_id != self.job["job_id"]:
+            return
+        if status.restarts > self._reported_restarts:
+            self._reported_restarts = status.restarts
+            log.warning("job %s restarted every role in place (restart %d; %d in a row without a new checkpoint) "
+                        "after: %s", status.job_id, status.restarts, status.restarts_without_progress,
+                        status.last_restart_reason)
+        if status.global_step != self._reported_step:
+            self._reported_step = status.global_step
+            log.info("job %s %s: epoch %d, global step %d", status.job_id, status.state, status.epoch,
+                     status.global_step)
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
         uri = self.job["status_uri"]
-        last_step = -1
         while True:
             try:
                 status = await asyncio.wait_for(asyncio.to_thread(read_job_status, uri, self.aws_conn_id),
@@ -127,10 +144,7 @@ class TrainJobTrigger(BaseTrigger):
                 if event is not None:
                     yield event
                     return
-                if status is not None and status.global_step != last_step:
-                    last_step = status.global_step
-                    self.log.info("job %s %s: epoch %d, global step %d", status.job_id, status.state,
-                                  status.epoch, status.global_step)
+                self.report(status, self.log)
             await asyncio.sleep(self.poll_s)
 
     async def on_kill(self) -> None:

@@ -210,9 +210,12 @@ def shard_copies(stack: cj.ChaosStack, cfg: TrainConfig, name: str, copies: int)
 
 
 def base_config() -> TrainConfig:
-    """The debug recipe, 2 workers + 1 server, optimizer on the workers (exact resume)."""
+    """The debug recipe, 2 workers + 1 server, optimizer on the workers (exact resume). No restart
+    in place: each fault ends the job, and the harness's retry is a new job on the same prefix
+    (the path of an Airflow retry, which every fault a restart cannot fix still takes)."""
     return recipe("debug").replace(cluster={"num_workers": 2, "num_servers": 1, "kvstore": "dist_sync",
-                                            "optimizer_on": "workers", "job_timeout_s": 900.0})
+                                            "optimizer_on": "workers", "job_timeout_s": 900.0,
+                                            "max_restarts_without_progress": 0})
 
 
 def _s3_scenarios(root: Path, scenarios: list[str], trials: int, seed: int, outage_s: float,

@@ -2,16 +2,19 @@
 
 Pure arithmetic on the recorded events (``training/launch/launcher.py`` writes them: ``job_start``,
 ``roles_started``, every role ``line`` with the time it arrived, ``role_failed``,
-``roles_stopped``), so it is unit-tested on a recorded file (tests/unit/test_goodput.py). Of the
+``roles_stopped``, ``roles_restarting``), so it is unit-tested on a recorded file (tests/unit/test_goodput.py). Of the
 role lines it reads the workers' events only (``common.events.parse_event``), never their human text.
 
 **One failure** (``failure_timeline``), from the kill time on: detect (→ the supervisor's
 ``role_failed``), teardown (→ every role of the attempt stopped), retry (→ the next attempt's
-``job_start``: Airflow's retry delay plus its task restart), cluster start (→ worker-0's
+start: the supervisor's ``roles_restarting`` after a restart in place, at once; a new
+supervisor's ``job_start`` after an Airflow retry, its delay plus the task's start), cluster start (→ worker-0's
 ``worker_started``: the new roles imported mxnet and met in ps-lite), restore (→ the first
 ``resumed`` event, from step R: shards fetched, model built, checkpoint verified and loaded),
 first step (→ the first step after the resume done, by default worker-0's
 ``first_step_after_resume`` event).
+
+An attempt is one round of roles: from a ``job_start`` or a ``roles_restarting`` to the next.
 
 **Goodput** (``goodput``) = productive training time ÷ wall time, where
 - wall time runs from the first attempt's ``job_start`` to worker-0's last step mark of the last
@@ -44,6 +47,12 @@ TERMS = ("detect", "teardown", "retry", "cluster_start", "restore", "first_step"
 LEAD = "worker-0"
 # The role events that mark a step reached (their global_step), read from the lead role only.
 _STEP_MARKS = (role_events.Progress, role_events.FirstStepAfterResume, role_events.EpochDone)
+# The supervisor's events that start an attempt: a new supervisor, or a restart in place.
+ATTEMPT_STARTS = ("job_start", "roles_restarting")
+
+
+def _starts_attempt(ev: Event) -> bool:
+    return ev["event"] in ATTEMPT_STARTS
 
 
 def role_event_of(ev: Event) -> Any:
@@ -79,7 +88,7 @@ def failure_timeline(events: Sequence[Event], kill_t: float,
     """The terms of one failure's recovery (module docstring), in seconds, and the resume step."""
     failed = first_event(events, lambda e: e["event"] == "role_failed", kill_t)
     stopped = first_event(events, lambda e: e["event"] == "roles_stopped", failed["t"])
-    start2 = first_event(events, lambda e: e["event"] == "job_start", stopped["t"])
+    start2 = first_event(events, _starts_attempt, stopped["t"])
     joined = first_event(events, role_event(role_events.WorkerStarted, LEAD), start2["t"])
     resumed = first_event(events, role_event(role_events.Resumed), joined["t"])
     step = role_event_of(resumed).step
@@ -94,10 +103,10 @@ def failure_timeline(events: Sequence[Event], kill_t: float,
 
 @dataclass
 class Attempt:
-    """One job of the run (one ``job_start``) as its step marks show it."""
+    """One round of the run's roles (from a ``job_start`` or ``roles_restarting``) as its step marks show it."""
 
     start: float
-    end: float  # the next attempt's job_start, or the last event
+    end: float  # the next attempt's start, or the last event
     resumed_from: int  # 0 for a fresh start
     points: list[tuple[float, int]]  # (time, global step) of worker-0's step marks
     # (time, step) of the checkpoints the attempt committed: the step was reached before that time
@@ -142,7 +151,7 @@ class Attempt:
 
 def attempts(events: Sequence[Event]) -> list[Attempt]:
     """The run's attempts in order, each with its resume step and worker-0's step marks."""
-    starts = [i for i, e in enumerate(events) if e["event"] == "job_start"]
+    starts = [i for i, e in enumerate(events) if _starts_attempt(e)]
     out = []
     for n, i in enumerate(starts):
         chunk = events[i:starts[n + 1]] if n + 1 < len(starts) else events[i:]

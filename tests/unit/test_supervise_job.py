@@ -40,7 +40,7 @@ LOOP = _loop(0)
 
 def _job(tmp_path, watch, scripts, **cluster):
     cfg = TrainConfig().replace(cluster={"num_workers": 2, "num_servers": 1, "start_timeout_s": 30,
-                                         "stall_timeout_s": 30, **cluster},
+                                         "stall_timeout_s": 30, "max_restarts_without_progress": 0, **cluster},
                                 checkpoint={"preempt_grace_s": 5})
     job = JobSpec(config=cfg, shards_prefix=str(tmp_path / "shards"), checkpoint_prefix=str(tmp_path / "ckpt"),
                   model_prefix=str(tmp_path / "model"), metrics_uri=str(tmp_path / "metrics.json"),
@@ -176,7 +176,8 @@ def _detached_job(tmp_path, worker_script):
     from training.launch.detached import local_cluster
 
     cfg = TrainConfig().replace(cluster={"num_workers": 1, "num_servers": 1, "kvstore": "local",
-                                         "start_timeout_s": 30, "stall_timeout_s": 30},
+                                         "start_timeout_s": 30, "stall_timeout_s": 30,
+                                         "max_restarts_without_progress": 0},
                                 checkpoint={"preempt_grace_s": 2})
     job = JobSpec(config=cfg, shards_prefix="", checkpoint_prefix="", model_prefix="", metrics_uri="",
                   status_uri=str(tmp_path / "job_status.json"),

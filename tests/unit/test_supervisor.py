@@ -24,8 +24,10 @@ def ScriptCluster(watch, scripts):
 
 
 def _cfg(**cluster):
+    # Detection and teardown of one round: no restart in place (tests/unit/test_restart_in_place.py).
     return TrainConfig().replace(cluster={"num_workers": 2, "num_servers": 1, "start_timeout_s": 30,
-                                          "stall_timeout_s": 30, "job_timeout_s": 60, **cluster})
+                                          "stall_timeout_s": 30, "job_timeout_s": 60,
+                                          "max_restarts_without_progress": 0, **cluster})
 
 
 def _run(cluster, cfg):

@@ -2,7 +2,9 @@
 
 - ``job``: ``JobSpec`` and the exit-code contract between roles and their supervisor.
 - ``launcher``: the ``Supervisor`` that starts scheduler, servers and workers through a cluster's
-  transport and ends the whole job on the first failure, stall or timeout.
+  transport, restarts every role in place after a failure or stall, and ends the job when a
+  restart cannot help.
+- ``restarts``: the budget of in-place restarts (failures without progress).
 - ``status``: the job's status record.
 - ``supervise``: the supervisor as a command of its own, started detached by a cluster.
 - ``detached``: running a job that way and waiting on it (the one way a job runs, for the CLI,

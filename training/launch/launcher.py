@@ -11,8 +11,14 @@ its host, its exit code or signal and its last lines. Every role is stopped (its
 group, on whatever host) before ``run`` returns or raises: after a role failure at once (1 s
 SIGTERM grace, the others are blocked in ps-lite), otherwise workers first with the
 checkpoint's preemption grace (rank 0 alone first, for its emergency checkpoint; its rank comes
-from its worker_started event), then scheduler and servers. The next attempt starts a fresh job,
-which resumes from the latest committed checkpoint.
+from its worker_started event), then scheduler and servers.
+
+A failed or stalled role costs a restart in place, not the job: every role is stopped and
+started again on the same cluster (a fresh ps-lite job, as ps-lite needs after any loss), and
+the workers resume from the newest committed checkpoint. ``training.launch.restarts`` bounds
+it by progress (``cluster.max_restarts_without_progress``); what a restart cannot fix (a
+deterministic failure, the job's timeout, a stop, a spent budget, a cluster that cannot start
+the roles) ends the job, and the caller's retry (Airflow's) starts a fresh one.
 
 Where roles run is not this module's business: it takes a cluster (anything with
 ``start_roles(JobLaunch) -> handles`` and ``stop_roles(handles)``: ``infra.cluster``'s local,
@@ -27,16 +33,16 @@ An optional ``JobObserver`` (``training.tracking.live.LiveRun`` in the train tas
 the caller: this package imports nothing of ``training.tracking``) sees the job as the supervisor
 does: ``start`` as it starts, every role line, ``sync`` with the local role pids every poll (it
 decides itself when to sample or send), and ``end`` with the outcome (succeeded, failed, stopped:
-this process interrupted or terminated) and the error text once every role is stopped.
+this process interrupted or terminated) and the error text once every role is stopped;
+``restarted`` after each restart in place, with the counts.
 
 With ``MXPIPE_EVENTS_FILE`` set in its base environment, the supervisor appends one JSON line
 per event (job start, roles started, each role line with the time it arrived, the failure it
-detected, roles stopped) to that file: what ``benchmarks/recovery.py`` measures recovery from.
+detected, roles stopped, roles restarting in place) to that file: what ``benchmarks/recovery.py`` measures recovery from.
 """
 from __future__ import annotations
 
 import collections
-import contextlib
 import ipaddress
 import json
 import logging
@@ -51,8 +57,9 @@ from typing import Any, Protocol
 from common.roles import JobLaunch, forwarded_env
 from common.settings import settings
 from common.config import TrainConfig
-from common.events import EVENT_MARK, EventError, WorkerStarted, parse_event
+from common.events import EVENT_MARK, CheckpointCommitted, EventError, Resumed, WorkerStarted, parse_event
 from common.events import DETERMINISTIC_EXIT_CODES
+from training.launch.restarts import RestartBudget
 from training.launch.status import StatusWriter
 
 __all__ = ["JobFailed", "JobObserver", "JobStopped", "Supervisor", "launch_for", "outcome_of"]
@@ -106,6 +113,8 @@ class JobObserver(Protocol):
     def sync(self, pids: Mapping[str, int]) -> None: ...
 
     def end(self, outcome: str, error: str) -> None: ...
+
+    def restarted(self, restarts: int, without_progress: int, reason: str) -> None: ...
 
 
 def outcome_of(error: BaseException | None) -> tuple[str, str]:
@@ -213,9 +222,14 @@ class Supervisor:
         self.events = _Events(settings(self.base_env).events_file)
         self.observer = observer
         self.status = status
+        self.budget = RestartBudget(cfg.cluster.max_restarts_without_progress)
+        # The newest checkpoint step the roles reported (resumed from, or committed): a round
+        # that raised it made progress (``RestartBudget``).
+        self.checkpoint_step: int | None = None
         # A plain flag, not a threading.Event: setting an Event from a signal handler can deadlock
         # on the lock its waiter holds.
         self.stop_requested = False
+        self.lock = threading.Lock()  # what the line pumps note for the watch loop
 
     def request_stop(self) -> None:
         """Ask for an orderly stop (safe from a signal handler): ``run`` raises ``JobStopped``."""
@@ -246,13 +260,22 @@ class Supervisor:
             self.events("line", role=role.name, text=line)
             if progress is not None:
                 progress(line)
-            # A worker's worker_started event names its kvstore rank (common.events). ps-lite's
-            # scheduler assigns ranks in the order workers register, so rank 0 (the checkpoint
-            # writer) is not necessarily the role named worker-0.
-            if role.rank is None and role.kind == "worker":
-                with contextlib.suppress(EventError):  # a malformed event: live tracking reports it
-                    if isinstance(started := parse_event(line), WorkerStarted):
-                        role.rank = started.rank
+            if role.kind == "worker" and EVENT_MARK in line:
+                self._note_event(role, line)
+
+    def _note_event(self, role: _Role, line: str) -> None:
+        """What the supervisor itself takes from a worker's events (common.events): its kvstore
+        rank (ps-lite's scheduler assigns ranks in the order workers register, so rank 0, the
+        checkpoint writer, is not necessarily the role named worker-0) and the newest checkpoint."""
+        try:
+            event = parse_event(line)
+        except EventError:  # a malformed event: live tracking reports it
+            return
+        if isinstance(event, WorkerStarted) and role.rank is None:
+            role.rank = event.rank
+        elif isinstance(event, (Resumed, CheckpointCommitted)):
+            with self.lock:
+                self.checkpoint_step = max(event.step, self.checkpoint_step or 0)
 
     def run(self, job_uri: str) -> None:
         c = self.cfg.cluster
@@ -272,11 +295,14 @@ class Supervisor:
             # The cluster supplies each host's base environment; the job adds what a role must
             # inherit from here (storage credentials, fault injection, ps-lite tuning).
             env = forwarded_env(self.base_env)
-            for handle in self.cluster.start_roles(launch_for(self.cfg, job_uri, env)):
-                self._adopt(handle)
-            self.events("roles_started", roles=[r.name for r in self.roles])
-            log.info("roles started: %s", " ".join(f"{r.name}@{r.host}" for r in self.roles))
-            self._watch()
+            while True:
+                round_start = self.checkpoint_step  # before the roles start: they may commit at once
+                self._start_roles(launch_for(self.cfg, job_uri, env))
+                try:
+                    self._watch()
+                    break
+                except JobFailed as failure:
+                    self._restart_after(failure, progressed=(self.checkpoint_step or 0) > (round_start or 0))
         except BaseException as exc:
             error = exc
             if isinstance(exc, JobFailed):
@@ -290,6 +316,38 @@ class Supervisor:
                 self.status.stop_beats()
             if self.observer is not None:
                 self.observer.end(*outcome_of(error))
+
+    def _start_roles(self, launch: JobLaunch) -> None:
+        for handle in self.cluster.start_roles(launch):
+            self._adopt(handle)
+        self.events("roles_started", roles=[r.name for r in self.roles])
+        log.info("roles started: %s", " ".join(f"{r.name}@{r.host}" for r in self.roles))
+
+    def _restart_after(self, failure: JobFailed, *, progressed: bool) -> None:
+        """Stop every role and let the caller start them again (they resume from the newest
+        checkpoint), or re-raise ``failure`` where a restart cannot help: a deterministic
+        failure, a job timeout, a stop request, a failure after every worker finished, or the
+        budget spent (``RestartBudget``; then as an error of its own, not retried)."""
+        finished = all(r.handle.poll() == 0 for r in self.roles if r.kind == "worker")
+        if failure.deterministic or failure.role == "job" or self.stop_requested or finished:
+            raise failure
+        if not self.budget.take(progressed):
+            if not self.budget.enabled:
+                raise failure
+            raise JobFailed(f"{self.budget.exhausted_message(self.checkpoint_step)} {failure}", role=failure.role,
+                            exit_code=failure.exit_code, deterministic=True, host=failure.host) from failure
+        reason = str(failure).split("\n", 1)[0]
+        self._stop_all(orderly=False)
+        self.roles = []
+        b = self.budget
+        log.warning("restarting every role in place from the newest checkpoint (restart %d; %d in a row without "
+                    "a new checkpoint, at most %d) after: %s", b.restarts, b.without_progress, b.limit, reason)
+        self.events("roles_restarting", restarts=b.restarts, without_progress=b.without_progress, reason=reason)
+        if self.status is not None:
+            self.status.update(restarts=b.restarts, restarts_without_progress=b.without_progress,
+                               last_restart_reason=reason)
+        if self.observer is not None:
+            self.observer.restarted(b.restarts, b.without_progress, reason)
 
     def local_pids(self) -> dict[str, int]:
         """Role name → pid of the roles whose process on this machine is the role itself (the

@@ -15,7 +15,8 @@ events), ``heartbeat`` (Unix time of the last write; a live supervisor writes at
 ``HEARTBEAT_S``), ``error`` and ``deterministic`` (on failure: whether a retry can help), and
 ``host`` / ``pid`` of the supervisor, which is what a stop signals (with ``process_table`` and
 ``pid_started``, its identity: ``live`` checks it by pid and start time on its own machine), and on a role's failure
-``role``, ``role_host`` and ``exit_code`` (negative for a signal; None for a stall).
+``role``, ``role_host`` and ``exit_code`` (negative for a signal; None for a stall); and the
+in-place restarts (``restarts``, ``restarts_without_progress``, ``last_restart_reason``).
 """
 from __future__ import annotations
 
@@ -71,6 +72,11 @@ class JobStatus:
     role: str = ""
     role_host: str = ""
     exit_code: int | None = None
+    # In-place restarts of every role (training.launch.restarts): how many, how many of the last
+    # ones in a row committed no new checkpoint, and the failure the last one followed.
+    restarts: int = 0
+    restarts_without_progress: int = 0
+    last_restart_reason: str = ""
 
     def __post_init__(self) -> None:
         if self.state not in STATES:

@@ -14,6 +14,9 @@ from its own threads and never waiting on MLflow:
   what is logged is what they already print;
 - ``sync(pids)`` every poll: samples the local role process trees (``common.procs.usage``) at
   most every ``SAMPLE_S``; cheap when not due;
+- ``restarted(restarts, without_progress, reason)`` after each restart of every role in place
+  (``training.launch.restarts``): the counts go out as ``job.restarts`` and
+  ``job.restarts_without_progress``;
 - ``end(outcome, error)`` once: the last points, the cost metrics and a cost line in the log,
   the error text as the ``error`` tag, and the run ended FINISHED, FAILED or KILLED.
 
@@ -74,6 +77,7 @@ class LiveRun:
         self._last_sample = 0.0
         self._final_cost: dict[str, float] = {}
         self._rank0 = ""  # the role that is rank 0 (only it evaluates: its epoch records are the run's)
+        self._restarts: tuple[int, int] | None = None  # the supervisor's in-place restarts, once there is one
         self._ending = threading.Event()
         self._outcome = ("failed", "")
         self._thread = threading.Thread(target=self._loop, name="mlflow-live", daemon=True)
@@ -113,6 +117,12 @@ class LiveRun:
             if self.gpus_per_worker:
                 self.cost.gpu_seconds = {role: usage.seconds_alive * self.gpus_per_worker
                                          for role, usage in trees.items() if role.startswith("worker-")}
+
+    def restarted(self, restarts: int, without_progress: int, reason: str) -> None:
+        with self._lock:
+            self._restarts = (restarts, without_progress)
+        log.info("MLflow: job.restarts %d (%d in a row without a new checkpoint) after: %s", restarts,
+                 without_progress, reason)
 
     def end(self, outcome: str, error: str = "") -> None:
         """End the attempt (``outcome``: succeeded, failed or stopped); waits at most ``END_WAIT_S``."""
@@ -198,6 +208,7 @@ class LiveRun:
             records, self._records = self._records, []
             cost = self._final_cost if final and self._final_cost else self.cost.metrics()
             reached = self.cost.reached
+            restarts = self._restarts
         points, _ = metric_points(records, {})
         fresh = [p for p in points if (p[0], p[2]) not in self._logged]
         self._logged.update((k, s) for k, _, s in fresh)
@@ -205,6 +216,9 @@ class LiveRun:
             fresh += [(f"system/{role}/cpu_percent", usage.cpu_percent, step),
                       (f"system/{role}/rss_megabytes", usage.rss_bytes / 2**20, step)]
         fresh += [("progress.global_step", float(reached), step)] + [(k, v, step) for k, v in cost.items()]
+        if restarts is not None:
+            fresh += [("job.restarts", float(restarts[0]), step),
+                      ("job.restarts_without_progress", float(restarts[1]), step)]
         self._queued = (self._queued + fresh)[-MAX_QUEUED_POINTS:]
         return self._queued
 
