@@ -10,8 +10,9 @@ not the pipeline's recovery; the retry itself, its delay and the resume are Airf
 A killer thread (``testkit/killer.py``) kills one live role (scheduler, server or worker:
 a seeded uniform choice among the newest attempt's live roles, found through the cluster's
 records and checked by command line) every ``--period-s`` seconds from the first job start, at
-most ``--max-kills`` times (default 2: the train task has 2 retries, a third failure would fail
-the run). The supervisor's event log (``MXPIPE_EVENTS_FILE``) gives the goodput and each
+most ``--max-kills`` times (default: until the run ends; the supervisor restarts the roles in
+place after each, ``training.launch.restarts``, so no Airflow retry is spent on them; the
+``--compare`` soaks average only the runs that took exactly ``--max-kills``, so give it there). The supervisor's event log (``MXPIPE_EVENTS_FILE``) gives the goodput and each
 failure's timeline (``testkit/timeline.py``, whose docstring defines productive time: the wall
 time of the steps that were kept, without startup, restore or recomputed steps).
 
@@ -151,7 +152,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--period-s", type=float, default=300.0, help="seconds between kills (T)")
     parser.add_argument("--seed", type=int, default=20, help="seed of the killer's choices")
-    parser.add_argument("--max-kills", type=int, default=2, help="kills at most (the train task has 2 retries)")
+    parser.add_argument("--max-kills", type=int, default=1000,
+                        help="kills at most (default: one every period until the run ends); the --compare soaks "
+                             "average the runs that took exactly this many")
     parser.add_argument("--epochs", type=int, default=50)
     parser.add_argument("--every-n-steps", type=cadence, default=100, help="checkpoint interval: N or auto")
     parser.add_argument("--rows", type=int, default=60000)

@@ -74,8 +74,8 @@ def _p3(r: dict[str, Any]) -> Row:
 
 def _p4(r: dict[str, Any]) -> Row:
     total, detect = r["total_median_s"], r["detect_median_s"]
-    return (f"{total:.1f} s median (max {r['total_max_s']:.1f}), detect {detect:.2f} s, {r['runs']} runs", None,
-            total <= 30 and detect <= 5)
+    return (f"{total:.1f} s median (max {r['total_max_s']:.1f}), detect {detect:.2f} s, {r['runs']} runs, "
+            f"{r.get('recovery', 'Airflow retry')}", None, total <= 10 and detect <= 5)
 
 
 def _p5(r: dict[str, Any]) -> Row:
@@ -179,7 +179,7 @@ def _g1(r: dict[str, Any]) -> Row:
             f"{every}: {c['mean_wall_s'][every]:.0f} / {g:.3f}" for every, g in c["mean_goodput"].items())
     identical = h["params_identical"] is True
     # The goal is stated at one failure every 300 s; a shorter period (quick mode) only checks the parameters.
-    return (figure, h["goodput"], (h["goodput"] >= 0.95 and identical) if r["period_s"] >= 300 else identical)
+    return (figure, h["goodput"], (h["goodput"] >= 0.97 and identical) if r["period_s"] >= 300 else identical)
 
 
 def _o1(r: dict[str, Any]) -> Row:
@@ -221,8 +221,8 @@ BENCHES = (
           "≤ 1 %, ≤ 1 step per save", "checkpoint_overhead.py", (), ("--full",), 1800, _p2),
     Bench("P3", "checkpoint upload ÷ raw boto3 put of the same bytes", "≥ 0.9",
           "checkpoint_overhead.py", (), ("--full",), 1800, _p3),
-    Bench("P4", "kill -9 of a worker → first step after the Airflow retry resumed",
-          "≤ 30 s, detect ≤ 5 s", "recovery.py", ("--runs", "1"), ("--runs", "3"), 1800, _p4),
+    Bench("P4", "kill -9 of a worker → first step after the resume, through Airflow (restart in place)",
+          "≤ 10 s, detect ≤ 5 s", "recovery.py", ("--runs", "1"), ("--runs", "3"), 1800, _p4),
     Bench("O1", "worker slots held by the train task while its job trains (real scheduler, LocalExecutor)",
           "0 (was 1 per run)", "operator_durability.py", (), ("--sample-s", "40"), 3600, _o1),
     Bench("O2", "steps recomputed after an Airflow restart mid-training (per-step job logs)",
@@ -263,7 +263,7 @@ BENCHES = (
           "(anchor: BytePS ResNet-50 ×0.92 for −0.59 points)", "reported",
           "constrained_links.py", ("--quick",), (), 1800, _c2),
     Bench("G1", "goodput (productive ÷ wall training time) with kill -9 of a random role every T s, through "
-          "Airflow; parameters vs an uninterrupted run", "≥ 0.95 at T = 300 s, bit-identical",
+          "Airflow; parameters vs an uninterrupted run", "≥ 0.97 at T = 300 s, bit-identical",
           "goodput.py", ("--epochs", "15", "--period-s", "150", "--max-kills", "1"),
           ("--compare", "10,100,1000,auto"), 10800, _g1),
     Bench("R4", "network fault on the netns hosts backend: a worker host's link down 5 s and 30 s "

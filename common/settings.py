@@ -119,6 +119,9 @@ class Settings(BaseSettings):
     # --- fault injection and measurement (tests, benchmarks) --------------------------------
     fault_kill_step: int | None = _var(None, "MXPIPE_FAULT_KILL_STEP", "SIGKILL the chosen worker "
                                        "(or the pid in the pid file) at this global step", group="faults")
+    fault_kill_steps: str = _var("", "MXPIPE_FAULT_KILL_STEPS", "Global steps, comma-separated: SIGKILL "
+                                 "the chosen worker at each, once per step (with `MXPIPE_FAULT_ONCE_FILE`, one "
+                                 "file per step: its name + `-<step>`)", group="faults")
     fault_kill_rank: int = _var(1, "MXPIPE_FAULT_KILL_RANK", "Worker rank the faults pick", group="faults")
     fault_kill_pid_file: str | None = _var(None, "MXPIPE_FAULT_KILL_PID_FILE", "File with the pid "
                                            "(negative: process group) the kill goes to", group="faults")

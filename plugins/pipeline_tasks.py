@@ -274,6 +274,7 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
                      manifest_digest=shards["manifest_digest"], source_fingerprint=shards["fingerprint"],
                      model_prefix=trained["model_prefix"], metrics_uri=trained["metrics_uri"],
                      resumed_from_step=trained["resumed_from_step"], train_attempts=trained["attempt"],
+                     restarts=trained.get("restarts", 0),
                      validation_report_uri=validation.get("report_uri"))
     try:
         return register_trained_job(job)

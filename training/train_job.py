@@ -149,14 +149,20 @@ def prepare_attempt(request: AttemptRequest, cluster: AttemptCluster) -> dict[st
 
 
 def job_result(job: Mapping[str, Any]) -> dict[str, Any]:
-    """What a succeeded job hands on (``prepare_attempt``'s pointers and its metrics file): the
-    small dict of pointers the register step takes."""
+    """What a succeeded job hands on (``prepare_attempt``'s pointers, its metrics file and its
+    final status record): the small dict of pointers the register step takes. The step it
+    resumed from is its last round's (after a restart in place, that round's checkpoint)."""
     from common import storage
+    from training.launch.status import read_status
 
     metrics = json.loads(storage.get_bytes(job["metrics_uri"]))
+    status = read_status(job["status_uri"])
+    resumed = metrics.get("resumed_from")
     return {"model_prefix": job["model_prefix"], "metrics_uri": job["metrics_uri"],
-            "checkpoint_prefix": job["checkpoint_prefix"], "resumed_from_step": job["resumed_from_step"],
-            "attempt": job["attempt"], "global_step": metrics["global_step"],
+            "checkpoint_prefix": job["checkpoint_prefix"],
+            "resumed_from_step": job["resumed_from_step"] if resumed is None else resumed,
+            "attempt": job["attempt"], "restarts": status.restarts if status is not None else 0,
+            "global_step": metrics["global_step"],
             "final_val_accuracy": metrics["history"][-1].get("val_accuracy"),
             # The epoch the exported model is from, when tracked (checkpoint.export_epoch, early stopping).
             "best": metrics.get("best")}

@@ -25,9 +25,11 @@ from testkit.local_jobs import make_job as _job, run_job as _run, shard_digits
 
 pytestmark = pytest.mark.integration
 
-# 20 steps per epoch with 2 workers; checkpoints at 7, 14, (20: epoch end), 21, 28, 35, 40.
+# 20 steps per epoch with 2 workers; checkpoints at 7, 14, (20: epoch end), 21, 28, 35, 40. No
+# restart in place: each fault ends the job and the next job resumes, as after an Airflow retry
+# (restarts in place resume the same way: tests/integration/test_role_restarts.py).
 OVERRIDES = {"optim": {"epochs": 2}, "model": {"hidden": (32,), "dropout": 0.2},
-             "checkpoint": {"every_n_steps": 7, "keep": 3}}
+             "checkpoint": {"every_n_steps": 7, "keep": 3}, "cluster": {"max_restarts_without_progress": 0}}
 EXACT_ATOL = 1e-6
 
 
@@ -347,7 +349,8 @@ def table_shards(s3_server):
     source = storage.join(bucket, "table.csv")
     storage.put_bytes(source, frame.to_csv(index=False).encode())
     cfg = recipe("debug", source).replace(data={"missing_values": "impute"}, optim={"epochs": 3},
-                                          model={"hidden": (16,), "dropout": 0.2}, checkpoint={"every_n_steps": 3})
+                                          model={"hidden": (16,), "dropout": 0.2}, checkpoint={"every_n_steps": 3},
+                                          cluster=OVERRIDES["cluster"])
     manifest = shard_dataset(cfg, storage.join(bucket, "shards"))
     return cfg, storage.join(bucket, "shards"), manifest
 

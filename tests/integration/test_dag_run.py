@@ -44,16 +44,21 @@ def _run_dag(env, conf, extra_env=None, timeout=900):
     return dag_runs.run_dag({**env, **(extra_env or {})}, conf, timeout=timeout)
 
 
-def test_full_run_with_a_killed_worker_resumes_and_registers(airflow_env, digits_uri, tmp_path):
-    fault = {"MXPIPE_FAULT_KILL_STEP": "35", "MXPIPE_FAULT_KILL_RANK": "1",
+# Worker 1 is killed at each of these global steps: more kills than the train task has retries (2).
+KILLS = [25, 45, 65]
+
+
+def test_full_run_with_a_worker_killed_three_times_restarts_in_place_and_registers(airflow_env, digits_uri,
+                                                                                    tmp_path):
+    fault = {"MXPIPE_FAULT_KILL_STEPS": ",".join(map(str, KILLS)), "MXPIPE_FAULT_KILL_RANK": "1",
              "MXPIPE_FAULT_ONCE_FILE": str(tmp_path / "fault-fired")}
     result, logs = _run_dag(airflow_env, _conf(digits_uri), fault)
     tasks = result["tasks"]
     assert result["state"] == "success", logs[-6000:]
     assert all(t["state"] == "success" for t in tasks.values()), tasks
-    assert os.path.exists(tmp_path / "fault-fired"), "the fault never fired: the retry path was not exercised"
-    assert tasks["train"]["try_number"] == 2
-    assert "killed by SIGKILL" in logs
+    assert all((tmp_path / f"fault-fired-{s}").exists() for s in KILLS), "a kill never fired"
+    assert tasks["train"]["try_number"] == 1  # three restarts in place, no Airflow retry
+    assert "killed by SIGKILL" in logs and "restarted every role in place (restart 3;" in logs
     assert not os.path.exists(os.path.join(airflow_env["MXPIPE_HOME"], "clusters")) or \
         os.listdir(os.path.join(airflow_env["MXPIPE_HOME"], "clusters")) == []
 
@@ -65,12 +70,33 @@ def test_full_run_with_a_killed_worker_resumes_and_registers(airflow_env, digits
     assert run.data.tags["airflow.run_id"] == result["run_id"]
     assert run.data.tags["airflow.dag_id"] == "mxnet_training" and run.data.tags["airflow.try_number"] == "1"
     assert len(run.data.tags["mlflow.source.git.commit"]) == 40  # this checkout's HEAD
-    assert 0 < run.data.metrics["resumed_from_step"] < 35
+    assert run.data.metrics["job.restarts"] == 3 and run.data.metrics["train_attempts"] == 1
+    assert KILLS[-2] < run.data.metrics["resumed_from_step"] < KILLS[-1]  # the last round's checkpoint
     assert run.data.metrics["test_accuracy"] > 0.85
     assert len(client.get_metric_history(run.info.run_id, "val_accuracy")) == 4
     _check_test_evaluation(client, run, version.tags["model_id"])
     ckpts = [u for u in storage.list_uris(f"s3://{airflow_env['MXPIPE_ARTIFACT_ROOT'][5:]}") if "/checkpoints/" in u]
     assert any(u.endswith("MANIFEST.json") for u in ckpts)
+
+
+def test_a_failure_the_supervisor_may_not_restart_is_retried_by_airflow(airflow_env, digits_uri, tmp_path):
+    """The fallback: with no restarts in place a lost worker ends the attempt, and the task's
+    Airflow retry resumes the job from the newest checkpoint."""
+    fault = {"MXPIPE_FAULT_KILL_STEP": "35", "MXPIPE_FAULT_KILL_RANK": "1",
+             "MXPIPE_FAULT_ONCE_FILE": str(tmp_path / "fault-fired")}
+    conf = _conf(digits_uri, epochs=2, registered_model_name="digits-retry",
+                 config={"cluster": {"max_restarts_without_progress": 0}})
+    result, logs = _run_dag(airflow_env, conf, fault)
+    assert result["state"] == "success", logs[-6000:]
+    assert os.path.exists(tmp_path / "fault-fired"), "the fault never fired: the retry path was not exercised"
+    assert result["tasks"]["train"]["try_number"] == 2 and "killed by SIGKILL" in logs
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(airflow_env["MLFLOW_TRACKING_URI"])
+    run = client.get_run(client.get_model_version_by_alias("digits-retry", "challenger").run_id)
+    assert 0 < run.data.metrics["resumed_from_step"] < 35 and run.data.metrics["train_attempts"] == 2
+    assert run.data.metrics["job.restarts"] == 0
 
 
 def _check_test_evaluation(client, run, model_id: str) -> None:

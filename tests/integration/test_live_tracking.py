@@ -103,10 +103,27 @@ def test_epoch_and_system_metrics_arrive_while_the_job_trains(digits_shards, s3_
     assert "MLflow live tracking could not" not in caplog.text  # no tracking call failed
 
 
+def test_a_restart_in_place_is_counted_in_the_live_run(digits_shards, s3_prefix, tmp_path, mlflow_server,
+                                                       nothing_left):
+    cfg, shards = digits_shards
+    job = _tracked(make_job(cfg, shards, s3_prefix, optim={"epochs": 3}, checkpoint={"every_n_steps": 7}),
+                   mlflow_server, "live-restarted")
+    fault = {"MXPIPE_FAULT_KILL_STEP": "30", "MXPIPE_FAULT_KILL_RANK": "1",
+             "MXPIPE_FAULT_ONCE_FILE": str(tmp_path / "fault-fired")}
+    run_job(job, s3_prefix, tmp_path, env=fault)  # one supervisor: the roles restart in place
+    client = _client(mlflow_server)
+    [run_id] = _run_ids(client, "live-restarted")
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and (tmp_path / "fault-fired").exists()
+    assert run.data.metrics["job.restarts"] == 1 and run.data.metrics["job.restarts_without_progress"] == 0
+    assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [0, 1, 2]  # no epoch twice
+
+
 def test_a_killed_role_ends_the_run_failed_and_the_retry_reuses_it(digits_shards, s3_prefix, tmp_path,
                                                                    mlflow_server, nothing_left):
     cfg, shards = digits_shards
-    job = _tracked(make_job(cfg, shards, s3_prefix, optim={"epochs": 3}, checkpoint={"every_n_steps": 7}),
+    job = _tracked(make_job(cfg, shards, s3_prefix, optim={"epochs": 3}, checkpoint={"every_n_steps": 7},
+                            cluster={"max_restarts_without_progress": 0}),  # the retry is a new supervisor
                    mlflow_server, "live-killed")
     fault = {"MXPIPE_FAULT_KILL_STEP": "30", "MXPIPE_FAULT_KILL_RANK": "1",
              "MXPIPE_FAULT_ONCE_FILE": str(tmp_path / "fault-fired")}

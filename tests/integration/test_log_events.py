@@ -66,7 +66,8 @@ def readings(events: list[dict], kill_t: float, status_uri: str) -> dict:
 
 def test_readers_compute_the_same_with_the_human_lines_reworded_or_removed(digits_shards, s3_prefix, tmp_path):
     cfg, shards = digits_shards
-    job = make_job(cfg, shards, s3_prefix, optim={"epochs": 2}, checkpoint={"every_n_steps": 7})
+    job = make_job(cfg, shards, s3_prefix, optim={"epochs": 2}, checkpoint={"every_n_steps": 7},
+                   cluster={"max_restarts_without_progress": 0})  # killed, then retried as a new job
     log_file, once = tmp_path / "events.jsonl", tmp_path / "fault-fired"
     # The delay (on worker 1, so the whole dist_sync job) spans more than one progress interval.
     env = {"MXPIPE_EVENTS_FILE": str(log_file), "MXPIPE_FAULT_KILL_STEP": str(KILL_STEP),

@@ -37,7 +37,9 @@ def test_dist_sync_two_workers_one_server(digits_shards, s3_prefix, tmp_path):
 
 def test_killed_worker_stops_the_job_and_the_retry_resumes(digits_shards, s3_prefix, tmp_path, caplog):
     cfg, shards = digits_shards
-    job = _job(cfg, shards, s3_prefix, optim={"epochs": 3}, checkpoint={"every_n_steps": 7})
+    # No restart in place: the job ends, and the next one (the retry's) resumes.
+    job = _job(cfg, shards, s3_prefix, optim={"epochs": 3}, checkpoint={"every_n_steps": 7},
+               cluster={"max_restarts_without_progress": 0})
     fault = {"MXPIPE_FAULT_KILL_STEP": "30", "MXPIPE_FAULT_KILL_RANK": "1",
              "MXPIPE_FAULT_ONCE_FILE": str(tmp_path / "fault-fired")}
     with pytest.raises(JobFailed) as failed:

@@ -135,3 +135,34 @@ def test_kill_in_upload_hook_kills_the_writer_at_its_step_once(tmp_path):
 
     assert attempt() == -signal.SIGKILL
     assert attempt() == 0  # the retry runs clean
+
+
+def test_kill_steps_fire_once_each(tmp_path, monkeypatch):
+    monkeypatch.setenv("MXPIPE_FAULT_KILL_STEPS", "3, 7")
+    monkeypatch.setenv("MXPIPE_FAULT_ONCE_FILE", str(tmp_path / "fired"))
+    monkeypatch.setenv("MXPIPE_FAULT_KILL_RANK", "0")
+    plan = FaultPlan.from_settings()
+    assert plan.kill_steps == (3, 7) and plan.per_step
+    for step in (3, 7):
+        victim = _victim()
+        try:
+            (tmp_path / "pid").write_text(str(victim.pid))
+            plan = FaultPlan(kill_steps=(3, 7), kill_rank=0, kill_pid_file=str(tmp_path / "pid"),
+                             once_file=str(tmp_path / "fired"))
+            plan.at_step(step - 1, 0)
+            assert victim.poll() is None
+            plan.at_step(step, 0)
+            assert _killed(victim) and (tmp_path / f"fired-{step}").exists()
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+            victim.wait(5)
+    victim = _victim()
+    try:
+        (tmp_path / "pid").write_text(str(victim.pid))
+        FaultPlan(kill_steps=(3, 7), kill_rank=0, kill_pid_file=str(tmp_path / "pid"),
+                  once_file=str(tmp_path / "fired")).at_step(3, 0)  # a restarted round passes step 3 again
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait(5)

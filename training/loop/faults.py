@@ -1,7 +1,7 @@
 """Fault injection for recovery tests: a worker that kills itself (``kill -9``), hangs, gets
 SIGTERM at a step, or dies between a checkpoint's data files and its manifest.
 
-Off unless ``MXPIPE_FAULT_KILL_STEP`` / ``_HANG_STEP`` / ``_TERM_STEP`` / ``_KILL_IN_UPLOAD_STEP``
+Off unless ``MXPIPE_FAULT_KILL_STEP`` (or ``_KILL_STEPS``, comma-separated: a kill at each) / ``_HANG_STEP`` / ``_TERM_STEP`` / ``_KILL_IN_UPLOAD_STEP``
 / ``_STEP_DELAY_S`` is set. ``MXPIPE_FAULT_KILL_RANK`` picks the worker
 (default 1). With ``MXPIPE_FAULT_ONCE_FILE`` the fault fires only if that file does not exist,
 and creates it, so the retry of the same job runs clean.
@@ -30,11 +30,20 @@ from dataclasses import dataclass, field
 from common.settings import settings
 
 
+def _steps(text: str) -> tuple[int, ...]:
+    """``"15, 35"`` → ``(15, 35)``; a value that is not a list of whole numbers is refused by name."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"MXPIPE_FAULT_KILL_STEPS must be whole numbers separated by commas, got {text!r}") from None
+
+
 @dataclass(frozen=True)
 class FaultPlan:
     """The faults a worker injects, as read from the environment (``common.settings``) once."""
 
     kill_step: int | None = None
+    kill_steps: tuple[int, ...] = ()  # a kill at each, once each (a run that loses several roles)
     kill_rank: int = 1
     kill_pid_file: str | None = None
     hang_step: int | None = None
@@ -46,13 +55,14 @@ class FaultPlan:
     per_step: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        per_step = any(v is not None for v in (self.kill_step, self.hang_step, self.term_step, self.step_delay_s))
+        per_step = bool(self.kill_steps) or any(
+            v is not None for v in (self.kill_step, self.hang_step, self.term_step, self.step_delay_s))
         object.__setattr__(self, "per_step", per_step)
 
     @classmethod
     def from_settings(cls) -> "FaultPlan":
         s = settings()
-        return cls(kill_step=s.fault_kill_step, kill_rank=s.fault_kill_rank, kill_pid_file=s.fault_kill_pid_file,
+        return cls(kill_step=s.fault_kill_step, kill_steps=_steps(s.fault_kill_steps), kill_rank=s.fault_kill_rank, kill_pid_file=s.fault_kill_pid_file,
                    hang_step=s.fault_hang_step, term_step=s.fault_term_step,
                    kill_in_upload_step=s.fault_kill_in_upload_step, step_delay_s=s.fault_step_delay_s,
                    once_file=s.fault_once_file)
@@ -70,8 +80,13 @@ class FaultPlan:
     # (tests/integration/test_training_job.py looks for maybe_hang).
 
     def maybe_kill(self, global_step: int) -> None:
-        """At ``kill_step``: SIGKILL this worker, or the pid (or -pgid) in ``kill_pid_file``."""
-        if global_step != self.kill_step:
+        """At ``kill_step`` or one of ``kill_steps``: SIGKILL this worker, or the pid (or -pgid) in
+        ``kill_pid_file``."""
+        if global_step == self.kill_step:
+            suffix = ""
+        elif global_step in self.kill_steps:
+            suffix = f"-{global_step}"  # each of the steps fires once
+        else:
             return
         pid = os.getpid()
         if self.kill_pid_file:
@@ -80,7 +95,7 @@ class FaultPlan:
                     pid = int(fh.read().strip())
             except (OSError, ValueError):
                 return
-        if self._once():
+        if self._once(suffix):
             os.kill(pid, signal.SIGKILL)
 
     def maybe_hang(self, global_step: int) -> None:
@@ -116,12 +131,13 @@ class FaultPlan:
 
         return hook
 
-    def _once(self) -> bool:
-        """True if the fault may fire (no once-file configured, or it did not exist and is now made)."""
+    def _once(self, suffix: str = "") -> bool:
+        """True if the fault may fire (no once-file configured, or it (with ``suffix``) did not
+        exist and is now made)."""
         if not self.once_file:
             return True
         try:
-            with open(self.once_file, "x"):
+            with open(self.once_file + suffix, "x"):
                 return True
         except FileExistsError:
             return False

@@ -231,7 +231,8 @@ class Loop:
 
     def result(self) -> dict[str, Any]:
         """The job's metrics (rank 0 writes them next to the model)."""
-        return {"global_step": self.state.global_step, "epochs": self.cfg.optim.epochs, "history": self.state.history,
+        return {"global_step": self.state.global_step, "resumed_from": self.resumed_from,
+                "epochs": self.cfg.optim.epochs, "history": self.state.history,
                 "step_history": self.step_log.records, "num_workers": self.topology.num_workers,
                 **self.meter.totals(time.monotonic()),
                 # This attempt's counts: one trainer.step (one push per parameter) per k micro-batches;

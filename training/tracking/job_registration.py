@@ -47,6 +47,7 @@ class TrainedJob:
     metrics_uri: str
     resumed_from_step: int
     train_attempts: int
+    restarts: int = 0  # the job's in-place restarts of every role (training.launch.restarts)
     # The validation step's report (None or missing: not logged).
     validation_report_uri: str | None = None
 
@@ -117,7 +118,7 @@ def register_trained_job(job: TrainedJob) -> dict[str, Any]:
             tags=run_tags(job), params={"config": job.config.to_dict(), "config_digest": job.config.digest()},
             epoch_metrics=metrics["history"],
             final_metrics={"global_step": metrics["global_step"], "resumed_from_step": job.resumed_from_step,
-                           "train_attempts": job.train_attempts},
+                           "train_attempts": job.train_attempts, "job.restarts": job.restarts},
             model_dir=model_dir, registered_model_name=job.registered_model_name,
             input_example=test.frame.head(), test_data=test, artifacts=artifacts,
             # The run this DAG run's live tracking or an earlier attempt created, reused.
