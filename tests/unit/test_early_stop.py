@@ -212,6 +212,15 @@ def test_the_best_checkpoint_is_kept_beside_the_permanent_ones(tmp_path):
 # -- MLflow ------------------------------------------------------------------------------------------
 
 
+def test_exporting_the_best_epoch_before_any_was_validated_is_a_config_error():
+    """A configuration problem (no retry helps), not a crash of the export."""
+    from training.loop.export import load_best
+
+    cfg = _cfg(early_stopping_patience=3)
+    with pytest.raises(ConfigError, match="no validated epoch to export"):
+        load_best(None, None, TrainState(best=BestEpoch.from_config(cfg)), None)
+
+
 def test_the_selection_is_recorded_as_tags_and_metrics():
     best = BestEpoch.from_config(_cfg(epochs=10, early_stopping_patience=2))
     _run(best, [0.5, 0.9, 0.8, 0.7])

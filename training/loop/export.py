@@ -15,6 +15,7 @@ import tempfile
 from typing import Any
 
 from common import storage
+from common.config import ConfigError
 from common.manifest import is_regression
 from training.checkpoint import state as ckpt_state
 from training.checkpoint.store import CheckpointStore
