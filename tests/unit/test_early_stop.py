@@ -141,7 +141,7 @@ def test_the_checkpoint_names_the_best_step_for_retention_only_when_the_best_is_
 # -- the config --------------------------------------------------------------------------------------
 
 
-def test_early_stopping_is_off_by_default_and_the_digests_do_not_change():
+def test_the_debug_recipe_has_early_stopping_off_and_the_digests_of_before():
     cfg = recipe("debug")
     assert cfg.optim.early_stopping_patience == 0 and not cfg.exports_best
     raw = cfg.to_dict()
