@@ -55,12 +55,9 @@ def split_rows(manifest: dict[str, Any], shards_prefix: str, work: str) -> dict[
 def exported_model(model_prefix: str, work: str) -> Any:
     """The exported model as the registered pyfunc model loads it."""
     from training.tracking import pyfunc_model
+    from training.tracking.job_registration import download_model
 
-    folder = os.path.join(work, "model")
-    os.makedirs(folder, exist_ok=True)
-    for uri in storage.list_uris(model_prefix):
-        storage.download_file(uri, os.path.join(folder, uri.rsplit("/", 1)[1]))
-    files = pyfunc_model.find_export_files(folder)
+    files = pyfunc_model.find_export_files(download_model(model_prefix, os.path.join(work, "model")))
     return pyfunc_model.load_exported(files["symbol"], files["params"], files["meta"], files.get("preprocessing"))
 
 

@@ -62,7 +62,7 @@ def run_tags(job: TrainedJob) -> dict[str, str]:
             SHARDS_TAG: job.shards_prefix, "dataset.fingerprint": job.source_fingerprint}
 
 
-def _download_model(model_prefix: str, local_dir: str) -> str:
+def download_model(model_prefix: str, local_dir: str) -> str:
     """The exported model's files (symbol, params, meta, preprocessing) in ``local_dir``."""
     from common import storage
 
@@ -107,7 +107,7 @@ def register_trained_job(job: TrainedJob) -> dict[str, Any]:
     manifest = load_manifest(job.shards_prefix)
     metrics = json.loads(storage.get_bytes(job.metrics_uri))
     with tempfile.TemporaryDirectory(prefix="mxpipe-register-") as tmp:
-        model_dir = _download_model(job.model_prefix, os.path.join(tmp, "model"))
+        model_dir = download_model(job.model_prefix, os.path.join(tmp, "model"))
         artifacts = _download_reports(job, os.path.join(tmp, "extra"))
         artifacts.update(plot_artifacts(metrics["history"], os.path.join(tmp, "plots")))
         test = load_test_split(job.shards_prefix, os.path.join(tmp, "test"))
