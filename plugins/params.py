@@ -5,7 +5,8 @@ JSON schema of ``common.config.TrainConfig``) or as a JSON/YAML file (``config_u
 first task); the simple fields are shortcuts to single config fields (``SHORTCUTS``). Nothing
 here restates the config: a shortcut's type, bounds and enum are its field's in that schema
 (narrowed only where the form caps a manual run), its default is the ``digits`` recipe's, and
-left at that default it sets nothing, so the chosen recipe's value stands. These modules are light (stdlib and pydantic), so a DAG file importing this stays light at parse time.
+left at that default it sets nothing, so the chosen recipe's value stands. These modules are
+light (stdlib and pydantic), so a DAG file importing this stays light at parse time.
 The form rejects a wrong type, an unknown key or an out-of-range value when the run is
 triggered; what only the config itself can judge (combinations, a warm-start run's checkpoints)
 fails in the first task. How the layers combine: ``plugins.run_config``.
@@ -117,7 +118,8 @@ def training_params() -> dict[str, Param]:
         "recipe": Param("digits", type="string", enum=list(RECIPES),
                         description="Named starting configuration: every field not set below comes from it. The "
                                     "fields below show digits' values; left at them they set nothing, so "
-                                    "with 'debug' its own values stand."),
+                                    "with 'debug' its own values stand (to ask for the value shown, set "
+                                    "it in config)."),
         "config_uri": Param("", type="string", pattern=CONFIG_URI_PATTERN,
                             description="A config file (.json, .yaml or .yml; s3://bucket/key or an absolute "
                                         "path): an object of config sections, any field of any section, e.g. "
