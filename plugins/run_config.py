@@ -76,7 +76,8 @@ def _overlay(raw: dict[str, Any], layer: Mapping[str, Any], source: str) -> dict
 
 
 def resolve(params: Mapping[str, Any]) -> TrainConfig:
-    """The run's config: recipe < config_uri < config < shortcut fields < data_options."""
+    """The run's config: recipe < config_uri < config < shortcut fields changed from their default
+    < data_options."""
     documents: list[tuple[str, Mapping[str, Any]]] = []
     if uri := params.get("config_uri"):
         documents.append((f"config_uri {uri}", read_config_uri(uri)))
