@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from common import record_codec, storage
-from common.manifest import FORMAT_VERSION, download_shard, load_manifest, manifest_digest, manifest_uri, to_json_bytes
+from common.manifest import FORMAT_VERSION, load_manifest, manifest_digest, manifest_uri, to_json_bytes
 from data_checks import preprocess, sources
 from data_checks.assign import SPLITS, TRAIN, Assigner, SplitBlock, split_summary
 from data_checks.errors import DataError

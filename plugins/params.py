@@ -4,8 +4,9 @@ The whole config can be given as a JSON object (``config``, validated at trigger
 JSON schema of ``common.config.TrainConfig``) or as a JSON/YAML file (``config_uri``, read by the
 first task); the simple fields are shortcuts to single config fields (``SHORTCUTS``). Nothing
 here restates the config: a shortcut's type, bounds and enum are its field's in that schema
-(narrowed only where the form caps a manual run), its default is the ``digits`` recipe's. These
-modules are light (stdlib and pydantic), so a DAG file importing this stays light at parse time.
+(narrowed only where the form caps a manual run), its default is the ``digits`` recipe's, and
+left at that default it sets nothing, so the chosen recipe's value stands. These modules are
+light (stdlib and pydantic), so a DAG file importing this stays light at parse time.
 The form rejects a wrong type, an unknown key or an out-of-range value when the run is
 triggered; what only the config itself can judge (combinations, a warm-start run's checkpoints)
 fails in the first task. How the layers combine: ``plugins.run_config``.
@@ -42,9 +43,10 @@ RECIPES = ("digits", "debug")
 # (the config Params reach the full range).
 MAX_WORKERS, MAX_SERVERS = 16, 8
 
-# Form field → the config field it sets (section, name). A shortcut wins over config_uri and
-# config; left at its default, it yields to them where they set its field (the form always
-# sends every field, so "left at its default" is the only way to tell "not set").
+# Form field → the config field it sets (section, name). Changed from its default, a shortcut wins
+# over the recipe, config_uri and config; left at its default it sets nothing (the form always
+# sends every field, so "left at its default" is the only way to tell "not set", and the default
+# shown is the digits recipe's, which is not the chosen recipe's when that is another one).
 SHORTCUTS: dict[str, tuple[str, str]] = {
     "dataset_uri": ("data", "source_uri"),
     "label_column": ("data", "label_column"),
@@ -65,7 +67,8 @@ SHORTCUTS: dict[str, tuple[str, str]] = {
     "job_timeout_s": ("cluster", "job_timeout_s"),
     "checkpoint_every_n_steps": ("checkpoint", "every_n_steps"),
 }
-SHORTCUT_NOTE = "Wins over config and config_uri when changed from its default."
+SHORTCUT_NOTE = ("Changed from its default, wins over recipe, config_uri and config; left at its default, "
+                 "sets nothing (the chosen recipe's value stands).")
 
 
 @functools.cache
@@ -97,10 +100,15 @@ def _shortcut(base: TrainConfig, name: str, description: str, **narrower: Any) -
                  **{**schema, **narrower})
 
 
+def form_base(name: str) -> TrainConfig:
+    """The config the form starts from: the recipe ``name`` with the configured dataset."""
+    return recipe(name, settings().dataset_uri)
+
+
 def training_params() -> dict[str, Param]:
     """The form of the training DAG, built from the config's schema; the defaults are the
-    ``digits`` recipe's, with the configured dataset."""
-    base = recipe("digits", settings().dataset_uri)
+    ``digits`` recipe's, with the configured dataset (``form_base("digits")``)."""
+    base = form_base("digits")
     return {
         "dataset_uri": _shortcut(base, "dataset_uri", pattern=DATASET_URI_PATTERN,
                                  description="Source (data.source_uri): a CSV/Parquet file, a glob of them, or a "
@@ -108,17 +116,22 @@ def training_params() -> dict[str, Param]:
                                              "s3://bucket/key, an absolute path, file:///…, "
                                              "gs://, az:// or an http(s):// URL of one file."),
         "recipe": Param("digits", type="string", enum=list(RECIPES),
-                        description="Named starting configuration: every field not set below comes from it."),
+                        description="Named starting configuration: every field not set below comes from it. The "
+                                    "fields below show digits' values; left at them they set nothing, so "
+                                    "with 'debug' its own values stand (to ask for the value shown, set "
+                                    "it in config)."),
         "config_uri": Param("", type="string", pattern=CONFIG_URI_PATTERN,
                             description="A config file (.json, .yaml or .yml; s3://bucket/key or an absolute "
                                         "path): an object of config sections, any field of any section, e.g. "
                                         "{\"optim\": {\"lr_schedule\": \"cosine\"}}. Read by the first task, "
-                                        "strictly typed; over the recipe, under config and the form fields."),
+                                        "strictly typed; over the recipe, under config and the form fields "
+                                        "changed from their defaults."),
         "config": Param({}, schema=config_schema(),
                         description="Config fields as a JSON object of sections, any field of any section, "
                                     "e.g. {\"optim\": {\"warmup_steps\": 100}, \"checkpoint\": {\"keep\": 5}}. "
                                     "Checked when the run is triggered: no unknown key, integers, numbers and "
-                                    "booleans as such. Over the recipe and config_uri, under the form fields."),
+                                    "booleans as such. Over the recipe and config_uri, under the form fields "
+                                    "changed from their defaults."),
         "data_options": Param({}, schema=section_schema("data"),
                               description="Further data.* fields as a JSON object, e.g. {\"id_column\": \"uid\", "
                                           "\"classes\": [0, 1], \"drift_action\": \"fail\"}; over config's "

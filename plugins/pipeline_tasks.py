@@ -270,8 +270,8 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
 
     job = TrainedJob(config=load_config(config), dag_id=dag_id, run_id=run_id, try_number=try_number,
                      registered_model_name=params["registered_model_name"], tracking_uri=tracking_uri(),
-                     shards_prefix=shards["shards_prefix"], manifest_uri=shards["manifest_uri"],
-                     manifest_digest=shards["manifest_digest"], source_fingerprint=shards["fingerprint"],
+                     shards_prefix=shards["shards_prefix"], manifest_digest=shards["manifest_digest"],
+                     source_fingerprint=shards["fingerprint"],
                      model_prefix=trained["model_prefix"], metrics_uri=trained["metrics_uri"],
                      resumed_from_step=trained["resumed_from_step"], train_attempts=trained["attempt"],
                      restarts=trained.get("restarts", 0),

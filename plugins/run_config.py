@@ -1,12 +1,13 @@
 """A training run's config from the DAG's Params, in layers, each over the ones before:
 
-1. the recipe (the ``recipe`` Param);
+1. the recipe (the ``recipe`` Param), with the configured dataset (``plugins.params.form_base``);
 2. ``config_uri``: a JSON or YAML file of config sections on S3 or a local path, read here;
 3. ``config``: a JSON object of config sections (checked against the config's JSON schema when
    the run was triggered);
-4. the form's shortcut fields (``plugins.params.SHORTCUTS``), then ``data_options``. The form
-   sends every field, so a shortcut left at its default yields to a layer 2 or 3 that sets its
-   field; changed, it wins.
+4. the form's shortcut fields (``plugins.params.SHORTCUTS``) changed from their default, then
+   ``data_options``. The form sends every field and shows the ``digits`` recipe's values as the
+   defaults, so a shortcut left at its default sets nothing (whichever recipe was chosen, its
+   value stands unless config_uri or config sets the field); changed, it wins over all three.
 
 The layers are merged field by field and the result is validated once, strictly
 (``TrainConfig.from_dict``), so a combination of fields from different layers is judged as a
@@ -18,8 +19,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from common.config import ConfigError, TrainConfig, overlay, recipe
-from plugins.params import SHORTCUTS, form_defaults
+from common.config import ConfigError, TrainConfig, overlay
+from plugins.params import SHORTCUTS, form_base, form_defaults
 
 
 def read_config_uri(uri: str) -> dict[str, Any]:
@@ -52,16 +53,16 @@ def read_config_uri(uri: str) -> dict[str, Any]:
     return document
 
 
-def form_layer(params: Mapping[str, Any], documents: list[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The shortcut fields as a layer: those changed from their default, and those at their
-    default whose config field no document sets. A missing or empty value sets nothing."""
-    documented = {(section, field) for document in documents for section, fields in document.items()
-                  if isinstance(fields, Mapping) for field in fields}
+def form_layer(params: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The shortcut fields changed from their default, as a layer. A field at its default sets
+    nothing: the default is the ``digits`` recipe's value, which is not what the user chose when
+    the recipe is another one (the form cannot tell "left alone" from "set to this value"). A
+    missing or empty value sets nothing either."""
     defaults = form_defaults()
     layer: dict[str, dict[str, Any]] = {}
     for name, (section, field) in SHORTCUTS.items():
         value = params.get(name)
-        if value is None or value == "" or (value == defaults[name] and (section, field) in documented):
+        if value is None or value == "" or value == defaults[name]:
             continue
         layer.setdefault(section, {})[field] = value
     return layer
@@ -75,15 +76,16 @@ def _overlay(raw: dict[str, Any], layer: Mapping[str, Any], source: str) -> dict
 
 
 def resolve(params: Mapping[str, Any]) -> TrainConfig:
-    """The run's config: recipe < config_uri < config < shortcut fields < data_options."""
+    """The run's config: recipe < config_uri < config < shortcut fields changed from their default
+    < data_options."""
     documents: list[tuple[str, Mapping[str, Any]]] = []
     if uri := params.get("config_uri"):
         documents.append((f"config_uri {uri}", read_config_uri(uri)))
     if params.get("config"):
         documents.append(("config", params["config"]))
-    raw = recipe(params.get("recipe", "digits")).to_dict()
+    raw = form_base(params.get("recipe", "digits")).to_dict()
     for source, document in documents:
         raw = _overlay(raw, document, source)
-    raw = _overlay(raw, form_layer(params, [d for _, d in documents]), "the form fields")
+    raw = _overlay(raw, form_layer(params), "the form fields")
     raw = _overlay(raw, {"data": params.get("data_options") or {}}, "data_options")
     return TrainConfig.from_dict(raw)

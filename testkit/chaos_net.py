@@ -20,22 +20,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from testkit.netns_hosts import hosts_pids, namespace_hosts, netns_available  # noqa: E402
-from testkit import chaos_jobs as cj  # noqa: E402
-from testkit.digits import digits_csv  # noqa: E402
-from common import storage  # noqa: E402
-from common.procs import Watch  # noqa: E402
-from common.config import TrainConfig  # noqa: E402
+from testkit.netns_hosts import hosts_pids, namespace_hosts, netns_available
+from testkit import chaos_jobs as cj
+from testkit.digits import digits_csv
+from common import storage
+from common.procs import Watch
+from common.config import TrainConfig
 
 STALL_S = 20.0  # the job's stall timeout in R4: short enough to keep the long cut brief
 CUT_WAIT_S = 300.0  # bound on waiting for the first checkpoint before the cut

@@ -28,21 +28,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 import uuid
 from typing import Any
 
-# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from testkit.netns_hosts import clear_link, link_stats, namespace_hosts, netns_available, shape_link, shaping_available  # noqa: E402
-from testkit import chaos_jobs as cj  # noqa: E402
-from testkit.digits import digits_csv  # noqa: E402
-from testkit.result_file import write_json  # noqa: E402
-from common import storage  # noqa: E402
-from infra.planning import WIRE_BYTES  # noqa: E402
+from testkit.netns_hosts import (clear_link, link_stats, namespace_hosts, netns_available, shape_link,
+                                 shaping_available)
+from testkit import chaos_jobs as cj
+from testkit.digits import digits_csv
+from testkit.result_file import write_json
+from common import storage
+from infra.planning import WIRE_BYTES
 
 
 def run_job(root: str, hosts: list[dict], cfg: Any, shards: str, name: str) -> dict[str, Any]:

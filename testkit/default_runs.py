@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from common import record_codec, storage
-from common.manifest import download_shard, load_manifest, record_width
+from common.manifest import download_shard, record_width
 from testkit.local_jobs import make_job, run_local
 
 
@@ -36,7 +36,8 @@ def dag_defaults(uri: str, label: str, task: str, config: dict[str, Any] | None 
     """The config a DAG run resolves for a user who sets only the source, the label column and
     (regression) ``model.task``; ``config`` and ``form``: further settings of the run's ``config``
     and form fields (what a user would change)."""
-    from plugins.run_config import overlay, resolve
+    from common.config import overlay
+    from plugins.run_config import resolve
 
     layer = overlay({"model": {"task": task}} if task == "regression" else {}, config or {})
     return resolve({"dataset_uri": uri, "label_column": label, "config": layer, **form})
@@ -54,18 +55,15 @@ def split_rows(manifest: dict[str, Any], shards_prefix: str, work: str) -> dict[
 def exported_model(model_prefix: str, work: str) -> Any:
     """The exported model as the registered pyfunc model loads it."""
     from training.tracking import pyfunc_model
+    from training.tracking.job_registration import download_model
 
-    folder = os.path.join(work, "model")
-    os.makedirs(folder, exist_ok=True)
-    for uri in storage.list_uris(model_prefix):
-        storage.download_file(uri, os.path.join(folder, uri.rsplit("/", 1)[1]))
-    files = pyfunc_model.find_export_files(folder)
+    files = pyfunc_model.find_export_files(download_model(model_prefix, os.path.join(work, "model")))
     return pyfunc_model.load_exported(files["symbol"], files["params"], files["meta"], files.get("preprocessing"))
 
 
 def reference_score(frame: pd.DataFrame, label: str, task: str, ids: dict[str, np.ndarray], seed: int) -> float:
-    """``StandardScaler`` + scikit-learn's MLP (its defaults: one hidden layer of 100, Adam,
-    200 iterations), fitted on the train rows, scored on the test rows."""
+    """``StandardScaler`` + scikit-learn's MLP (its defaults, one hidden layer of 100 and Adam, but
+    up to 500 iterations), fitted on the train rows, scored on the test rows."""
     from sklearn.neural_network import MLPClassifier, MLPRegressor
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
@@ -111,7 +109,7 @@ def train_and_score(frame: pd.DataFrame, label: str, task: str, root: str, *, re
     run_local(job, storage.join(root, "job", "job.json"), os.path.join(root, "home"))
     train_s = time.monotonic() - started
     metrics = json.loads(storage.get_bytes(job.metrics_uri))
-    ids = split_rows(load_manifest(shards_prefix), shards_prefix, os.path.join(root, "splits"))
+    ids = split_rows(manifest, shards_prefix, os.path.join(root, "splits"))
     model = exported_model(job.model_prefix, root)
     best = metrics.get("best") or {}
     return Scores(pipeline=pipeline_score(model, frame, label, task, ids),

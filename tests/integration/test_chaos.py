@@ -1,5 +1,5 @@
-"""The chaos harness (benchmarks/chaos.py) in quick mode: real 2-worker ``dist_sync`` jobs on the
-local backend against a SeaweedFS S3 server of the harness's own.
+"""The chaos harness (testkit/chaos.py, which benchmarks/chaos.py runs) in quick mode: real
+2-worker ``dist_sync`` jobs on the local backend against a SeaweedFS S3 server of the harness's own.
 
 R1: two randomized trials (seed 17 kills the scheduler at step 30 and the server at step 60, the
 last step, where the epoch-end checkpoint never happens; ``MXPIPE_CHAOS_SEED`` picks other

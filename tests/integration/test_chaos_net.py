@@ -1,6 +1,6 @@
 """Constrained links on the ``hosts`` backend over network namespaces: a cut and a lossy link.
 
-Chaos R4's long cut (benchmarks/chaos_net.py): worker-1's host link on the ``hosts`` backend
+Chaos R4's long cut (testkit/chaos_net.py): worker-1's host link on the ``hosts`` backend
 over network namespaces goes down for longer than the job's stall timeout (20 s). The job must
 be torn down by the stall detector with one clear error, leave no role process on this machine
 or in any namespace, and a retry must resume from a checkpoint and finish.

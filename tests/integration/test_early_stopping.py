@@ -158,12 +158,12 @@ def test_the_registered_model_and_its_run_record_the_selection(reference, mlflow
     import pandas as pd
     from mlflow import MlflowClient
 
+    from training.tracking.job_registration import download_model
     from training.tracking.registry import ModelRunRequest, log_model_run
 
     job, best = reference["job"], reference["metrics"]["best"]
     model_dir = tmp_path / "model"
-    for uri in storage.list_uris(job.model_prefix):
-        storage.download_file(uri, str(model_dir / uri.rsplit("/", 1)[1]))
+    download_model(job.model_prefix, str(model_dir))
     columns = json.loads((model_dir / "model_meta.json").read_text())["feature_columns"]
     result = log_model_run(ModelRunRequest(
         tracking_uri=mlflow_server.tracking_uri, experiment="early-stopping", run_name="early-stopping",
@@ -189,7 +189,6 @@ def test_regression_stops_on_val_rmse_and_exports_the_best_epoch(s3_server, tmp_
     """model.task='regression' with the watched metric left at 'auto': the job watches val_rmse
     (lower is better) on scikit-learn's diabetes table, standardised by default; a learning rate
     that overfits within the epochs makes it stop, and the export is the best epoch's checkpoint."""
-    import pandas as pd
     from sklearn.datasets import load_diabetes
 
     from common.config import recipe

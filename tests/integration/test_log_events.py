@@ -4,7 +4,7 @@ A real two-worker job is killed at a step and retried (it resumes from a checkpo
 supervisor's event log on. Over that log the readers compute: the status record's progress
 (``training.launch.status``), live tracking's epoch records and cost figures
 (``training.tracking.live``, ``training.tracking.cost``), the attempts, failure timeline and
-goodput (``benchmarks/timeline.py``). With every human line reworded, or removed, they must
+goodput (``testkit/timeline.py``). With every human line reworded, or removed, they must
 compute exactly the same: rewording a log message cannot break them.
 """
 import json

@@ -6,7 +6,7 @@ fixture's, which other tests share) serves a real 2-worker ``dist_sync`` job of 
 alone, so the epoch outlasts the outage). Rank 0's fault hook SIGKILLs the server's whole process group
 right after step 50 (a checkpoint step, so that checkpoint's upload is the one cut off); 30 s
 later the harness starts it again on the same ports over the same data folder
-(``benchmarks/chaos_outage.py``, scenario R3, does the work; this test asserts every check).
+(``testkit/chaos_outage.py``, scenario R3, does the work; this test asserts every check).
 
 Expected: training goes on through the whole outage (steps are logged in its last quarter);
 the cut-off upload fails, is retried with backoff and committed once S3 is back; nothing is

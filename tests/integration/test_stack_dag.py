@@ -32,10 +32,9 @@ def test_out_of_range_param_is_rejected_at_trigger(stack):
 
 
 def test_scheduler_runs_the_dag_to_a_registered_model(stack, s3_server, digits_csv):
-    # The form's fields win over the recipe even at their defaults: a constant rate and no dropout
-    # are asked for, so 3 epochs train as the debug recipe means them.
-    conf = {"dataset_uri": _dataset(s3_server.bucket, digits_csv), "recipe": "debug", "epochs": 3,
-            "learning_rate": 0.005, "lr_schedule": "constant", "dropout": 0.0,
+    # The debug recipe as it is (the form's fields left at their defaults set nothing): 3 epochs
+    # at a constant rate, no dropout.
+    conf = {"dataset_uri": _dataset(s3_server.bucket, digits_csv), "recipe": "debug",
             "registered_model_name": "digits-stack-test"}
     run_id = trigger_dag_run(stack.airflow_url, DAG_ID, conf)
     state = wait_for_dag_run(stack.airflow_url, DAG_ID, run_id, timeout_s=600, poll_s=3)

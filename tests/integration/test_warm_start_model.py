@@ -39,6 +39,7 @@ def registered(s3_server, mlflow_server, digits_csv, tmp_path_factory):
     from plugins.pipeline_tasks import run_paths
     from common.manifest import load_manifest
     from common.config import recipe
+    from training.tracking.job_registration import download_model
     from training.tracking.registry import ModelRunRequest, log_model_run
 
     tmp = tmp_path_factory.mktemp("warm-model")
@@ -57,9 +58,7 @@ def registered(s3_server, mlflow_server, digits_csv, tmp_path_factory):
                                   model_prefix=paths.model)
         run_job(job, paths.base, tmp)
         metrics = json.loads(storage.get_bytes(job.metrics_uri))
-        model_dir = tmp / "model"
-        for uri in storage.list_uris(paths.model):
-            storage.download_file(uri, str(model_dir / uri.rsplit("/", 1)[1]))
+        model_dir = download_model(paths.model, str(tmp / "model"))
         manifest = load_manifest(shards)
         example = pd.DataFrame(np.zeros((2, manifest["num_features"])), columns=manifest["feature_columns"])
         name = f"warm-{uuid.uuid4().hex[:8]}"

@@ -141,7 +141,7 @@ def test_the_checkpoint_names_the_best_step_for_retention_only_when_the_best_is_
 # -- the config --------------------------------------------------------------------------------------
 
 
-def test_early_stopping_is_off_by_default_and_the_digests_do_not_change():
+def test_the_debug_recipe_has_early_stopping_off_and_the_digests_of_before():
     cfg = recipe("debug")
     assert cfg.optim.early_stopping_patience == 0 and not cfg.exports_best
     raw = cfg.to_dict()
@@ -210,6 +210,15 @@ def test_the_best_checkpoint_is_kept_beside_the_permanent_ones(tmp_path):
 
 
 # -- MLflow ------------------------------------------------------------------------------------------
+
+
+def test_exporting_the_best_epoch_before_any_was_validated_is_a_config_error():
+    """A configuration problem (no retry helps), not a crash of the export."""
+    from training.loop.export import load_best
+
+    cfg = _cfg(early_stopping_patience=3)
+    with pytest.raises(ConfigError, match="no validated epoch to export"):
+        load_best(None, None, TrainState(best=BestEpoch.from_config(cfg)), None)
 
 
 def test_the_selection_is_recorded_as_tags_and_metrics():

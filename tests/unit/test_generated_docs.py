@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 
 from common.config import TrainConfig
+from scripts import gen_docs
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-from scripts import gen_docs  # noqa: E402
 
 
 def test_the_committed_pages_are_what_the_script_writes():

@@ -1,5 +1,5 @@
 """The soak benchmark's pure parts: goodput and failure timelines from an event log, the killer's
-choice of a role and how it finds the roles (benchmarks/timeline.py, testkit/killer.py)."""
+choice of a role and how it finds the roles (testkit/timeline.py, testkit/killer.py)."""
 from __future__ import annotations
 
 import json

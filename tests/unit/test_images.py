@@ -12,7 +12,8 @@ from PIL import Image
 
 from common import record_codec
 from data_checks import DataError, DataValidationError
-from data_checks.shard import download_shard, shard_dataset
+from common.manifest import download_shard
+from data_checks.shard import shard_dataset
 from data_checks.validate import validate_shards
 from common.config import ClusterConfig, DataConfig, TrainConfig
 

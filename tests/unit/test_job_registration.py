@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 def _job(**changes):
     fields = dict(config=recipe("debug", "s3://b/d.csv"), dag_id="mxnet_training", run_id="manual__1", try_number=2,
                   registered_model_name="digits", tracking_uri="http://mlflow", shards_prefix="s3://b/shards/abc",
-                  manifest_uri="s3://b/shards/abc/manifest.json", manifest_digest="d1g", source_fingerprint="f1n",
+                  manifest_digest="d1g", source_fingerprint="f1n",
                   model_prefix="s3://b/model", metrics_uri="s3://b/metrics/train.json", resumed_from_step=0,
                   train_attempts=1)
     return TrainedJob(**{**fields, **changes})

@@ -12,7 +12,8 @@ from common import record_codec
 from common.config import ClusterConfig, DataConfig, TrainConfig
 from training.tracking.evaluation import raw_frame
 from data_checks import DataValidationError
-from data_checks.shard import download_shard, shard_content_addressed, shard_dataset
+from common.manifest import download_shard
+from data_checks.shard import shard_content_addressed, shard_dataset
 from data_checks.validate import validate_shards
 from training.tracking.pyfunc_model import raw_features
 

@@ -1,6 +1,7 @@
 """The training DAG's config Params: ``config`` is checked at trigger time by the config's own
 JSON schema (the way Airflow checks a conf), ``config_uri`` is read by the first task, and the
-layers combine as recipe < config_uri < config < the form's shortcut fields."""
+layers combine as recipe < config_uri < config < the form's shortcut fields changed from their
+default (left at it, a shortcut sets nothing)."""
 import copy
 import json
 
@@ -103,7 +104,16 @@ def test_the_defaults_resolve_to_the_digits_recipe(form):
     from plugins.run_config import resolve
 
     cfg = resolve(trigger(form))
-    assert cfg.replace(data={"source_uri": ""}) == recipe("digits")
+    assert cfg == recipe("digits", form["dataset_uri"].value)
+
+
+def test_a_recipe_from_an_untouched_form_is_that_recipe(form):
+    """The form shows the digits recipe's values as its defaults; a run triggered with another
+    recipe and nothing else changed trains that recipe, not the digits values it shows."""
+    from plugins.run_config import resolve
+
+    cfg = resolve(trigger(form, recipe="debug"))
+    assert cfg.to_dict() == recipe("debug", form["dataset_uri"].value).to_dict()
 
 
 def test_precedence_recipe_config_uri_config_form(form, tmp_path):
@@ -116,14 +126,17 @@ def test_precedence_recipe_config_uri_config_form(form, tmp_path):
                    config={"optim": {"epochs": 9, "warmup_steps": 6}, "checkpoint": {"keep": 4}},
                    weight_decay=0.5)
     cfg = resolve(conf)
-    assert cfg.optim.epochs == 9  # config over config_uri; the form's epochs is at its default: it yields
+    assert cfg.optim.epochs == 9  # config over config_uri; the form's epochs is at its default: sets nothing
     assert cfg.optim.warmup_steps == 6 and cfg.checkpoint.keep == 4 and cfg.seed == 3
     assert cfg.cluster.job_timeout_s == 600  # config_uri over the recipe (the form field at its default)
     assert cfg.optim.weight_decay == 0.5  # a form field changed from its default wins over both
-    assert cfg.checkpoint.every_n_steps == form["checkpoint_every_n_steps"].value  # form default over the recipe
+    # The form field at its default (the digits recipe's) sets nothing: the chosen recipe's value stands.
+    assert form["checkpoint_every_n_steps"].value != recipe("debug").checkpoint.every_n_steps
+    assert cfg.checkpoint.every_n_steps == recipe("debug").checkpoint.every_n_steps
     assert cfg.model.hidden == recipe("debug").model.hidden  # nothing else sets it: the recipe's
-    changed = resolve({**conf, "epochs": 11})
-    assert changed.optim.epochs == 11
+    changed = resolve({**conf, "epochs": 11, "checkpoint_every_n_steps": 7})
+    assert changed.optim.epochs == 11  # changed: over config
+    assert changed.checkpoint.every_n_steps == 7  # changed: over the recipe
 
 
 def test_data_options_win_over_config_data(form):
@@ -162,7 +175,7 @@ def test_shortcut_fields_take_their_schema_from_the_config(form):
     assert form["dropout"].schema == {"type": "number", "minimum": 0, "exclusiveMaximum": 1}
     assert form["job_timeout_s"].schema == {"type": "number", "minimum": 0}  # 0: no limit
     for name in SHORTCUTS:
-        assert "Wins over config and config_uri" in form[name].description, name
+        assert "left at its default, sets nothing" in form[name].description, name
 
 
 @pytest.mark.parametrize("suffix,text", [

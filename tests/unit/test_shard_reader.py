@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 
 from common import record_codec
-from data_checks.shard import download_shard, shard_dataset
+from common.manifest import download_shard
+from data_checks.shard import shard_dataset
 from training.feed import data
 from common.config import ClusterConfig, DataConfig, TrainConfig
 from training.feed.shard_reader import LoadedShard, MappedShard, ShardSet, open_shard

@@ -20,7 +20,7 @@ import numpy as np
 
 from common import record_codec
 from common.errors import DataError
-from common.manifest import download_shard, load_manifest, manifest_digest, record_width
+from common.manifest import download_shard, record_width
 from common.preprocessing import TargetScale
 from training.feed.shard_reader import ShardSet
 

@@ -15,7 +15,9 @@ import tempfile
 from typing import Any
 
 from common import storage
+from common.config import ConfigError
 from common.manifest import is_regression
+from common.preprocessing import FILE_NAME as PREPROCESSING_FILE
 from training.checkpoint import state as ckpt_state
 from training.checkpoint.store import CheckpointStore
 from training.loop.resume import TrainState
@@ -50,7 +52,7 @@ def export(net: Any, manifest: dict[str, Any], model_prefix: str) -> None:
         with open(os.path.join(tmp, "model_meta.json"), "w") as fh:
             json.dump(meta, fh, indent=2)
         if manifest.get("preprocessing"):  # the served model applies it to raw rows
-            with open(os.path.join(tmp, "preprocessing.json"), "w") as fh:
+            with open(os.path.join(tmp, PREPROCESSING_FILE), "w") as fh:
                 json.dump(manifest["preprocessing"], fh, indent=2)
         for fname in sorted(os.listdir(tmp)):
             storage.upload_file(os.path.join(tmp, fname), storage.join(model_prefix, fname))

@@ -38,8 +38,7 @@ class TrainedJob:
     registered_model_name: str
     tracking_uri: str
     # The shard step's pointers.
-    shards_prefix: str
-    manifest_uri: str
+    shards_prefix: str  # its manifest is common.manifest.manifest_uri(shards_prefix)
     manifest_digest: str
     source_fingerprint: str
     # The training job's pointers and bookkeeping.
@@ -63,7 +62,7 @@ def run_tags(job: TrainedJob) -> dict[str, str]:
             SHARDS_TAG: job.shards_prefix, "dataset.fingerprint": job.source_fingerprint}
 
 
-def _download_model(model_prefix: str, local_dir: str) -> str:
+def download_model(model_prefix: str, local_dir: str) -> str:
     """The exported model's files (symbol, params, meta, preprocessing) in ``local_dir``."""
     from common import storage
 
@@ -75,9 +74,11 @@ def _download_model(model_prefix: str, local_dir: str) -> str:
 def _download_reports(job: TrainedJob, local_dir: str) -> dict[str, str]:
     """``{artifact name: local file}`` of the shard manifest and the validation report, where they exist."""
     from common import storage
+    from common.manifest import manifest_uri
 
     reports = {}
-    for name, uri in (("manifest.json", job.manifest_uri), ("validation.json", job.validation_report_uri)):
+    for name, uri in (("manifest.json", manifest_uri(job.shards_prefix)),
+                      ("validation.json", job.validation_report_uri)):
         if uri and storage.exists(uri):
             local = os.path.join(local_dir, name)
             storage.download_file(uri, local)
@@ -99,7 +100,7 @@ def register_trained_job(job: TrainedJob) -> dict[str, Any]:
     run (and the version, if registered). Raises ``ParamConflictError`` (a retry bringing other
     params) and ``EvaluationError`` (an unscorable test split): deterministic both."""
     from common import storage
-    from common.manifest import load_manifest
+    from common.manifest import load_manifest, manifest_uri
     from training.tracking.evaluation import load_test_split
     from training.tracking.registry import ModelRunRequest, log_model_run
     from training.tracking.run_extras import plot_artifacts
@@ -108,7 +109,7 @@ def register_trained_job(job: TrainedJob) -> dict[str, Any]:
     manifest = load_manifest(job.shards_prefix)
     metrics = json.loads(storage.get_bytes(job.metrics_uri))
     with tempfile.TemporaryDirectory(prefix="mxpipe-register-") as tmp:
-        model_dir = _download_model(job.model_prefix, os.path.join(tmp, "model"))
+        model_dir = download_model(job.model_prefix, os.path.join(tmp, "model"))
         artifacts = _download_reports(job, os.path.join(tmp, "extra"))
         artifacts.update(plot_artifacts(metrics["history"], os.path.join(tmp, "plots")))
         test = load_test_split(job.shards_prefix, os.path.join(tmp, "test"))
@@ -123,7 +124,8 @@ def register_trained_job(job: TrainedJob) -> dict[str, Any]:
             input_example=test.frame.head(), test_data=test, artifacts=artifacts,
             # The run this DAG run's live tracking or an earlier attempt created, reused.
             run_id=find_run(job.tracking_uri, PIPELINE_EXPERIMENT, dag_run_tags(job.dag_id, job.run_id)),
-            dataset={"manifest": manifest, "manifest_uri": job.manifest_uri, "digest": job.manifest_digest},
+            dataset={"manifest": manifest, "manifest_uri": manifest_uri(job.shards_prefix),
+                     "digest": job.manifest_digest},
             log_system_metrics=True, step_metrics=metrics.get("step_history", []), selection=metrics.get("best"),
         ))
     headline = headline_metrics(test.task, result["test_metrics"])
