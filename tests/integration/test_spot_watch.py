@@ -167,6 +167,20 @@ def test_a_server_role_blocked_in_ps_lite_writes_the_event(fake):
         role.stop()
 
 
+def test_a_worker_role_watches_from_its_start(fake):
+    """The worker's command (``python -m training worker``) starts the watch before anything
+    else (mxnet's import, its job): with the notice already on, the event comes even from a
+    worker whose job cannot be read and that fails."""
+    fake.notice("terminate", "2026-12-06T20:11:00Z")
+    done = subprocess.run([sys.executable, "-m", "training", "worker", "/nonexistent/job.json"], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO, **_watching(fake)}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and "/nonexistent/job.json" in done.stderr + done.stdout
+    events = [e for e in map(parse_event, done.stdout.splitlines()) if e is not None]
+    assert events == [SpotInterruption(instance_id=fake.instance_id, action="terminate",
+                                       time="2026-12-06T20:11:00Z", host=HOST)]
+
+
 def test_no_watch_unless_asked(fake):
     assert watch_spot({**fake.env}) is None
     assert watch_spot({**fake.env, SPOT_WATCH_ENV: "0"}) is None
