@@ -195,17 +195,19 @@ class Cluster(ABC):
         to ``grace_s`` to first. Idempotent; returns the names of the process groups that were
         alive."""
 
-    def release_interrupted(self, host: str, *, replace: bool) -> None:
+    def release_interrupted(self, host: str, *, replace: bool) -> bool:
         """Stop using the machine of ``host`` (a role handle's ``host``, or the instance id of a
         ``SpotInterruption`` event), which its cloud is reclaiming: what the supervisor calls after
         a spot notice, once it has stopped every role (rank 0's emergency checkpoint first) and
-        before it starts them again. With ``replace``, a new machine takes its place and the
-        cluster keeps its shape; without, the cluster goes on without it and ``spec`` holds the
-        smaller shape (one worker fewer; a server fewer where each machine held one), which the
-        next ``start_roles``' launch must not exceed. Raises ``SupervisorHostLost`` for the
-        supervisor's own machine. Nothing here for a backend with no machines of its own to
-        lose (``local``, ``hosts``)."""
+        before it starts them again. Whether the cluster keeps its shape: True when a new machine
+        took its place (``replace``, and one could be had); False when it goes on without it, and
+        ``spec`` then holds the smaller shape (one worker fewer; a server fewer where each
+        machine held one), which the next ``start_roles``' launch must not exceed. A second call
+        for the same machine (every role of it reports the notice) returns the first's answer.
+        Raises ``SupervisorHostLost`` for the supervisor's own machine. Nothing to do, and True,
+        for a backend with no machines of its own to lose (``local``, ``hosts``)."""
         log.info("%s cluster %s: nothing to release for %s", self.backend, self.cluster_id, host)
+        return True
 
     @abstractmethod
     def teardown(self) -> dict[str, Any]:

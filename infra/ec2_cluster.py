@@ -19,7 +19,8 @@ On spot instances (``spot``) every role watches its instance's interruption noti
 calls ``release_interrupted``: the instance is tagged ``mxpipe:reclaimed`` and terminated (AWS
 takes it within two minutes anyway; a stopped or hibernated one would otherwise linger), then
 either a provision launches its replacement, or the cluster goes on with one instance fewer and
-a ``spec`` shrunk to match (``start_roles`` refuses a launch larger than it). The supervisor's
+a ``spec`` shrunk to match (``start_roles`` refuses a launch larger than it), which is also
+what happens when the replacement cannot be launched (no spot capacity). The supervisor's
 own instance (the first) is only tagged: ``SupervisorHostLost``, and the job's retry provisions
 a replacement.
 
@@ -183,7 +184,8 @@ class Ec2Cluster(Cluster):
         self.opts = Ec2Options.from_dict(spec.options)
         self.instance_ids = list(instance_ids)
         self.addresses = list(addresses)
-        self.released: list[tuple[str, str]] = []  # (instance id, address) given up after a spot notice
+        # (instance id, address, replaced) of each instance given up after a spot notice
+        self.released: list[tuple[str, str, bool]] = []
         self._ec2: Any = None
         self._ssm: Any = None
 
@@ -310,11 +312,12 @@ class Ec2Cluster(Cluster):
 
     # -- a spot notice -----------------------------------------------------------------------
 
-    def release_interrupted(self, host: str, *, replace: bool) -> None:
+    def release_interrupted(self, host: str, *, replace: bool) -> bool:
         """See ``Cluster.release_interrupted``; the module docstring says what happens on EC2."""
-        if any(host in pair for pair in self.released):  # another role's event of the same notice
-            log.info("spot instance %s of %s is released already", host, self.cluster_id)
-            return
+        for instance, address, replaced in self.released:
+            if host in (instance, address):  # another role's event of the same notice
+                log.info("spot instance %s of %s is released already", instance, self.cluster_id)
+                return replaced
         if host in self.instance_ids:
             index = self.instance_ids.index(host)
         elif host in self.addresses:
@@ -322,25 +325,41 @@ class Ec2Cluster(Cluster):
         else:
             raise ProvisionError(f"ec2 cluster {self.cluster_id} has no instance {host!r} "
                                  f"(it has {dict(zip(self.instance_ids, self.addresses))})")
-        lost = self.instance_ids[index]
-        self.ec2.create_tags(Resources=[lost], Tags=[{"Key": TAG_RECLAIMED, "Value": str(int(time.time()))}])
-        if index == 0:
-            raise SupervisorHostLost(f"spot instance {lost} ({self.addresses[0]}) of {self.cluster_id} is being "
-                                     "reclaimed and runs the job's supervisor: the job's retry replaces it")
-        log.warning("releasing reclaimed spot instance %s (%s) of %s", lost, self.addresses[index], self.cluster_id)
-        self.ec2.terminate_instances(InstanceIds=[lost])
-        self.released.append((lost, self.addresses[index]))
+        lost, address = self.instance_ids[index], self.addresses[index]
+        try:
+            self.ec2.create_tags(Resources=[lost], Tags=[{"Key": TAG_RECLAIMED, "Value": str(int(time.time()))}])
+            if index == 0:
+                raise SupervisorHostLost(f"spot instance {lost} ({address}) of {self.cluster_id} is being "
+                                         "reclaimed and runs the job's supervisor: the job's retry replaces it")
+            log.warning("releasing reclaimed spot instance %s (%s) of %s", lost, address, self.cluster_id)
+            self.ec2.terminate_instances(InstanceIds=[lost])
+        except ProvisionError:
+            raise
+        except Exception as exc:  # botocore ClientError and friends, with the API's message
+            raise ProvisionError(f"ec2 release of {lost} from {self.cluster_id} failed: {exc}") from exc
         del self.instance_ids[index], self.addresses[index]
-        if replace:
-            self._provision()  # the survivors in their order, and a new instance for the lost one
-            return
-        # One instance fewer: the shape placement() spreads over it, one worker each.
-        left = len(self.instance_ids)
-        self.spec = replace_field(self.spec, workers=min(self.spec.workers, left),
-                                  servers=min(self.spec.servers, left))
-        self.write_record()
-        log.warning("ec2 cluster %s goes on without a replacement: %d worker(s), %d server(s) on %s",
-                    self.cluster_id, self.spec.workers, self.spec.servers, self.instance_ids)
+        replaced = replace and self._replace(lost)
+        self.released.append((lost, address, replaced))
+        if not replaced:
+            # One instance fewer: the shape placement() spreads over it, one worker each.
+            left = len(self.instance_ids)
+            self.spec = replace_field(self.spec, workers=min(self.spec.workers, left),
+                                      servers=min(self.spec.servers, left))
+            self.write_record()
+            log.warning("ec2 cluster %s goes on without a replacement: %d worker(s), %d server(s) on %s",
+                        self.cluster_id, self.spec.workers, self.spec.servers, self.instance_ids)
+        return replaced
+
+    def _replace(self, lost: str) -> bool:
+        """A provision of the cluster's shape (the survivors in their order, a new instance last);
+        False when it failed (no spot capacity, say): the cluster is then its survivors."""
+        try:
+            self._provision()
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the survivors can go on
+            log.warning("no replacement for spot instance %s of %s (%s): going on without it", lost,
+                        self.cluster_id, exc)
+            return False
+        return True
 
     # -- roles ------------------------------------------------------------------------------
 

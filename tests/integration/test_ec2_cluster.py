@@ -145,7 +145,7 @@ def test_a_spot_notice_releases_its_instance_with_or_without_a_replacement(moto,
         assert len(envs) == 6 and all(env[SPOT_WATCH_ENV] == "1" for env in envs.values())
 
         # Replaced: the survivors keep their places, a new instance comes last.
-        cluster.release_interrupted(cluster.addresses[1], replace=True)
+        assert cluster.release_interrupted(cluster.addresses[1], replace=True) is True
         assert cluster.instance_ids[:2] == [first, third] and cluster.instance_ids[2] not in (first, second, third)
         assert (cluster.spec.workers, cluster.spec.servers) == (3, 2) and len(cluster.addresses) == 3
         gone = ec2.describe_instances(InstanceIds=[second])["Reservations"][0]["Instances"][0]
@@ -154,12 +154,12 @@ def test_a_spot_notice_releases_its_instance_with_or_without_a_replacement(moto,
         live = _live(ec2, **{TAG_CLUSTER: cluster.cluster_id})
         assert sorted(i["InstanceId"] for i in live) == sorted(cluster.instance_ids)
         # Every role of the instance writes the event: a second release of it is nothing.
-        cluster.release_interrupted(second, replace=True)
+        assert cluster.release_interrupted(second, replace=True) is True
         assert len(_live(ec2, **{TAG_CLUSTER: cluster.cluster_id})) == 3
 
         # Not replaced (by its instance id, as the event names it): one worker fewer.
         dropped = cluster.instance_ids[1]
-        cluster.release_interrupted(dropped, replace=False)
+        assert cluster.release_interrupted(dropped, replace=False) is False
         assert cluster.instance_ids == [first, cluster.instance_ids[1]] and dropped not in cluster.instance_ids
         assert (cluster.spec.workers, cluster.spec.servers) == (2, 2)
         assert sorted(i["InstanceId"] for i in _live(ec2, **{TAG_CLUSTER: cluster.cluster_id})) == sorted(
@@ -198,10 +198,25 @@ def test_a_replacement_keeps_the_survivors_in_the_order_the_cluster_had_them(mot
     try:
         ids, addresses = launched.instance_ids[::-1], launched.addresses[::-1]
         cluster = Ec2Cluster(launched.cluster_id, spec, str(tmp_path), instance_ids=ids, addresses=addresses)
-        cluster.release_interrupted(ids[1], replace=True)
+        assert cluster.release_interrupted(ids[1], replace=True) is True
         assert cluster.instance_ids[:2] == [ids[0], ids[2]] and cluster.instance_ids[2] not in ids
     finally:
         launched.teardown()
+
+
+def test_a_replacement_that_cannot_be_launched_leaves_the_cluster_smaller(moto, ec2, tmp_path):
+    """No spot capacity, a bad template: whatever makes the launch fail, the survivors go on."""
+    spec = _spec(moto, "mxnet_training--spot-none", workers=2, servers=1, spot=True)
+    cluster = provision(spec, home=str(tmp_path))
+    try:
+        survivor, lost = cluster.instance_ids
+        cluster.opts = cluster.opts.model_copy(update={"launch_template": "no-such-template"})
+        assert cluster.release_interrupted(lost, replace=True) is False
+        assert cluster.instance_ids == [survivor] and (cluster.spec.workers, cluster.spec.servers) == (1, 1)
+        assert [i["InstanceId"] for i in _live(ec2, **{TAG_CLUSTER: cluster.cluster_id})] == [survivor]
+        assert cluster.release_interrupted(lost, replace=True) is False  # the same answer again
+    finally:
+        cluster.teardown()
 
 
 def test_missing_launch_template_fails_provision_and_leaves_nothing(moto, ec2, tmp_path):

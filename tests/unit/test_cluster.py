@@ -100,8 +100,8 @@ def test_a_spot_release_is_nothing_where_the_cluster_owns_no_machines(tmp_path):
                                                               "transport": "local"}]}), str(tmp_path))
     for cluster in (local, hosts):
         before = cluster.describe()
-        cluster.release_interrupted("10.0.0.1", replace=False)
-        cluster.release_interrupted("127.0.0.1", replace=True)
+        assert cluster.release_interrupted("10.0.0.1", replace=False) is True  # its shape kept
+        assert cluster.release_interrupted("127.0.0.1", replace=True) is True
         assert cluster.describe() == before
 
 
