@@ -156,6 +156,11 @@ class FakeMetadata:
         """What points a role's spot watch (the AWS SDKs' endpoint setting) here."""
         return {"AWS_EC2_METADATA_SERVICE_ENDPOINT": self.endpoint}
 
+    def watching(self, poll_s: float = 0.1) -> dict[str, str]:
+        """A job's environment entries that make each of its roles watch this service (as on a
+        spot cluster), polling every ``poll_s``: every backend passes them on to its roles."""
+        return {**self.env, "MXPIPE_SPOT_WATCH": "1", "MXPIPE_SPOT_POLL_S": str(poll_s)}
+
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> str:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.endpoint + path, data=data, method=method)

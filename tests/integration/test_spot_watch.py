@@ -1,7 +1,8 @@
 """A role's spot watch (``common.procs.spot``) against a local metadata endpoint, the AWS SDKs'
 endpoint setting pointed at ``testkit.metadata_server``: a real HTTP server with IMDSv2's token
 flow, whose interruption notice the test switches on. The roles are real processes running the
-watch as a role does (``watch_spot()`` at its start, then its work), read from their output."""
+watch as a role does (``watch_spot()`` at its start, then its work), read from their output;
+last, a real local job whose supervisor relays every role's event."""
 import os
 import signal
 import subprocess
@@ -74,7 +75,7 @@ class _Role:
 
 
 def _watching(fake, **extra: str) -> dict[str, str]:
-    return {SPOT_WATCH_ENV: "1", "MXPIPE_SPOT_POLL_S": str(POLL_S), "DMLC_NODE_HOST": HOST, **fake.env, **extra}
+    return {**fake.watching(POLL_S), "DMLC_NODE_HOST": HOST, **extra}
 
 
 def test_no_notice_no_event_then_a_notice_is_one_event_and_the_role_runs_on(fake):
@@ -184,3 +185,27 @@ def test_a_worker_role_watches_from_its_start(fake):
 def test_no_watch_unless_asked(fake):
     assert watch_spot({**fake.env}) is None
     assert watch_spot({**fake.env, SPOT_WATCH_ENV: "0"}) is None
+
+
+def test_a_job_s_supervisor_relays_one_event_from_each_of_its_roles(fake, s3_server, digits_csv, s3_prefix, tmp_path):
+    """A real two-worker job on the local backend, its environment asking for the watch (every
+    backend passes ``MXPIPE_*`` and ``AWS_*`` on to its roles): with the notice on, each role's
+    event reaches the supervisor's log. Today's supervisor does nothing with it: the job ends."""
+    import json
+
+    from testkit.local_jobs import make_job, run_job, shard_digits
+
+    cfg, shards = shard_digits(s3_prefix, digits_csv)
+    job = make_job(cfg, shards, s3_prefix, optim={"epochs": 1})
+    fake.notice("terminate", "2026-12-06T20:13:00Z")
+    log_file = tmp_path / "events.jsonl"
+    roles = run_job(job, s3_prefix, tmp_path, env={**fake.watching(POLL_S), "MXPIPE_EVENTS_FILE": str(log_file)})
+    lines = [json.loads(line) for line in log_file.read_text().splitlines()]
+    seen = {}
+    for line in lines:
+        if line["event"] == "line" and isinstance(event := parse_event(line["text"]), SpotInterruption):
+            seen.setdefault(line["role"], []).append(event)
+    assert sorted(seen) == sorted(roles) == ["scheduler", "server-0", "worker-0", "worker-1"]
+    assert all(events == [SpotInterruption(instance_id=fake.instance_id, action="terminate",
+                                           time="2026-12-06T20:13:00Z", host="127.0.0.1")]
+               for events in seen.values())
