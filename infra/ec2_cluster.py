@@ -22,7 +22,10 @@ either a provision launches its replacement, or the cluster goes on with one ins
 a ``spec`` shrunk to match (``start_roles`` refuses a launch larger than it), which is also
 what happens when the replacement cannot be launched (no spot capacity). The supervisor's
 own instance (the first) is only tagged: ``SupervisorHostLost``, and the job's retry provisions
-a replacement.
+a replacement. These calls come from the supervisor, on the first instance: its instance profile
+must allow ``ec2:DescribeInstances``, ``ec2:DescribeInstanceStatus``, ``ec2:CreateTags`` and
+``ec2:TerminateInstances`` on the cluster's instances and, for a replacement, ``ec2:RunInstances``
+with ``iam:PassRole`` of the instance role (``infra/cloudformation`` grants none of them yet).
 
 Roles are started through SSM Run Command (``AWS-RunShellScript``), one command per role,
 with the same ``python -m common.procs exec-role`` line as the hosts backend, so a role leads a
