@@ -5,7 +5,8 @@
 
 **Events**: a worker writes one event line per fact a reader needs: a worker started (its kvstore
 rank), progress, an epoch done (with its record), a checkpoint committed, a resume, the first step
-after a resume. An event line is ``EVENT_MARK`` followed by one JSON object (a model below,
+after a resume; and any role on a spot instance, the interruption notice of its instance
+(``common.procs.spot``). An event line is ``EVENT_MARK`` followed by one JSON object (a model below,
 ``kind`` naming it, ``v`` the format's version), written by ``emit`` through logging, so it
 carries the logging prefix like any line. Readers (the status record, live MLflow tracking, the
 recovery timeline and goodput) get events from lines with ``parse_event`` only: rewording a human
@@ -30,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 __all__ = ["DETERMINISTIC_EXIT_CODES", "EVENT_MARK", "EXIT_BAD_INPUT", "EXIT_NAN_LOSS", "EXIT_OK", "EXIT_PREEMPTED",
            "CheckpointCommitted", "EpochDone", "Event", "EventError", "FirstStepAfterResume", "Progress", "Resumed",
-           "WorkerStarted", "emit", "event_line", "parse_event"]
+           "SpotInterruption", "WorkerStarted", "emit", "event_line", "parse_event"]
 
 # -- exit codes -----------------------------------------------------------------------------------
 
@@ -113,8 +114,20 @@ class FirstStepAfterResume(_Event):
     resumed_from: int
 
 
-Event = Annotated[WorkerStarted | Progress | EpochDone | CheckpointCommitted | Resumed | FirstStepAfterResume,
-                  Field(discriminator="kind")]
+class SpotInterruption(_Event):
+    """The instance a role runs on got EC2's spot interruption notice (``common.procs.spot``): it
+    is reclaimed at ``time`` (about two minutes after the notice). Every watching role of the
+    instance writes it once, so a reader keys it by ``instance_id``."""
+
+    kind: Literal["spot_interruption"] = "spot_interruption"
+    instance_id: str
+    action: Literal["terminate", "stop", "hibernate"]
+    time: str  # as the metadata service gives it (ISO 8601, UTC: "2026-12-06T20:07:00Z")
+    host: str  # the role's node host (DMLC_NODE_HOST: what the supervisor's handle calls it)
+
+
+Event = Annotated[WorkerStarted | Progress | EpochDone | CheckpointCommitted | Resumed | FirstStepAfterResume
+                  | SpotInterruption, Field(discriminator="kind")]
 _EVENT: TypeAdapter[Event] = TypeAdapter(Event)
 
 

@@ -115,6 +115,20 @@ class Settings(BaseSettings):
                                 "`ec2` backend (the Airflow Variable `mxpipe_ec2` wins)", group="cluster")
     flush_denormals: bool = _var(False, "MXPIPE_FLUSH_DENORMALS", "Set by the launcher for each "
                                  "role from `cluster.flush_denormals`", group="cluster")
+    node_host: str | None = _var(None, "DMLC_NODE_HOST", "Set by the cluster for each role of a "
+                                 "distributed job: the address its ps-lite node binds, by which its supervisor "
+                                 "names its host (the spot watcher's events name it so); unset: the machine's "
+                                 "hostname", group="cluster")
+    spot_watch: bool = _var(False, "MXPIPE_SPOT_WATCH", "Each role polls the EC2 instance metadata for its "
+                            "instance's spot interruption notice and writes a `spot_interruption` event once "
+                            "(`common.procs.spot`); set by the `ec2` backend when it runs on spot instances",
+                            group="cluster")
+    spot_poll_s: float = _var(5.0, "MXPIPE_SPOT_POLL_S", "Seconds between a spot watcher's polls of the "
+                              "interruption notice (AWS's advice: every 5 s; the notice comes two minutes "
+                              "before the instance goes)", group="cluster", gt=0)
+    ec2_metadata_endpoint: str = _var("http://169.254.169.254", "AWS_EC2_METADATA_SERVICE_ENDPOINT",
+                                      "The EC2 instance metadata service the spot watcher polls (the AWS SDKs' "
+                                      "own setting; tests point it at a local fake)", group="cluster")
 
     # --- fault injection and measurement (tests, benchmarks) --------------------------------
     fault_kill_step: int | None = _var(None, "MXPIPE_FAULT_KILL_STEP", "SIGKILL the chosen worker "

@@ -5,6 +5,7 @@
     cluster.stop_roles(handles)              # the supervisor, when the attempt ends
     job = cluster.start_supervisor(job_uri, job_id=..., attempt=..., env=...)   # detached
     cluster.stop_job(grace_s=...)            # SIGTERM to the supervisor, then whatever is left
+    cluster.release_interrupted(host, replace=...)   # after a spot notice: drop (or replace) its machine
     cluster.teardown()                       # the Airflow teardown task: always
     find_leaked(older_than_s=...)            # the reaper: whatever outlived its TTL
 
@@ -65,6 +66,12 @@ def supervise_argv(python: str, job_uri: str, job_id: str, attempt: int) -> list
 
 class ProvisionError(RuntimeError):
     """The cluster could not be provisioned (or found) within its bounds."""
+
+
+class SupervisorHostLost(ProvisionError):
+    """The machine a spot notice reclaims runs the job's supervisor (``release_interrupted``):
+    no restart in place can outlive it. The job ends (rank 0's emergency checkpoint first) and its
+    retry provisions the cluster again, which replaces that machine."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +194,20 @@ class Cluster(ABC):
         ending themselves because their supervisor is gone (``common.procs.watchdog``) get up
         to ``grace_s`` to first. Idempotent; returns the names of the process groups that were
         alive."""
+
+    def release_interrupted(self, host: str, *, replace: bool) -> bool:
+        """Stop using the machine of ``host`` (a role handle's ``host``, or the instance id of a
+        ``SpotInterruption`` event), which its cloud is reclaiming: what the supervisor calls after
+        a spot notice, once it has stopped every role (rank 0's emergency checkpoint first) and
+        before it starts them again. Whether the cluster keeps its shape: True when a new machine
+        took its place (``replace``, and one could be had); False when it goes on without it, and
+        ``spec`` then holds the smaller shape (one worker fewer; a server fewer where each
+        machine held one), which the next ``start_roles``' launch must not exceed. A second call
+        for the same machine (every role of it reports the notice) returns the first's answer.
+        Raises ``SupervisorHostLost`` for the supervisor's own machine. Nothing to do, and True,
+        for a backend with no machines of its own to lose (``local``, ``hosts``)."""
+        log.info("%s cluster %s: nothing to release for %s", self.backend, self.cluster_id, host)
+        return True
 
     @abstractmethod
     def teardown(self) -> dict[str, Any]:

@@ -2,13 +2,30 @@
 
 Provisioning (idempotent: a retry of the task finds and reuses the run's healthy instances):
 
-1. find the run's instances by tag (``mxpipe:cluster``); terminate any that are impaired;
+1. find the run's instances by tag (``mxpipe:cluster``); terminate any that are impaired, or
+   that a spot notice marked as reclaimed (``mxpipe:reclaimed``, ``release_interrupted``);
 2. launch what is missing from the launch template (AMI, instance profile, security group,
    user data that installs the trainer image live there: ``infra/cloudformation``), on-demand
    or spot, into the stack's ``cluster`` placement group (one rack: the low-latency network
    ps-lite wants), every instance and volume tagged with the run id and ``mxpipe:expires-at`` (TTL);
    ``ClientToken`` makes the launch call itself idempotent;
 3. wait, bounded, for ``running`` and then for both status checks ``ok`` (boto3's waiters).
+
+The instances keep their order across provisions (the survivors first, in the order they had,
+then the new ones): the first one runs the scheduler and the detached supervisor.
+
+On spot instances (``spot``) every role watches its instance's interruption notice
+(``MXPIPE_SPOT_WATCH`` in its environment; ``common.procs.spot``). After a notice the supervisor
+calls ``release_interrupted``: the instance is tagged ``mxpipe:reclaimed`` and terminated (AWS
+takes it within two minutes anyway; a stopped or hibernated one would otherwise linger), then
+either a provision launches its replacement, or the cluster goes on with one instance fewer and
+a ``spec`` shrunk to match (``start_roles`` refuses a launch larger than it), which is also
+what happens when the replacement cannot be launched (no spot capacity). The supervisor's
+own instance (the first) is only tagged: ``SupervisorHostLost``, and the job's retry provisions
+a replacement. These calls come from the supervisor, on the first instance: its instance profile
+must allow ``ec2:DescribeInstances``, ``ec2:DescribeInstanceStatus``, ``ec2:CreateTags`` and
+``ec2:TerminateInstances`` on the cluster's instances and, for a replacement, ``ec2:RunInstances``
+with ``iam:PassRole`` of the instance role (``infra/cloudformation`` grants none of them yet).
 
 Roles are started through SSM Run Command (``AWS-RunShellScript``), one command per role,
 with the same ``python -m common.procs exec-role`` line as the hosts backend, so a role leads a
@@ -45,19 +62,23 @@ import shlex
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from dataclasses import replace as replace_field  # where "replace" is release_interrupted's argument
 from typing import Any
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from common.config import Number
 from common.roles import JobLaunch, Role, role_argv, role_env
-from infra.cluster import (STOP_JOB_GRACE_S, Cluster, ClusterSpec, ProvisionError, cluster_id_for,
-                           supervise_argv)
+from common.procs.spot import SPOT_WATCH_ENV
+from infra.cluster import (STOP_JOB_GRACE_S, Cluster, ClusterSpec, ProvisionError, SupervisorHostLost,
+                           cluster_id_for, supervise_argv)
 from infra.strict_settings import StrictSettings
 
 log = logging.getLogger(__name__)
 
 TAG_CLUSTER, TAG_RUN, TAG_EXPIRES, TAG_MANAGED = "mxpipe:cluster", "mxpipe:run", "mxpipe:expires-at", "mxpipe:managed"
+# The time (epoch seconds) a spot notice said the instance goes: no provision reuses it.
+TAG_RECLAIMED = "mxpipe:reclaimed"
 LIVE_STATES = ["pending", "running"]
 NOT_TERMINATED = ["pending", "running", "stopping", "stopped", "shutting-down"]
 
@@ -166,6 +187,8 @@ class Ec2Cluster(Cluster):
         self.opts = Ec2Options.from_dict(spec.options)
         self.instance_ids = list(instance_ids)
         self.addresses = list(addresses)
+        # (instance id, address, replaced) of each instance given up after a spot notice
+        self.released: list[tuple[str, str, bool]] = []
         self._ec2: Any = None
         self._ssm: Any = None
 
@@ -223,11 +246,18 @@ class Ec2Cluster(Cluster):
 
     def _provision(self) -> None:
         live = self._own(LIVE_STATES)
-        impaired = self._impaired([i["InstanceId"] for i in live])
+        reclaimed = [i["InstanceId"] for i in live if TAG_RECLAIMED in _tags(i)]
+        if reclaimed:
+            log.warning("terminating reclaimed spot instances of %s: %s", self.cluster_id, reclaimed)
+            self.ec2.terminate_instances(InstanceIds=reclaimed)
+        impaired = self._impaired([i["InstanceId"] for i in live if i["InstanceId"] not in reclaimed])
         if impaired:
             log.warning("terminating impaired instances of %s: %s", self.cluster_id, impaired)
             self.ec2.terminate_instances(InstanceIds=impaired)
-        healthy = [i["InstanceId"] for i in live if i["InstanceId"] not in impaired]
+        # The order they had (the first runs the scheduler and the supervisor), then any others.
+        known = {instance: n for n, instance in enumerate(self.instance_ids)}
+        healthy = sorted((i["InstanceId"] for i in live if i["InstanceId"] not in reclaimed + impaired),
+                         key=lambda instance: known.get(instance, len(known)))
         need = self.instance_count - len(healthy)
         if healthy:
             log.info("reusing %d healthy instance(s) of %s: %s", len(healthy), self.cluster_id, healthy)
@@ -283,6 +313,57 @@ class Ec2Cluster(Cluster):
         return [s["InstanceId"] for s in self._statuses(ids)
                 if "impaired" in (s["InstanceStatus"]["Status"], s["SystemStatus"]["Status"])]
 
+    # -- a spot notice -----------------------------------------------------------------------
+
+    def release_interrupted(self, host: str, *, replace: bool) -> bool:
+        """See ``Cluster.release_interrupted``; the module docstring says what happens on EC2."""
+        for instance, address, replaced in self.released:
+            if host in (instance, address):  # another role's event of the same notice
+                log.info("spot instance %s of %s is released already", instance, self.cluster_id)
+                return replaced
+        if host in self.instance_ids:
+            index = self.instance_ids.index(host)
+        elif host in self.addresses:
+            index = self.addresses.index(host)
+        else:
+            raise ProvisionError(f"ec2 cluster {self.cluster_id} has no instance {host!r} "
+                                 f"(it has {dict(zip(self.instance_ids, self.addresses))})")
+        lost, address = self.instance_ids[index], self.addresses[index]
+        try:
+            self.ec2.create_tags(Resources=[lost], Tags=[{"Key": TAG_RECLAIMED, "Value": str(int(time.time()))}])
+            if index == 0:
+                raise SupervisorHostLost(f"spot instance {lost} ({address}) of {self.cluster_id} is being "
+                                         "reclaimed and runs the job's supervisor: the job's retry replaces it")
+            log.warning("releasing reclaimed spot instance %s (%s) of %s", lost, address, self.cluster_id)
+            self.ec2.terminate_instances(InstanceIds=[lost])
+        except ProvisionError:
+            raise
+        except Exception as exc:  # botocore ClientError and friends, with the API's message
+            raise ProvisionError(f"ec2 release of {lost} from {self.cluster_id} failed: {exc}") from exc
+        del self.instance_ids[index], self.addresses[index]
+        replaced = replace and self._replace(lost)
+        self.released.append((lost, address, replaced))
+        if not replaced:
+            # One instance fewer: the shape placement() spreads over it, one worker each.
+            left = len(self.instance_ids)
+            self.spec = replace_field(self.spec, workers=min(self.spec.workers, left),
+                                      servers=min(self.spec.servers, left))
+            self.write_record()
+            log.warning("ec2 cluster %s goes on without a replacement: %d worker(s), %d server(s) on %s",
+                        self.cluster_id, self.spec.workers, self.spec.servers, self.instance_ids)
+        return replaced
+
+    def _replace(self, lost: str) -> bool:
+        """A provision of the cluster's shape (the survivors in their order, a new instance last);
+        False when it failed (no spot capacity, say): the cluster is then its survivors."""
+        try:
+            self._provision()
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the survivors can go on
+            log.warning("no replacement for spot instance %s of %s (%s): going on without it", lost,
+                        self.cluster_id, exc)
+            return False
+        return True
+
     # -- roles ------------------------------------------------------------------------------
 
     def scheduler_address(self) -> tuple[str, int]:
@@ -295,6 +376,12 @@ class Ec2Cluster(Cluster):
                 for r in roles]
 
     def start_roles(self, launch: JobLaunch) -> list["SsmRole"]:
+        # After release_interrupted without a replacement the spec is smaller than the config:
+        # more roles than it holds would double up on an instance (placement wraps around).
+        if launch.num_workers > self.spec.workers or launch.num_servers > self.spec.servers:
+            raise ProvisionError(f"ec2 cluster {self.cluster_id} holds {self.spec.workers} worker(s) and "
+                                 f"{self.spec.servers} server(s) on {len(self.instance_ids)} instance(s); the job "
+                                 f"asks for {launch.num_workers} and {launch.num_servers}")
         root, port = self.scheduler_address()
         # Instance profile credentials, never the launching process's keys.
         launch_env = {k: v for k, v in launch.env.items() if not k.startswith("AWS_")}
@@ -307,6 +394,8 @@ class Ec2Cluster(Cluster):
                            base={"PATH": "/usr/local/bin:/usr/bin:/bin", "MXPIPE_CLUSTER": self.cluster_id},
                            repo_root=self.opts.workdir)
             env["DMLC_INTERFACE"] = self.opts.interface
+            if self.opts.spot:  # the interruption notice is only on the instance: its roles watch it
+                env[SPOT_WATCH_ENV] = "1"
             resp = self.ssm.send_command(
                 InstanceIds=[self.instance_ids[index]], DocumentName="AWS-RunShellScript",
                 Comment=f"mxpipe {self.cluster_id} {role.name}"[:100],

@@ -175,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "worker":
+        from common.procs.spot import watch_spot
         from common.procs.watchdog import watch_supervisor
 
         watch_supervisor()  # a role exits on its own once its supervisor is gone
+        watch_spot()  # on a spot instance (MXPIPE_SPOT_WATCH), its interruption notice becomes an event
         apply_from_env()  # the floating-point mode the engine's threads inherit: before mxnet starts them
         import_mxnet()  # before anything else can import mxnet with sklearn present
         return _worker(args.job_uri)

@@ -14,6 +14,8 @@ fork helpers that would outlive a plain ``kill pid``).
   process, such as a job's supervisor, is still running, judged on its own machine only.
 - ``watchdog``: a role's watch on its supervisor (``watch_supervisor``): a role exits on its
   own once its supervisor is gone (rank 0 after its emergency checkpoint).
+- ``spot``: a role's watch for its spot instance's interruption notice (``watch_spot``, on when
+  ``MXPIPE_SPOT_WATCH`` is set): one ``SpotInterruption`` event line on the role's output.
 - ``ports``: ``free_port``.
 - ``usage``: what process trees consume (core-seconds, CPU %, resident memory), per named tree.
 - ``__main__``: ``python -m common.procs``, the host-side helpers below.

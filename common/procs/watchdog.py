@@ -118,12 +118,17 @@ def preempt_on_supervisor_loss(grace_s: float) -> None:
         _writer_grace_s = float(grace_s)
 
 
-def _say(text: str) -> None:
+def say(who: str, text: str) -> None:
+    """One line from a role's watch (``who``) on its standard error, which nothing may read."""
     try:  # the supervisor read our output: the pipe may be gone with it
-        sys.stderr.write(f"supervisor watch: {text}\n")
+        sys.stderr.write(f"{who}: {text}\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
+
+
+def _say(text: str) -> None:
+    say("supervisor watch", text)
 
 
 def _react(why: str, exit_now: Callable[[int], object]) -> None:

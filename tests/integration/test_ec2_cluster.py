@@ -14,8 +14,10 @@ import time
 
 import boto3
 import pytest
-from infra.cluster import ClusterSpec, ProvisionError, find_leaked, provision, reap
-from infra.ec2_cluster import TAG_CLUSTER, TAG_EXPIRES, TAG_RUN, Ec2Options, _wait, find_expired, reap_expired
+from infra.cluster import ClusterSpec, ProvisionError, SupervisorHostLost, attach, find_leaked, provision, reap
+from infra.ec2_cluster import (TAG_CLUSTER, TAG_EXPIRES, TAG_RECLAIMED, TAG_RUN, Ec2Options, _wait, find_expired,
+                               reap_expired)
+from common.procs.spot import SPOT_WATCH_ENV
 from common.roles import JobLaunch
 from tests.integration.moto_server import moto_server
 
@@ -105,6 +107,7 @@ def test_roles_start_through_ssm_with_each_instance_address(moto, ec2, tmp_path)
             assert env["DMLC_PS_ROOT_URI"] == root and env["DMLC_PS_ROOT_PORT"] == "9091"
             assert env["DMLC_ROLE"] == h.kind and env["DMLC_NUM_WORKER"] == "2"
             assert "AWS_SECRET_ACCESS_KEY" not in env and env["MXPIPE_FAULT_KILL_STEP"] == "3"
+            assert SPOT_WATCH_ENV not in env  # on-demand: no interruption notice to watch
             assert "exec-role" in script and "must-not-travel" not in script
         # The workers are spread over both instances.
         assert {by_role["worker-0"].instance_id, by_role["worker-1"].instance_id} == set(cluster.instance_ids)
@@ -113,6 +116,105 @@ def test_roles_start_through_ssm_with_each_instance_address(moto, ec2, tmp_path)
         cluster.stop_roles(handles)
         stop = ssm.list_commands()["Commands"][before:]
         assert any("kill-records" in " ".join(c["Parameters"]["commands"]) for c in stop)
+    finally:
+        cluster.teardown()
+
+
+def _role_envs(ssm, handles):
+    """Each role's environment, as its SSM command writes it (role name → env)."""
+    commands = {c["CommandId"]: c for c in ssm.list_commands()["Commands"]}
+    envs = {}
+    for h in handles:
+        script = "\n".join(commands[h.command_id]["Parameters"]["commands"])
+        envs[h.name] = json.loads(script.split("<<'MXPIPE_ENV'\n", 1)[1].split("\nMXPIPE_ENV", 1)[0])[h.name]
+    return envs
+
+
+def test_a_spot_notice_releases_its_instance_with_or_without_a_replacement(moto, ec2, tmp_path):
+    """moto stands in for the EC2 API (and SSM's): what a supervisor does after a spot notice,
+    once it stopped the roles. The reclaimed instance is tagged and terminated; with a replacement
+    the cluster keeps its shape and its order (the first instance runs the supervisor), without
+    one it goes on smaller and refuses a launch of the old size."""
+    spec = _spec(moto, "mxnet_training--spot", workers=3, servers=2, spot=True)
+    cluster = provision(spec, home=str(tmp_path))
+    ssm = boto3.client("ssm", region_name=REGION, endpoint_url=moto)
+    try:
+        first, second, third = cluster.instance_ids
+        launch = JobLaunch(job_uri="s3://mxpipe/runs/x/job.json", num_workers=3, num_servers=2)
+        envs = _role_envs(ssm, cluster.start_roles(launch))
+        assert len(envs) == 6 and all(env[SPOT_WATCH_ENV] == "1" for env in envs.values())
+
+        # Replaced: the survivors keep their places, a new instance comes last.
+        assert cluster.release_interrupted(cluster.addresses[1], replace=True) is True
+        assert cluster.instance_ids[:2] == [first, third] and cluster.instance_ids[2] not in (first, second, third)
+        assert (cluster.spec.workers, cluster.spec.servers) == (3, 2) and len(cluster.addresses) == 3
+        gone = ec2.describe_instances(InstanceIds=[second])["Reservations"][0]["Instances"][0]
+        assert gone["State"]["Name"] in ("shutting-down", "terminated") and TAG_RECLAIMED in {
+            t["Key"] for t in gone["Tags"]}
+        live = _live(ec2, **{TAG_CLUSTER: cluster.cluster_id})
+        assert sorted(i["InstanceId"] for i in live) == sorted(cluster.instance_ids)
+        # Every role of the instance writes the event: a second release of it is nothing.
+        assert cluster.release_interrupted(second, replace=True) is True
+        assert len(_live(ec2, **{TAG_CLUSTER: cluster.cluster_id})) == 3
+
+        # Not replaced (by its instance id, as the event names it): one worker fewer.
+        dropped = cluster.instance_ids[1]
+        assert cluster.release_interrupted(dropped, replace=False) is False
+        assert cluster.instance_ids == [first, cluster.instance_ids[1]] and dropped not in cluster.instance_ids
+        assert (cluster.spec.workers, cluster.spec.servers) == (2, 2)
+        assert sorted(i["InstanceId"] for i in _live(ec2, **{TAG_CLUSTER: cluster.cluster_id})) == sorted(
+            cluster.instance_ids)
+        with pytest.raises(ProvisionError, match="holds 2 worker.* asks for 3"):
+            cluster.start_roles(launch)
+        smaller = cluster.start_roles(JobLaunch(job_uri=launch.job_uri, num_workers=2, num_servers=2))
+        assert {h.instance_id for h in smaller if h.kind == "worker"} == set(cluster.instance_ids)
+        assert all(env["DMLC_NUM_WORKER"] == "2" for env in _role_envs(ssm, smaller).values())
+        # What another process attaches to (the cluster record) is the smaller cluster.
+        record = json.loads((tmp_path / "clusters" / cluster.cluster_id / "cluster.json").read_text())
+        assert attach(record["description"]).instance_ids == cluster.instance_ids
+        assert record["description"]["spec"]["workers"] == 2
+
+        # The supervisor's own instance: tagged, left running (the supervisor is on it), refused.
+        with pytest.raises(SupervisorHostLost, match=first):
+            cluster.release_interrupted(first, replace=True)
+        tags = {t["Key"] for i in _live(ec2, **{TAG_CLUSTER: cluster.cluster_id}) if i["InstanceId"] == first
+                for t in i["Tags"]}
+        assert TAG_RECLAIMED in tags
+        # The job's retry provisions again: the tagged instance is terminated and replaced.
+        retry = provision(spec, home=str(tmp_path))
+        assert first not in retry.instance_ids and len(retry.instance_ids) == 3
+        assert first not in {i["InstanceId"] for i in _live(ec2, **{TAG_CLUSTER: cluster.cluster_id})}
+    finally:
+        cluster.teardown()
+
+
+def test_a_replacement_keeps_the_survivors_in_the_order_the_cluster_had_them(moto, ec2, tmp_path):
+    """Whatever order DescribeInstances lists them in (launch order on moto; none promised on
+    EC2): the cluster here holds them the other way round, as a cluster may after replacements."""
+    from infra.ec2_cluster import Ec2Cluster
+
+    spec = _spec(moto, "mxnet_training--spot-order", workers=3, servers=1, spot=True)
+    launched = provision(spec, home=str(tmp_path))
+    try:
+        ids, addresses = launched.instance_ids[::-1], launched.addresses[::-1]
+        cluster = Ec2Cluster(launched.cluster_id, spec, str(tmp_path), instance_ids=ids, addresses=addresses)
+        assert cluster.release_interrupted(ids[1], replace=True) is True
+        assert cluster.instance_ids[:2] == [ids[0], ids[2]] and cluster.instance_ids[2] not in ids
+    finally:
+        launched.teardown()
+
+
+def test_a_replacement_that_cannot_be_launched_leaves_the_cluster_smaller(moto, ec2, tmp_path):
+    """No spot capacity, a bad template: whatever makes the launch fail, the survivors go on."""
+    spec = _spec(moto, "mxnet_training--spot-none", workers=2, servers=1, spot=True)
+    cluster = provision(spec, home=str(tmp_path))
+    try:
+        survivor, lost = cluster.instance_ids
+        cluster.opts = cluster.opts.model_copy(update={"launch_template": "no-such-template"})
+        assert cluster.release_interrupted(lost, replace=True) is False
+        assert cluster.instance_ids == [survivor] and (cluster.spec.workers, cluster.spec.servers) == (1, 1)
+        assert [i["InstanceId"] for i in _live(ec2, **{TAG_CLUSTER: cluster.cluster_id})] == [survivor]
+        assert cluster.release_interrupted(lost, replace=True) is False  # the same answer again
     finally:
         cluster.teardown()
 

@@ -92,6 +92,19 @@ def test_spec_rejects_nonsense():
         ClusterSpec(run_tag="x", workers=1, servers=1, ttl_s=0)
 
 
+def test_a_spot_release_is_nothing_where_the_cluster_owns_no_machines(tmp_path):
+    """Only ``ec2`` loses machines to a spot notice; local and hosts clusters keep their shape."""
+    local = _local(tmp_path)
+    hosts = HostsCluster("c", ClusterSpec(run_tag="c", workers=2, servers=1, backend="hosts",
+                                          options={"hosts": [{"name": "h0", "address": "10.0.0.1",
+                                                              "transport": "local"}]}), str(tmp_path))
+    for cluster in (local, hosts):
+        before = cluster.describe()
+        assert cluster.release_interrupted("10.0.0.1", replace=False) is True  # its shape kept
+        assert cluster.release_interrupted("127.0.0.1", replace=True) is True
+        assert cluster.describe() == before
+
+
 def test_hosts_placement_spreads_workers_after_the_servers():
     hosts = [{"name": f"h{i}", "address": f"10.0.0.{i}", "transport": "local"} for i in range(3)]
     cluster = HostsCluster("c", ClusterSpec(run_tag="c", workers=4, servers=2, backend="hosts",

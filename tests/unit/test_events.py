@@ -5,14 +5,15 @@ import math
 import pytest
 
 from common.events import (EVENT_MARK, CheckpointCommitted, EpochDone, EventError, FirstStepAfterResume, Progress,
-                           Resumed, WorkerStarted, emit, event_line, parse_event)
+                           Resumed, SpotInterruption, WorkerStarted, emit, event_line, parse_event)
 
 pytestmark = pytest.mark.unit
 
 EVENTS = [WorkerStarted(rank=1, num_workers=2), Progress(epoch=0, step=5, steps=19, global_step=5),
           EpochDone(epoch=1, global_step=38, record={"epoch": 1, "train_loss": 0.25, "val_accuracy": 0.9}),
           CheckpointCommitted(step=28, uri="s3://b/ckpt/step-00000028/abc"),
-          Resumed(step=28, epoch=1, step_in_epoch=9), FirstStepAfterResume(global_step=29, resumed_from=28)]
+          Resumed(step=28, epoch=1, step_in_epoch=9), FirstStepAfterResume(global_step=29, resumed_from=28),
+          SpotInterruption(instance_id="i-0abc", action="terminate", time="2026-12-06T20:07:00Z", host="10.0.0.5")]
 
 
 @pytest.mark.parametrize("event", EVENTS, ids=lambda e: e.kind)
@@ -47,6 +48,9 @@ def test_human_lines_are_no_events():
     ('{"v": 2, "kind": "worker_started", "rank": 0, "num_workers": 1}', "v"),  # a newer format
     ('{"v": 1, "kind": "worker_started", "rank": 0, "num_workers": 1, "extra": 1}', "extra"),
     ('{"v": 1, "kind": "progress", "epoch": 0, ', "EOF"),  # a torn line
+    # an action EC2 does not send
+    ('{"v": 1, "kind": "spot_interruption", "instance_id": "i-1", "action": "reboot", "time": "t", "host": "h"}',
+     "action"),
 ])
 def test_a_malformed_event_line_is_an_error_naming_it(text, problem):
     with pytest.raises(EventError, match="malformed event line") as err:
