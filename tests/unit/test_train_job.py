@@ -13,6 +13,7 @@ from common.paths import RunPaths
 from infra.cluster import ClusterSpec
 from infra.local_cluster import LocalCluster
 from training.launch.job import JobSpec
+from training.launch.status import JobStatus
 from training.train_job import AttemptRequest, job_result, prepare_attempt
 
 pytestmark = pytest.mark.unit
@@ -62,8 +63,14 @@ def test_a_succeeded_job_hands_on_its_pointers_and_metrics(tmp_path):
     best = {"metric": "val_accuracy", "best_epoch": 1}
     storage.put_bytes(metrics_uri, json.dumps({"global_step": 40, "best": best, "history": [
         {"epoch": 0, "val_accuracy": 0.5}, {"epoch": 1, "val_accuracy": 0.75}]}).encode())
+    status_uri = str(tmp_path / "job_status.json")
+    storage.put_bytes(status_uri, JobStatus(state="succeeded", job_id="2-x", restarts=2).to_json())
     job = {"metrics_uri": metrics_uri, "model_prefix": "m/", "checkpoint_prefix": "c/", "resumed_from_step": 20,
-           "attempt": 2, "job_uri": "j", "cluster": {}}
+           "attempt": 2, "job_uri": "j", "cluster": {}, "status_uri": status_uri}
     assert job_result(job) == {"model_prefix": "m/", "metrics_uri": metrics_uri, "checkpoint_prefix": "c/",
-                               "resumed_from_step": 20, "attempt": 2, "global_step": 40, "final_val_accuracy": 0.75,
-                               "best": best}
+                               "resumed_from_step": 20, "attempt": 2, "restarts": 2, "global_step": 40,
+                               "final_val_accuracy": 0.75, "best": best}
+    # After a restart in place the step resumed from is the last round's, which rank 0 reports.
+    storage.put_bytes(metrics_uri, json.dumps({"global_step": 40, "resumed_from": 35, "history": [
+        {"epoch": 0, "val_accuracy": 0.5}]}).encode())
+    assert job_result(job)["resumed_from_step"] == 35
