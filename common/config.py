@@ -72,7 +72,7 @@ _DIGEST_OMITTED_AT_DEFAULT = {"data": ("target_columns", "target_range", "standa
                               "model": ("task", "loss", "huber_rho", "options", "code_uri"),
                               "optim": ("early_stopping_patience", "early_stopping_metric", "early_stopping_min_delta"),
                               "checkpoint": ("export_epoch", "mtbf_s"),
-                              "cluster": ("max_restarts_without_progress",)}
+                              "cluster": ("max_restarts_without_progress", "on_spot_interruption")}
 # Of those, the fields whose default changed since: omitted at their former default (what the
 # checkpoints written before embed), so the digest follows the value, not the default.
 _DIGEST_OMITTED_AT = {("optim", "early_stopping_patience"): 0}
@@ -471,6 +471,15 @@ class ClusterConfig(StrictModel):
     # retry costs its start as well. The budget counts failures without progress, not failures:
     # a long run may lose any number of roles as long as checkpoints keep being committed
     # between them; a job that fails this many times in a row with no new checkpoint stops.
+    # A spot machine's interruption notice (common.procs.spot, on the roles of an ec2 spot
+    # cluster) comes about two minutes before it is reclaimed: the supervisor stops every role in
+    # order at once (rank 0's emergency checkpoint first, so nothing is lost) and restarts them,
+    # on a replacement machine or without the reclaimed one.
+    on_spot_interruption: Literal["replace", "shrink"] = Field(
+        "replace", description="After a spot interruption notice: `replace` the machine (when capacity is there; "
+                               "otherwise as `shrink`) or `shrink`: go on without it, one worker fewer (needs "
+                               "`checkpoint.elastic`; without it the attempt ends and the retry provisions the "
+                               "whole cluster again).")
     max_restarts_without_progress: int = Field(3, ge=0, le=1000,
                                                description="In-place restarts of every role in a row that commit no "
                                                            "new checkpoint before the job gives up (not retried); "

@@ -2,7 +2,8 @@
 endpoint setting pointed at ``testkit.metadata_server``: a real HTTP server with IMDSv2's token
 flow, whose interruption notice the test switches on. The roles are real processes running the
 watch as a role does (``watch_spot()`` at its start, then its work), read from their output;
-last, a real local job whose supervisor relays every role's event."""
+last, a real local job that gets the notice mid-training: the supervisor checkpoints at once,
+restarts the roles, and the job ends as an uninterrupted one does."""
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import urllib.request
 
 import pytest
 
+from common import storage
 from common.events import SpotInterruption, parse_event
 from common.roles import SERVER, JobLaunch, role_argv, role_env
 from common.procs import free_port
@@ -187,25 +189,45 @@ def test_no_watch_unless_asked(fake):
     assert watch_spot({**fake.env, SPOT_WATCH_ENV: "0"}) is None
 
 
-def test_a_job_s_supervisor_relays_one_event_from_each_of_its_roles(fake, s3_server, digits_csv, s3_prefix, tmp_path):
-    """A real two-worker job on the local backend, its environment asking for the watch (every
-    backend passes ``MXPIPE_*`` and ``AWS_*`` on to its roles): with the notice on, each role's
-    event reaches the supervisor's log. Today's supervisor does nothing with it: the job ends."""
-    import json
+def test_a_notice_mid_training_checkpoints_at_once_and_the_job_ends_bit_identical(fake, s3_server, digits_csv,
+                                                                                   s3_prefix, tmp_path):
+    """A real two-worker job on the local backend with every role's watch on (every backend passes
+    ``MXPIPE_*`` and ``AWS_*`` on to its roles): the notice arrives mid-epoch, far from a periodic
+    checkpoint. The supervisor stops every role in order at once, rank 0 first for its emergency
+    checkpoint, restarts them (the local cluster keeps its shape), and they resume from that
+    checkpoint: no step lost, where a crash at the same moment would have lost every step since
+    the newest periodic checkpoint; the final parameters equal an uninterrupted run's."""
+    import io
+
+    import numpy as np
 
     from testkit.local_jobs import make_job, run_job, shard_digits
+    from testkit.spot_runs import run_with_notice
+    from training.checkpoint.store import store_for
 
     cfg, shards = shard_digits(s3_prefix, digits_csv)
-    job = make_job(cfg, shards, s3_prefix, optim={"epochs": 1})
-    fake.notice("terminate", "2026-12-06T20:13:00Z")
-    log_file = tmp_path / "events.jsonl"
-    roles = run_job(job, s3_prefix, tmp_path, env={**fake.watching(POLL_S), "MXPIPE_EVENTS_FILE": str(log_file)})
-    lines = [json.loads(line) for line in log_file.read_text().splitlines()]
-    seen = {}
-    for line in lines:
-        if line["event"] == "line" and isinstance(event := parse_event(line["text"]), SpotInterruption):
-            seen.setdefault(line["role"], []).append(event)
-    assert sorted(seen) == sorted(roles) == ["scheduler", "server-0", "worker-0", "worker-1"]
-    assert all(events == [SpotInterruption(instance_id=fake.instance_id, action="terminate",
-                                           time="2026-12-06T20:13:00Z", host="127.0.0.1")]
-               for events in seen.values())
+    cfg = cfg.replace(optim={"epochs": 3}, checkpoint={"every_n_steps": 25},
+                      cluster={"num_workers": 2, "num_servers": 1, "optimizer_on": "workers"})
+    ref_prefix = storage.join(s3_prefix, "reference")
+    reference = make_job(cfg, shards, ref_prefix)
+    run_job(reference, ref_prefix, tmp_path)
+    prefix = storage.join(s3_prefix, "noticed")
+    job = make_job(cfg, shards, prefix)
+    # Rank 0's steps slowed (the arithmetic untouched) so the notice lands mid-training.
+    slow = {"MXPIPE_FAULT_STEP_DELAY_S": "0.2", "MXPIPE_FAULT_KILL_RANK": "0"}
+    outcome = run_with_notice(job, prefix, tmp_path, fake, notice_at_step=30, env=slow)
+    print("spot notice:", outcome.as_dict())
+    assert outcome.restarts == 1
+    assert outcome.emergency_step > outcome.newest_before_notice  # written after the notice, not periodic
+    assert outcome.resumed_from == outcome.emergency_step and outcome.steps_lost == 0
+    assert outcome.steps_lost_by_a_crash > 0
+
+    def final(j):
+        store = store_for(j.checkpoint_prefix, j.config.checkpoint)
+        step = store.committed_steps()[0]
+        with np.load(io.BytesIO(store.load(step).files["params.npz"])) as arrays:
+            return step, {k: arrays[k].copy() for k in arrays.files}
+
+    (step, params), (ref_step, ref_params) = final(job), final(reference)
+    assert step == ref_step and all(np.array_equal(params[k], ref_params[k]) for k in ref_params)
+

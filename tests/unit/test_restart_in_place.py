@@ -4,6 +4,7 @@ row without a new checkpoint, so a job that keeps committing survives any number
 and one that does not ends after its budget with an error that says so and is not retried. What
 a restart cannot help (a deterministic failure, the job's timeout) ends the job at once."""
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -119,3 +120,84 @@ def test_the_record_carries_the_counts(tmp_path):
     got = read_status(uri)
     assert (got.restarts, got.restarts_without_progress, got.last_restart_reason) == \
         (3, 1, "worker-1 on h failed: exit code 1")
+
+
+NOTICE = ("printf '@event {\"v\":1,\"kind\":\"spot_interruption\",\"instance_id\":\"i-1\",\"action\":\"terminate\","
+          "\"time\":\"2026-12-06T20:13:00Z\",\"host\":\"host-a\"}\\n'")
+
+
+class ReclaimingCluster(script_cluster.ScriptCluster):
+    """A script cluster whose machine ``host-a`` is reclaimed: ``release_interrupted`` records the
+    call and, unless a replacement is asked for and ``capacity`` allows it, shrinks by a worker."""
+
+    def __init__(self, record_dir, env, scripts, *, capacity):
+        super().__init__(record_dir, env, scripts)
+        self.spec = SimpleNamespace(workers=2, servers=1)
+        self.capacity = capacity
+        self.released = []
+
+    def release_interrupted(self, host, *, replace):
+        self.released.append((host, replace))
+        if replace and self.capacity:
+            return True
+        self.spec.workers -= 1
+        return False
+
+
+def _noticed(watch, tmp_path, *, capacity, **cfg):
+    # Every role of the machine reports the notice in the first round; the workers then wait to
+    # be stopped (rank 0 "checkpoints" on SIGTERM); in the next round they finish.
+    counter = tmp_path / "rounds"
+    worker = (f"echo $$ >> {counter}; n=$(wc -l < {counter}); "
+              "echo '@event {\"v\":1,\"kind\":\"worker_started\",\"rank\":0,\"num_workers\":2}'; "
+              f"if [ $n -le 2 ]; then trap 'echo emergency checkpoint; exit 75' TERM; {NOTICE}; "
+              "while :; do sleep 0.1; done; fi; sleep 0.3; echo done")
+    cluster = ReclaimingCluster(watch.record_dirs[0], watch.env, {"scheduler": f"{NOTICE}; sleep 1", "server-0": "sleep 1",
+                                                                  "worker-0": worker, "worker-1": worker},
+                                capacity=capacity)
+    config = TrainConfig().replace(cluster={"num_workers": 2, "num_servers": 1, "job_timeout_s": 60, **cfg.get("cluster", {})},
+                                   checkpoint={"preempt_grace_s": 2, **cfg.get("checkpoint", {})})
+    status = StatusWriter(str(tmp_path / "status.json"), JobStatus(state="running", job_id="j"))
+    sup = Supervisor(config, cluster=cluster, base_env=dict(os.environ), status=status)
+    try:
+        sup.run("s3://bucket/job.json")
+        return None, cluster, status.status
+    except JobFailed as exc:
+        return exc, cluster, status.status
+    finally:
+        watch.check("the supervisor")
+
+
+def test_a_spot_notice_restarts_once_on_a_replacement(tmp_path, nothing_left):
+    err, cluster, record = _noticed(nothing_left, tmp_path, capacity=True)
+    assert err is None and cluster.released == [("host-a", True)]  # three roles reported it: one release
+    assert [launch.num_workers for launch in cluster.launches] == [2, 2]
+    assert record.restarts == 1 and record.restarts_without_progress == 0
+    assert record.last_restart_reason == "spot interruption notice for i-1 (host-a)"
+
+
+def test_without_capacity_an_elastic_job_goes_on_one_worker_fewer(tmp_path, nothing_left):
+    err, cluster, record = _noticed(nothing_left, tmp_path, capacity=False, checkpoint={"elastic": True})
+    assert err is None and [launch.num_workers for launch in cluster.launches] == [2, 1]
+    assert record.last_restart_reason.endswith("going on with 1 worker(s) and 1 server(s)")
+
+
+def test_a_job_that_cannot_shrink_ends_retryably_for_a_whole_cluster(tmp_path, nothing_left):
+    err, cluster, _ = _noticed(nothing_left, tmp_path, capacity=False, cluster={"on_spot_interruption": "shrink"})
+    assert cluster.released == [("host-a", False)] and len(cluster.launches) == 1
+    assert not err.deterministic and "checkpoint.elastic is off" in str(err)
+
+
+def test_a_spot_notice_restarts_even_with_restarts_off(tmp_path, nothing_left):
+    err, cluster, record = _noticed(nothing_left, tmp_path, capacity=True, cluster={"max_restarts_without_progress": 0})
+    assert err is None and len(cluster.launches) == 2 and record.restarts == 1
+
+
+def test_the_job_timeout_counts_from_the_job_start_across_restarts(tmp_path, nothing_left):
+    # Every round commits and fails: progress each time, so only the job's own bound ends it.
+    counter = tmp_path / "runs"
+    script = (f"n=$(($(cat {counter} 2>/dev/null || echo 0)+1)); echo $n > {counter}; {COMMIT} $((n*10)); "
+              "sleep 0.5; exit 1")
+    err, cluster, _ = _run(nothing_left, {"worker-0": script}, job_timeout_s=3)
+    assert err.role == "job" and "exceeded its timeout of 3s" in str(err)
+    assert len(cluster.launches) > 1

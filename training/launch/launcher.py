@@ -43,6 +43,7 @@ detected, roles stopped, roles restarting in place) to that file: what ``benchma
 from __future__ import annotations
 
 import collections
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -57,7 +58,8 @@ from typing import Any, Protocol
 from common.roles import JobLaunch, forwarded_env
 from common.settings import settings
 from common.config import TrainConfig
-from common.events import EVENT_MARK, CheckpointCommitted, EventError, Resumed, WorkerStarted, parse_event
+from common.events import (EVENT_MARK, CheckpointCommitted, EventError, Resumed, SpotInterruption, WorkerStarted,
+                           parse_event)
 from common.events import DETERMINISTIC_EXIT_CODES
 from training.launch.restarts import RestartBudget
 from training.launch.status import StatusWriter
@@ -152,6 +154,14 @@ class JobStopped(RuntimeError):
     """The job was asked to stop (``Supervisor.request_stop``) and every role has been stopped."""
 
 
+class _Reclaimed(Exception):
+    """A role's machine got a spot interruption notice (the watch loop's signal to ``run``)."""
+
+    def __init__(self, notice: SpotInterruption) -> None:
+        super().__init__(f"spot interruption notice for {notice.instance_id} ({notice.host})")
+        self.notice = notice
+
+
 # The role whose log lines carry the job's progress (global step, epoch) into the status record.
 PROGRESS_ROLE = "worker-0"
 
@@ -226,9 +236,14 @@ class Supervisor:
         # The newest checkpoint step the roles reported (resumed from, or committed): a round
         # that raised it made progress (``RestartBudget``).
         self.checkpoint_step: int | None = None
+        # Spot interruption notices by instance (every role of a machine reports its notice) and
+        # the ones not acted on yet.
+        self.notices: dict[str, SpotInterruption] = {}
+        self.pending_notices: list[SpotInterruption] = []
         # A plain flag, not a threading.Event: setting an Event from a signal handler can deadlock
         # on the lock its waiter holds.
         self.stop_requested = False
+        self.job_started = time.monotonic()  # reset by run()
         self.lock = threading.Lock()  # what the line pumps note for the watch loop
 
     def request_stop(self) -> None:
@@ -260,7 +275,7 @@ class Supervisor:
             self.events("line", role=role.name, text=line)
             if progress is not None:
                 progress(line)
-            if role.kind == "worker" and EVENT_MARK in line:
+            if EVENT_MARK in line:
                 self._note_event(role, line)
 
     def _note_event(self, role: _Role, line: str) -> None:
@@ -271,15 +286,21 @@ class Supervisor:
             event = parse_event(line)
         except EventError:  # a malformed event: live tracking reports it
             return
-        if isinstance(event, WorkerStarted) and role.rank is None:
+        if isinstance(event, WorkerStarted) and role.rank is None and role.kind == "worker":
             role.rank = event.rank
-        elif isinstance(event, (Resumed, CheckpointCommitted)):
+        elif isinstance(event, (Resumed, CheckpointCommitted)) and role.kind == "worker":
             with self.lock:
                 self.checkpoint_step = max(event.step, self.checkpoint_step or 0)
+        elif isinstance(event, SpotInterruption):
+            with self.lock:
+                if event.instance_id not in self.notices:
+                    self.notices[event.instance_id] = event
+                    self.pending_notices.append(event)
 
     def run(self, job_uri: str) -> None:
         c = self.cfg.cluster
         self.events("job_start", job_uri=job_uri)
+        self.job_started = time.monotonic()
         where = type(self.cluster).__name__
         if c.distributed:
             log.info("starting job: 1 scheduler, %d servers, %d workers on %s", c.num_servers, c.num_workers, where)
@@ -294,15 +315,17 @@ class Supervisor:
         try:
             # The cluster supplies each host's base environment; the job adds what a role must
             # inherit from here (storage credentials, fault injection, ps-lite tuning).
-            env = forwarded_env(self.base_env)
+            launch = launch_for(self.cfg, job_uri, forwarded_env(self.base_env))
             while True:
                 round_start = self.checkpoint_step  # before the roles start: they may commit at once
-                self._start_roles(launch_for(self.cfg, job_uri, env))
+                self._start_roles(launch)
                 try:
                     self._watch()
                     break
                 except JobFailed as failure:
                     self._restart_after(failure, progressed=(self.checkpoint_step or 0) > (round_start or 0))
+                except _Reclaimed as reclaimed:
+                    launch = self._restart_after_notice(reclaimed.notice, launch)
         except BaseException as exc:
             error = exc
             if isinstance(exc, JobFailed):
@@ -336,9 +359,12 @@ class Supervisor:
                 raise failure
             raise JobFailed(f"{self.budget.exhausted_message(self.checkpoint_step)} {failure}", role=failure.role,
                             exit_code=failure.exit_code, deterministic=True, host=failure.host) from failure
-        reason = str(failure).split("\n", 1)[0]
         self._stop_all(orderly=False)
         self.roles = []
+        self._announce_restart(str(failure).split("\n", 1)[0])
+
+    def _announce_restart(self, reason: str) -> None:
+        """The restart just counted, in the log, the event log, the status record and MLflow."""
         b = self.budget
         log.warning("restarting every role in place from the newest checkpoint (restart %d; %d in a row without "
                     "a new checkpoint, at most %d) after: %s", b.restarts, b.without_progress, b.limit, reason)
@@ -348,6 +374,38 @@ class Supervisor:
                                last_restart_reason=reason)
         if self.observer is not None:
             self.observer.restarted(b.restarts, b.without_progress, reason)
+
+    def _restart_after_notice(self, notice: SpotInterruption, launch: JobLaunch) -> JobLaunch:
+        """A machine of the cluster is being reclaimed (about two minutes from the notice): stop
+        every role in order now (rank 0 writes its emergency checkpoint first: no step is lost),
+        release the machine (``cluster.on_spot_interruption``: a replacement, or go on without
+        it), and return the launch to restart the roles with. A restart that always makes
+        progress: counted, never against the budget. Where the cluster shrank and the config
+        cannot resume on fewer workers (``checkpoint.elastic``), the job ends as a retryable
+        failure: the retry provisions the cluster whole again."""
+        log.warning("spot interruption notice for %s (%s, %s at %s): stopping every role now, rank 0 first for "
+                    "its emergency checkpoint", notice.instance_id, notice.host, notice.action, notice.time)
+        self.events("spot_interruption", instance_id=notice.instance_id, host=notice.host, action=notice.action,
+                    time=notice.time)
+        self._stop_all(orderly=True)
+        self.roles = []
+        # Duck-typed: a cluster without machines of its own to lose (a test's) need not offer it.
+        release = getattr(self.cluster, "release_interrupted", None)
+        replace = self.cfg.cluster.on_spot_interruption == "replace"
+        whole = release(notice.host, replace=replace) if release is not None else True
+        reason = f"spot interruption notice for {notice.instance_id} ({notice.host})"
+        if not whole:
+            spec = self.cluster.spec  # type: ignore[attr-defined]  # what release_interrupted left
+            if not self.cfg.checkpoint.elastic:
+                raise JobFailed(f"{reason}: the cluster goes on with {spec.workers} worker(s), and "
+                                f"checkpoint.elastic is off, so the job cannot resume on fewer workers; the "
+                                "retry provisions the whole cluster again", role="job", exit_code=None,
+                                deterministic=False, host=notice.host)
+            launch = dataclasses.replace(launch, num_workers=spec.workers, num_servers=spec.servers)
+            reason += f": going on with {spec.workers} worker(s) and {spec.servers} server(s)"
+        self.budget.take_with_progress()
+        self._announce_restart(reason)
+        return launch
 
     def local_pids(self) -> dict[str, int]:
         """Role name → pid of the roles whose process on this machine is the role itself (the
@@ -388,12 +446,16 @@ class Supervisor:
 
     def _watch(self) -> None:
         c = self.cfg.cluster
-        started = time.monotonic()
+        started = self.job_started  # the job's bound counts from its start, across restarts in place
         workers = [r for r in self.roles if r.kind == "worker"]
         while True:
             time.sleep(POLL_S)
             if self.stop_requested:
                 raise JobStopped("the job was stopped on request")
+            with self.lock:
+                notice = self.pending_notices.pop(0) if self.pending_notices else None
+            if notice is not None:
+                raise _Reclaimed(notice)
             now = time.monotonic()
             if self.observer is not None:
                 self.observer.sync(self.local_pids())

@@ -43,6 +43,12 @@ class RestartBudget:
         self.restarts += 1
         return True
 
+    def take_with_progress(self) -> None:
+        """Count a restart that loses nothing (after a spot notice, rank 0's emergency checkpoint
+        first): never refused, whatever the limit."""
+        self.without_progress = 0
+        self.restarts += 1
+
     def exhausted_message(self, since_step: int | None) -> str:
         """Why the job ends when ``take`` said no (``since_step``: the newest checkpoint committed)."""
         where = f"after step {since_step}" if since_step is not None else "yet"
