@@ -40,7 +40,7 @@ _MODULE_FLAG = re.compile(rf"python -m ({_IDENT}(?:\.{_IDENT})*)")
 # ps-lite internals, OpenSSH options, AWS API fields, HTTP headers, kernel options.
 EXTERNAL_NAMES = frozenset({
     "NaiveEngine", "CustomOp", "Custom", "Init", "Pull", "PushPull", "PushPullDefault", "Reduce",
-    "IdentitiesOnly", "StrictHostKeyChecking", "ArtifactPrefix", "ClientToken", "Success", "DurationSeconds",
+    "IdentitiesOnly", "GetCommandInvocation", "StandardOutputContent", "StrictHostKeyChecking", "ArtifactPrefix", "ClientToken", "Success", "DurationSeconds",
     "ETag", "CONFIG_NET_SCH_NETEM", "_allreduce_grads",
 })
 # Characters of a placeholder or a runtime location, not a file of the repository.
