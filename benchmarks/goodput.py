@@ -88,10 +88,13 @@ def conf_for(args: argparse.Namespace, dataset: str, epochs: int, every: int | s
     checkpoint: dict[str, Any] = {"every_n_steps": every}
     if every == "auto":  # the failure rate the soak imposes is the MTBF Young/Daly is told
         checkpoint["mtbf_s"] = period_s
+    # Early stopping off (on by default): the soak measures a fixed amount of training, the same
+    # steps for the reference and the soak, and a run cut short would take none of its kills.
     return {"dataset_uri": dataset, "recipe": "digits", "epochs": epochs, "batch_size": args.batch_size,
             "learning_rate": 0.001, "num_workers": 2, "num_servers": 1, "kvstore": "dist_sync",
             "registered_model_name": "goodput-bench",
-            "config": {"model": {"hidden": [int(h) for h in args.hidden.split(",")]}, "checkpoint": checkpoint}}
+            "config": {"model": {"hidden": [int(h) for h in args.hidden.split(",")]}, "checkpoint": checkpoint,
+                       "optim": {"early_stopping_patience": 0}}}
 
 
 def final_checkpoint(env: dict[str, str], run_id: str) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""One benchmark report: runs P1–P8 (with D1, C1, Q1–Q6, N1, C2, G1, O1–O3 and chaos R4) side by side on this
-machine and writes the table into benchmarks/README.md (between the report markers) and benchmarks/results.json.
+"""One benchmark report: runs P1–P8 (with D1, C1, Q1–Q6, N1, C2, G1, G2, S1, O1–O3 and chaos R4) side by
+side on this machine and writes the table into benchmarks/README.md (between the report markers) and benchmarks/results.json.
 
     benchmarks/run                 # quick mode (about 25 minutes on 2 cores)
     benchmarks/run --full          # the long settings of every benchmark
@@ -76,6 +76,13 @@ def _p4(r: dict[str, Any]) -> Row:
     total, detect = r["total_median_s"], r["detect_median_s"]
     return (f"{total:.1f} s median (max {r['total_max_s']:.1f}), detect {detect:.2f} s, {r['runs']} runs, "
             f"{r.get('recovery', 'Airflow retry')}", None, total <= 10 and detect <= 5)
+
+
+def _s1(r: dict[str, Any]) -> Row:
+    return (f"{r['steps_lost_max']} steps lost (max of {len(r['runs'])} notices) where a crash at the same moments "
+            f"loses {r['crash_steps_lost_mean']:.1f} (mean; a checkpoint every {r['every_n_steps']} steps); notice → "
+            f"first step after the resume {r['seconds_to_first_step_median']:.1f} s (median)", None,
+            r["steps_lost_max"] == 0)
 
 
 def _p5(r: dict[str, Any]) -> Row:
@@ -167,6 +174,18 @@ def _c2(r: dict[str, Any]) -> Row:
             f"({c['accuracy_cost_points']:+.2f} points lost)", c["wall_ratio"], None)
 
 
+def _g2(r: dict[str, Any]) -> Row:
+    h = r["headline"]
+    totals = sorted(f["total"] for f in h["failures"])
+    median = totals[len(totals) // 2] if totals else float("nan")
+    identical = h["params_identical"] is True
+    figure = (f"{len(totals)} kills, one every {r['period_s']:g} s; train task tries {h['train_tries']}, "
+              f"{h['attempts']} rounds of roles; kill → first step {median:.1f} s median (max "
+              f"{max(totals, default=float('nan')):.1f}); goodput {h['goodput']:.3f}; parameters bit-identical: "
+              f"{h['params_identical']}")
+    return figure, None, len(totals) >= 20 and h["train_tries"] == 1 and identical
+
+
 def _g1(r: dict[str, Any]) -> Row:
     h = r["headline"]
     fails = ", ".join(f"{f['killed_role']} {f['lost_s']:.1f} s lost ({f['total']:.1f} s to the first step, "
@@ -223,6 +242,8 @@ BENCHES = (
           "checkpoint_overhead.py", (), ("--full",), 1800, _p3),
     Bench("P4", "kill -9 of a worker → first step after the resume, through Airflow (restart in place)",
           "≤ 10 s, detect ≤ 5 s", "recovery.py", ("--runs", "1"), ("--runs", "3"), 1800, _p4),
+    Bench("S1", "spot interruption notice mid-training → steps lost (emergency checkpoint, restart in place), "
+          "against a crash at the same moment", "0 steps lost", "spot_notice.py", (), (), 1200, _s1),
     Bench("O1", "worker slots held by the train task while its job trains (real scheduler, LocalExecutor)",
           "0 (was 1 per run)", "operator_durability.py", (), ("--sample-s", "40"), 3600, _o1),
     Bench("O2", "steps recomputed after an Airflow restart mid-training (per-step job logs)",
@@ -266,6 +287,9 @@ BENCHES = (
           "Airflow; parameters vs an uninterrupted run", "≥ 0.97 at T = 300 s, bit-identical",
           "goodput.py", ("--epochs", "15", "--period-s", "150", "--max-kills", "1"),
           ("--compare", "10,100,1000,auto"), 10800, _g1),
+    Bench("G2", "a run through Airflow that takes 20+ kill -9s of random roles (restarts in place); parameters vs an "
+          "uninterrupted run", "finishes on the train task's first try, bit-identical", "goodput.py",
+          ("--epochs", "20", "--period-s", "12", "--max-kills", "22", "--every-n-steps", "50"), (), 3600, _g2),
     Bench("R4", "network fault on the netns hosts backend: a worker host's link down 5 s and 30 s "
           "(stall timeout 20 s)", "short: rides it out; long: torn down by the stall detector, retry resumes",
           "chaos.py", ("--scenarios", "R4"), ("--scenarios", "R4", "--cut-s", "2,5,10,30,60"), 1500, _r4),

@@ -24,8 +24,8 @@ import every package of the project. What it holds:
 - ``scaled_tables`` / ``default_runs``: generated tables with features on scales from 0.01 to
   1000, and a job trained on them with the DAG's defaults, scored beside scikit-learn's MLP;
 - ``result_file``: the ``--json`` result file of a benchmark script;
-- ``metadata_server``: a fake EC2 instance metadata service (IMDSv2) whose spot interruption
-  notice a test switches on;
+- ``metadata_server`` / ``spot_runs``: a fake EC2 instance metadata service (IMDSv2) whose spot
+  interruption notice a test switches on, and a real job that gets the notice mid-training;
 - ``waits``: waiting on a condition with a bound (never a fixed sleep and one read).
 """
 from __future__ import annotations

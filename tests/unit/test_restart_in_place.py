@@ -152,10 +152,10 @@ def _noticed(watch, tmp_path, *, capacity, **cfg):
               "echo '@event {\"v\":1,\"kind\":\"worker_started\",\"rank\":0,\"num_workers\":2}'; "
               f"if [ $n -le 2 ]; then trap 'echo emergency checkpoint; exit 75' TERM; {NOTICE}; "
               "while :; do sleep 0.1; done; fi; sleep 0.3; echo done")
-    cluster = ReclaimingCluster(watch.record_dirs[0], watch.env, {"scheduler": f"{NOTICE}; sleep 1", "server-0": "sleep 1",
-                                                                  "worker-0": worker, "worker-1": worker},
-                                capacity=capacity)
-    config = TrainConfig().replace(cluster={"num_workers": 2, "num_servers": 1, "job_timeout_s": 60, **cfg.get("cluster", {})},
+    scripts = {"scheduler": f"{NOTICE}; sleep 1", "server-0": "sleep 1", "worker-0": worker, "worker-1": worker}
+    cluster = ReclaimingCluster(watch.record_dirs[0], watch.env, scripts, capacity=capacity)
+    config = TrainConfig().replace(cluster={"num_workers": 2, "num_servers": 1, "job_timeout_s": 60,
+                                            **cfg.get("cluster", {})},
                                    checkpoint={"preempt_grace_s": 2, **cfg.get("checkpoint", {})})
     status = StatusWriter(str(tmp_path / "status.json"), JobStatus(state="running", job_id="j"))
     sup = Supervisor(config, cluster=cluster, base_env=dict(os.environ), status=status)

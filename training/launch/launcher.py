@@ -38,7 +38,8 @@ this process interrupted or terminated) and the error text once every role is st
 
 With ``MXPIPE_EVENTS_FILE`` set in its base environment, the supervisor appends one JSON line
 per event (job start, roles started, each role line with the time it arrived, the failure it
-detected, roles stopped, roles restarting in place) to that file: what ``benchmarks/recovery.py`` measures recovery from.
+detected, roles stopped, a spot notice acted on, roles restarting in place) to that file: what
+``benchmarks/recovery.py`` measures recovery from.
 """
 from __future__ import annotations
 
@@ -279,9 +280,10 @@ class Supervisor:
                 self._note_event(role, line)
 
     def _note_event(self, role: _Role, line: str) -> None:
-        """What the supervisor itself takes from a worker's events (common.events): its kvstore
-        rank (ps-lite's scheduler assigns ranks in the order workers register, so rank 0, the
-        checkpoint writer, is not necessarily the role named worker-0) and the newest checkpoint."""
+        """What the supervisor itself takes from the roles' events (common.events): a worker's
+        kvstore rank (ps-lite's scheduler assigns ranks in the order workers register, so rank 0,
+        the checkpoint writer, is not necessarily the role named worker-0), the newest checkpoint,
+        and any role's spot interruption notice (the first per instance)."""
         try:
             event = parse_event(line)
         except EventError:  # a malformed event: live tracking reports it

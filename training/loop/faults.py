@@ -1,7 +1,8 @@
 """Fault injection for recovery tests: a worker that kills itself (``kill -9``), hangs, gets
 SIGTERM at a step, or dies between a checkpoint's data files and its manifest.
 
-Off unless ``MXPIPE_FAULT_KILL_STEP`` (or ``_KILL_STEPS``, comma-separated: a kill at each) / ``_HANG_STEP`` / ``_TERM_STEP`` / ``_KILL_IN_UPLOAD_STEP``
+Off unless ``MXPIPE_FAULT_KILL_STEP`` (or ``_KILL_STEPS``, comma-separated: a kill at each) /
+``_HANG_STEP`` / ``_TERM_STEP`` / ``_KILL_IN_UPLOAD_STEP``
 / ``_STEP_DELAY_S`` is set. ``MXPIPE_FAULT_KILL_RANK`` picks the worker
 (default 1). With ``MXPIPE_FAULT_ONCE_FILE`` the fault fires only if that file does not exist,
 and creates it, so the retry of the same job runs clean.
@@ -62,7 +63,8 @@ class FaultPlan:
     @classmethod
     def from_settings(cls) -> "FaultPlan":
         s = settings()
-        return cls(kill_step=s.fault_kill_step, kill_steps=_steps(s.fault_kill_steps), kill_rank=s.fault_kill_rank, kill_pid_file=s.fault_kill_pid_file,
+        return cls(kill_step=s.fault_kill_step, kill_steps=_steps(s.fault_kill_steps), kill_rank=s.fault_kill_rank,
+                   kill_pid_file=s.fault_kill_pid_file,
                    hang_step=s.fault_hang_step, term_step=s.fault_term_step,
                    kill_in_upload_step=s.fault_kill_in_upload_step, step_delay_s=s.fault_step_delay_s,
                    once_file=s.fault_once_file)
