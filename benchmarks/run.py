@@ -1,5 +1,6 @@
 """One benchmark report: runs P1–P8 (with D1, C1, Q1–Q6, N1, C2, G1, G2, S1, O1–O3 and chaos R4) side by
-side on this machine and writes the table into benchmarks/README.md (between the report markers) and benchmarks/results.json.
+side on this machine and writes the table into benchmarks/README.md (between the report markers)
+and benchmarks/results.json.
 
     benchmarks/run                 # quick mode (about 25 minutes on 2 cores)
     benchmarks/run --full          # the long settings of every benchmark
@@ -145,7 +146,12 @@ def _q4(r: dict[str, Any]) -> Row:
 
 
 def _q5(r: dict[str, Any]) -> Row:
-    return (_reference_row(r["classification"]), r["classification"]["ratio"], r["met"]["classification"])
+    figure, ratio = _reference_row(r["classification"]), r["classification"]["ratio"]
+    if "mean_ratio" in r:  # one test split is a few hundred rows: the mean over several tables too
+        n = 1 + len(r["more_seeds"])
+        figure += f"; mean ratio over {n} generated tables {r['mean_ratio']['classification']:.3f}"
+        return figure, ratio, r["mean_ratio"]["classification"] >= 1.0
+    return figure, ratio, r["met"]["classification"]
 
 
 def _q6(r: dict[str, Any]) -> Row:

@@ -123,6 +123,10 @@ class Settings(BaseSettings):
                             "instance's spot interruption notice and writes a `spot_interruption` event once "
                             "(`common.procs.spot`); set by the `ec2` backend when it runs on spot instances",
                             group="cluster")
+    spot_notice_uri: str = _var("", "MXPIPE_SPOT_NOTICE_URI", "A folder (S3 or local) where a spot watcher also "
+                                "records its notice, one object per instance: how the supervisor hears of it where "
+                                "it cannot read the role's output while the role runs (SSM); set by the `ec2` "
+                                "backend", group="cluster")
     spot_poll_s: float = _var(5.0, "MXPIPE_SPOT_POLL_S", "Seconds between a spot watcher's polls of the "
                               "interruption notice (AWS's advice: every 5 s; the notice comes two minutes "
                               "before the instance goes)", group="cluster", gt=0)

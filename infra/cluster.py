@@ -195,6 +195,12 @@ class Cluster(ABC):
         to ``grace_s`` to first. Idempotent; returns the names of the process groups that were
         alive."""
 
+    def spot_notice_folder(self, job_uri: str) -> str:
+        """Where this cluster's roles record their spot notices for the job at ``job_uri``
+        (``common.procs.spot.notice_folder``), for a supervisor that cannot read their output
+        while they run; "" where it reads every notice from the roles' output (the default)."""
+        return ""
+
     def release_interrupted(self, host: str, *, replace: bool) -> bool:
         """Stop using the machine of ``host`` (a role handle's ``host``, or the instance id of a
         ``SpotInterruption`` event), which its cloud is reclaiming: what the supervisor calls after

@@ -69,7 +69,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from common.config import Number
 from common.roles import JobLaunch, Role, role_argv, role_env
-from common.procs.spot import SPOT_WATCH_ENV
+from common.procs.spot import SPOT_NOTICE_ENV, SPOT_WATCH_ENV, notice_folder
 from infra.cluster import (STOP_JOB_GRACE_S, Cluster, ClusterSpec, ProvisionError, SupervisorHostLost,
                            cluster_id_for, supervise_argv)
 from infra.strict_settings import StrictSettings
@@ -315,6 +315,11 @@ class Ec2Cluster(Cluster):
 
     # -- a spot notice -----------------------------------------------------------------------
 
+    def spot_notice_folder(self, job_uri: str) -> str:
+        # SSM gives a command's output only once it has ended: the supervisor polls the notices
+        # its spot roles record (the roles set SPOT_NOTICE_ENV to the same folder).
+        return notice_folder(job_uri) if self.opts.spot else ""
+
     def release_interrupted(self, host: str, *, replace: bool) -> bool:
         """See ``Cluster.release_interrupted``; the module docstring says what happens on EC2."""
         for instance, address, replaced in self.released:
@@ -396,6 +401,7 @@ class Ec2Cluster(Cluster):
             env["DMLC_INTERFACE"] = self.opts.interface
             if self.opts.spot:  # the interruption notice is only on the instance: its roles watch it
                 env[SPOT_WATCH_ENV] = "1"
+                env[SPOT_NOTICE_ENV] = notice_folder(launch.job_uri)
             resp = self.ssm.send_command(
                 InstanceIds=[self.instance_ids[index]], DocumentName="AWS-RunShellScript",
                 Comment=f"mxpipe {self.cluster_id} {role.name}"[:100],

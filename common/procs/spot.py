@@ -15,8 +15,13 @@ thread that polls the notice every ``MXPIPE_SPOT_POLL_S`` (AWS's advice is 5 s),
 - ``GET /latest/meta-data/instance-id``, to name the instance in the event.
 
 On a notice the role writes one ``common.events.SpotInterruption`` line to its standard output
-(the one channel from a role on any host to its supervisor), flushed, and goes on running: what
-happens next (rank 0's emergency checkpoint, a restart elsewhere) is the supervisor's decision.
+(the channel from a role on any host to its supervisor), flushed, and, where
+``MXPIPE_SPOT_NOTICE_URI`` names a folder, records the same event there as
+``<instance id>.json`` (``record_notice``; ``read_notices`` reads them): on ``ec2`` the supervisor
+cannot read a running role's output (SSM returns it only once the command has ended), so it
+polls that folder instead (``notice_folder``: beside the job's document, set by the backend).
+Then the role goes on running: what happens next (rank 0's emergency checkpoint, a restart
+elsewhere) is the supervisor's decision.
 Every request has a short timeout (``REQUEST_TIMEOUT_S``); a metadata service that cannot be
 reached, or answers nonsense, is said once on standard error and polled again at the next
 interval: the watch never ends a role.
@@ -47,6 +52,7 @@ from common.procs.watchdog import say
 from common.settings import settings
 
 SPOT_WATCH_ENV = "MXPIPE_SPOT_WATCH"
+SPOT_NOTICE_ENV = "MXPIPE_SPOT_NOTICE_URI"
 TOKEN_PATH = "/latest/api/token"
 ACTION_PATH = "/latest/meta-data/spot/instance-action"
 INSTANCE_ID_PATH = "/latest/meta-data/instance-id"
@@ -140,14 +146,56 @@ def _say(text: str) -> None:
     say("spot watch", text)
 
 
+# A recorded notice's writes (storage trouble: the event line has gone out anyway).
+RECORD_ATTEMPTS, RECORD_WAIT_S = 3, 1.0
+
+
+def notice_folder(job_uri: str) -> str:
+    """Where the roles of the job at ``job_uri`` record their spot notices: beside its document."""
+    from common import storage
+
+    return storage.join(job_uri.rsplit("/", 1)[0], "spot_notices")
+
+
+def record_notice(folder: str, event: SpotInterruption) -> bool:
+    """Write ``event`` as ``<folder>/<instance id>.json`` (retried, bounded); whether it landed."""
+    from common import storage
+
+    uri = storage.join(folder, f"{event.instance_id}.json")
+    for attempt in range(RECORD_ATTEMPTS):
+        try:
+            storage.put_bytes(uri, event.model_dump_json().encode())
+            return True
+        except Exception as exc:  # noqa: BLE001 - any storage error: said, tried again, never fatal
+            _say(f"could not record the notice at {uri} (attempt {attempt + 1} of {RECORD_ATTEMPTS}): {exc}")
+            time.sleep(RECORD_WAIT_S)
+    return False
+
+
+def read_notices(folder: str) -> list[SpotInterruption]:
+    """The notices recorded under ``folder`` (none while it is empty or missing); an object that
+    is not a notice is skipped."""
+    from common import storage
+
+    notices = []
+    for uri in storage.list_uris(folder):
+        try:
+            notices.append(SpotInterruption.model_validate_json(storage.get_bytes(uri)))
+        except (ValidationError, FileNotFoundError):
+            continue
+    return notices
+
+
 class SpotWatch:
     """One role's watch: ``poll`` once, or ``run`` until the notice came (or ``stop`` is set)."""
 
-    def __init__(self, client: MetadataClient, *, host: str, interval_s: float, out: TextIO | None = None) -> None:
+    def __init__(self, client: MetadataClient, *, host: str, interval_s: float, out: TextIO | None = None,
+                 record_to: str = "") -> None:
         self.client = client
         self.host = host
         self.interval_s = interval_s
         self.out = out
+        self.record_to = record_to  # a folder to record the notice in (``record_notice``), or none
         self.failing = False  # the last poll failed (said once, until a poll succeeds again)
 
     def poll(self) -> SpotInterruption | None:
@@ -188,6 +236,8 @@ class SpotWatch:
                 self.failing = False
                 if event is not None:
                     self._write(event)
+                    if self.record_to:
+                        record_notice(self.record_to, event)
                     _say(f"interruption notice: instance {event.instance_id} will {event.action} at {event.time}")
                     return event
             stop.wait(self.interval_s)
@@ -200,7 +250,7 @@ def watch_spot(environ: Mapping[str, str] | None = None, *, out: TextIO | None =
     if not s.spot_watch:
         return None
     watch = SpotWatch(MetadataClient(s.ec2_metadata_endpoint), host=s.node_host or socket.gethostname(),
-                      interval_s=s.spot_poll_s, out=out)
+                      interval_s=s.spot_poll_s, out=out, record_to=s.spot_notice_uri)
     thread = threading.Thread(target=watch.run, name="spot-watch", daemon=True)
     thread.start()
     return thread

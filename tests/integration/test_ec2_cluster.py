@@ -17,7 +17,7 @@ import pytest
 from infra.cluster import ClusterSpec, ProvisionError, SupervisorHostLost, attach, find_leaked, provision, reap
 from infra.ec2_cluster import (TAG_CLUSTER, TAG_EXPIRES, TAG_RECLAIMED, TAG_RUN, Ec2Options, _wait, find_expired,
                                reap_expired)
-from common.procs.spot import SPOT_WATCH_ENV
+from common.procs.spot import SPOT_NOTICE_ENV, SPOT_WATCH_ENV
 from common.roles import JobLaunch
 from tests.integration.moto_server import moto_server
 
@@ -107,7 +107,7 @@ def test_roles_start_through_ssm_with_each_instance_address(moto, ec2, tmp_path)
             assert env["DMLC_PS_ROOT_URI"] == root and env["DMLC_PS_ROOT_PORT"] == "9091"
             assert env["DMLC_ROLE"] == h.kind and env["DMLC_NUM_WORKER"] == "2"
             assert "AWS_SECRET_ACCESS_KEY" not in env and env["MXPIPE_FAULT_KILL_STEP"] == "3"
-            assert SPOT_WATCH_ENV not in env  # on-demand: no interruption notice to watch
+            assert SPOT_WATCH_ENV not in env and SPOT_NOTICE_ENV not in env  # on-demand: no notice to watch
             assert "exec-role" in script and "must-not-travel" not in script
         # The workers are spread over both instances.
         assert {by_role["worker-0"].instance_id, by_role["worker-1"].instance_id} == set(cluster.instance_ids)
@@ -143,6 +143,10 @@ def test_a_spot_notice_releases_its_instance_with_or_without_a_replacement(moto,
         launch = JobLaunch(job_uri="s3://mxpipe/runs/x/job.json", num_workers=3, num_servers=2)
         envs = _role_envs(ssm, cluster.start_roles(launch))
         assert len(envs) == 6 and all(env[SPOT_WATCH_ENV] == "1" for env in envs.values())
+        # SSM gives a running role's output to nobody: the notices are recorded beside the job.
+        folder = "s3://mxpipe/runs/x/spot_notices"
+        assert all(env[SPOT_NOTICE_ENV] == folder for env in envs.values())
+        assert cluster.spot_notice_folder(launch.job_uri) == folder
 
         # Replaced: the survivors keep their places, a new instance comes last.
         assert cluster.release_interrupted(cluster.addresses[1], replace=True) is True

@@ -102,6 +102,24 @@ def test_no_notice_no_event_then_a_notice_is_one_event_and_the_role_runs_on(fake
         role.stop()
 
 
+def test_a_notice_is_also_recorded_where_the_backend_asks(fake, tmp_path):
+    """``ec2``'s supervisor cannot read a running role's output (SSM): the role records its event
+    in the folder ``MXPIPE_SPOT_NOTICE_URI`` names, which the supervisor polls."""
+    from common.procs.spot import SPOT_NOTICE_ENV, read_notices
+
+    folder = str(tmp_path / "spot_notices")
+    role = _Role(_watching(fake, **{SPOT_NOTICE_ENV: folder}))
+    try:
+        assert read_notices(folder) == []
+        fake.notice("terminate", "2026-12-06T20:07:00Z")
+        (event,) = wait_for(lambda: read_notices(folder), timeout_s=10, what="the recorded notice")
+        assert event == SpotInterruption(instance_id=fake.instance_id, action="terminate",
+                                         time="2026-12-06T20:07:00Z", host=HOST)
+        assert wait_for(role.events, timeout_s=10, what="the event line") == [event]  # as without the folder
+    finally:
+        role.stop()
+
+
 @pytest.mark.parametrize("action", ["stop", "hibernate"])
 def test_each_action_of_a_notice_is_carried(fake, action):
     role = _Role(_watching(fake))

@@ -144,6 +144,18 @@ class ReclaimingCluster(script_cluster.ScriptCluster):
         return False
 
 
+class RecordingCluster(ReclaimingCluster):
+    """A reclaiming cluster whose roles' output the supervisor cannot read while they run (as SSM's
+    on ``ec2``): the notices are recorded under ``folder``."""
+
+    def __init__(self, *args, folder, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.folder = folder
+
+    def spot_notice_folder(self, job_uri):
+        return self.folder
+
+
 def _noticed(watch, tmp_path, *, capacity, **cfg):
     # Every role of the machine reports the notice in the first round; the workers then wait to
     # be stopped (rank 0 "checkpoints" on SIGTERM); in the next round they finish.
@@ -153,7 +165,13 @@ def _noticed(watch, tmp_path, *, capacity, **cfg):
               f"if [ $n -le 2 ]; then trap 'echo emergency checkpoint; exit 75' TERM; {NOTICE}; "
               "while :; do sleep 0.1; done; fi; sleep 0.3; echo done")
     scripts = {"scheduler": f"{NOTICE}; sleep 1", "server-0": "sleep 1", "worker-0": worker, "worker-1": worker}
-    cluster = ReclaimingCluster(watch.record_dirs[0], watch.env, scripts, capacity=capacity)
+    folder = cfg.pop("record_notices_in", None)
+    if folder is not None:  # the roles record the notice instead of printing it
+        notice = NOTICE.replace("printf '@event ", f"printf '").replace("\\n'", f"' > {folder}/i-1.json")
+        scripts = {name: script.replace(NOTICE, f"mkdir -p {folder}; {notice}") for name, script in scripts.items()}
+        cluster = RecordingCluster(watch.record_dirs[0], watch.env, scripts, capacity=capacity, folder=str(folder))
+    else:
+        cluster = ReclaimingCluster(watch.record_dirs[0], watch.env, scripts, capacity=capacity)
     config = TrainConfig().replace(cluster={"num_workers": 2, "num_servers": 1, "job_timeout_s": 60,
                                             **cfg.get("cluster", {})},
                                    checkpoint={"preempt_grace_s": 2, **cfg.get("checkpoint", {})})
@@ -201,3 +219,13 @@ def test_the_job_timeout_counts_from_the_job_start_across_restarts(tmp_path, not
     err, cluster, _ = _run(nothing_left, {"worker-0": script}, job_timeout_s=3)
     assert err.role == "job" and "exceeded its timeout of 3s" in str(err)
     assert len(cluster.launches) > 1
+
+
+def test_a_notice_recorded_in_the_cluster_s_folder_is_acted_on_too(tmp_path, nothing_left):
+    folder = tmp_path / "spot_notices"
+    folder.mkdir()
+    (folder / "i-0.json").write_text("left by an earlier job")  # emptied at the job's start
+    err, cluster, record = _noticed(nothing_left, tmp_path, capacity=True, record_notices_in=folder)
+    assert err is None and cluster.released == [("host-a", True)] and len(cluster.launches) == 2
+    assert record.last_restart_reason == "spot interruption notice for i-1 (host-a)"
+    assert not (folder / "i-0.json").exists()

@@ -70,6 +70,9 @@ __all__ = ["JobFailed", "JobObserver", "JobStopped", "Supervisor", "launch_for",
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
+# How often a cluster's recorded spot notices are read (``RoleCluster.spot_notice_folder``): the
+# notice comes two minutes ahead, the roles poll their instance every 5 s.
+NOTICE_POLL_S = 2.0
 TAIL_LINES = 30
 # How long the scheduler and servers get to exit on their own once every worker succeeded.
 DRAIN_TIMEOUT_S = 30.0
@@ -294,10 +297,35 @@ class Supervisor:
             with self.lock:
                 self.checkpoint_step = max(event.step, self.checkpoint_step or 0)
         elif isinstance(event, SpotInterruption):
-            with self.lock:
-                if event.instance_id not in self.notices:
-                    self.notices[event.instance_id] = event
-                    self.pending_notices.append(event)
+            self._queue_notice(event)
+
+    def _queue_notice(self, notice: SpotInterruption) -> None:
+        """Queue a machine's spot notice for the watch loop, once per instance (from any role's
+        output, or recorded under the cluster's notice folder)."""
+        with self.lock:
+            if notice.instance_id not in self.notices:
+                self.notices[notice.instance_id] = notice
+                self.pending_notices.append(notice)
+
+    def _watch_notice_folder(self, folder: str, stop: threading.Event) -> None:
+        """Read the notices recorded under ``folder`` every ``NOTICE_POLL_S`` until ``stop``, in a
+        thread of its own: a read stuck on storage holds up no role line and no failure check."""
+        from common import storage
+        from common.procs.spot import read_notices
+
+        failing = False
+        while not stop.wait(NOTICE_POLL_S):
+            try:
+                with storage.fail_fast():
+                    found = read_notices(folder)
+            except Exception as exc:  # noqa: BLE001 - storage trouble: read again at the next poll
+                if not failing:
+                    log.warning("could not read the spot notices under %s: %s", folder, exc)
+                failing = True
+                continue
+            failing = False
+            for notice in found:
+                self._queue_notice(notice)
 
     def run(self, job_uri: str) -> None:
         c = self.cfg.cluster
@@ -314,7 +342,9 @@ class Supervisor:
             self.observer.start()
         if self.status is not None:  # its writes wait on storage: never in this loop or a line pump
             self.status.start_beats(POLL_S)
+        stop_notices = threading.Event()
         try:
+            self._start_notice_watch(job_uri, stop_notices)
             # The cluster supplies each host's base environment; the job adds what a role must
             # inherit from here (storage credentials, fault injection, ps-lite tuning).
             launch = launch_for(self.cfg, job_uri, forwarded_env(self.base_env))
@@ -336,11 +366,25 @@ class Supervisor:
                 log.warning("stop requested: stopping every role (rank 0 first writes its emergency checkpoint)")
             raise
         finally:
+            stop_notices.set()
             self._stop_all(orderly=orderly)
             if self.status is not None:
                 self.status.stop_beats()
             if self.observer is not None:
                 self.observer.end(*outcome_of(error))
+
+    def _start_notice_watch(self, job_uri: str, stop: threading.Event) -> None:
+        """Where the cluster's roles record their spot notices (a cluster whose roles' output
+        arrives only once they end: ``ec2``), empty that folder of an earlier job's and read it."""
+        folder_of = getattr(self.cluster, "spot_notice_folder", None)  # duck-typed: optional for a cluster
+        folder = folder_of(job_uri) if folder_of is not None else ""
+        if not folder:
+            return
+        from common import storage
+
+        storage.delete_prefix(folder)  # one job per prefix: what is there is an earlier job's
+        threading.Thread(target=self._watch_notice_folder, args=(folder, stop), name="spot-notices",
+                         daemon=True).start()
 
     def _start_roles(self, launch: JobLaunch) -> None:
         for handle in self.cluster.start_roles(launch):
