@@ -93,6 +93,9 @@ class JobLaunch:
     distributed: bool = True
     # Every role flushes denormal floats to zero (common.fpmode; cluster.flush_denormals).
     flush_denormals: bool = True
+    # The job's status record: what a role started apart from its supervisor (ec2) watches it by
+    # (common.procs.watchdog.supervised_by_record); "" where there is none.
+    status_uri: str = ""
 
     def roles(self) -> list[Role]:
         """Scheduler first, then servers, then workers: the order ps-lite expects them to join."""

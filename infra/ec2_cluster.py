@@ -69,7 +69,9 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from common.config import Number
 from common.roles import JobLaunch, Role, role_argv, role_env
+from common.procs.identity import ProcessIdentity
 from common.procs.spot import SPOT_NOTICE_ENV, SPOT_WATCH_ENV, notice_folder
+from common.procs.watchdog import supervised_by_record
 from infra.cluster import (STOP_JOB_GRACE_S, Cluster, ClusterSpec, ProvisionError, SupervisorHostLost,
                            cluster_id_for, supervise_argv)
 from infra.strict_settings import StrictSettings
@@ -392,6 +394,7 @@ class Ec2Cluster(Cluster):
         launch_env = {k: v for k, v in launch.env.items() if not k.startswith("AWS_")}
         launch = replace(launch, env=launch_env)
         attempt = self.new_attempt()
+        supervisor = ProcessIdentity.of()  # start_roles runs in the supervisor
         handles = []
         for role, index in self.placement(launch.roles()):
             address = self.addresses[index]
@@ -399,6 +402,8 @@ class Ec2Cluster(Cluster):
                            base={"PATH": "/usr/local/bin:/usr/bin:/bin", "MXPIPE_CLUSTER": self.cluster_id},
                            repo_root=self.opts.workdir)
             env["DMLC_INTERFACE"] = self.opts.interface
+            if launch.status_uri:  # a role on another instance: it watches its supervisor by the record
+                env.update(supervised_by_record(launch.status_uri, supervisor))
             if self.opts.spot:  # the interruption notice is only on the instance: its roles watch it
                 env[SPOT_WATCH_ENV] = "1"
                 env[SPOT_NOTICE_ENV] = notice_folder(launch.job_uri)

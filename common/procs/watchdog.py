@@ -13,6 +13,12 @@ supervisor's end from what ``SUPERVISOR_ENV`` names, set by the cluster that sta
 - a ``ProcessIdentity`` (``table pid start``): the supervisor is a process of this machine's
   process table; checked every ``WATCH_INTERVAL_S`` by pid *and* start time, so a recycled pid
   is never taken for it.
+- ``record <status uri> <table pid start>`` (``supervised_by_record``): the role runs apart from
+  its supervisor (``ec2``: SSM starts it, on another instance), so it reads the job's status
+  record every ``WATCH_INTERVAL_S``: gone when the record names another supervisor, reached a
+  final state, or has a heartbeat older than ``RECORD_STALE_S`` (the supervisor writes one every
+  2 s). A record that cannot be read (storage trouble, which the job itself rides out) judges
+  nothing. The hosts' clocks must agree within a second (EC2's do, through its time service).
 
 Not a parent-death signal (``PR_SET_PDEATHSIG``): it delivers one fixed signal to every role at
 once, on the death of the parent *thread*, and a Python handler of it never runs while the main
@@ -30,8 +36,8 @@ thread waits inside ps-lite. What a role must do instead depends on what it is:
   ``PEER_LINGER_S``, and after ``PEER_MAX_LINGER_S`` whatever it does.
 
 Either way the role exits ``EXIT_SUPERVISOR_GONE`` (75, ``EX_TEMPFAIL``: the same "retry
-resumes" code as a preempted worker's). Without ``SUPERVISOR_ENV`` (a role started by hand, the
-EC2 backend's roles, which SSM runs apart from their supervisor) nothing is watched.
+resumes" code as a preempted worker's). Without ``SUPERVISOR_ENV`` (a role started by hand)
+nothing is watched.
 """
 from __future__ import annotations
 
@@ -48,7 +54,14 @@ from common.procs.identity import ProcessIdentity
 
 SUPERVISOR_ENV = "MXPIPE_SUPERVISOR"
 STDIN = "stdin"
+RECORD = "record"
 WATCH_INTERVAL_S = 1.0
+# A status record whose heartbeat is older than this says its supervisor is gone: two of its
+# beats (``training.launch.status.HEARTBEAT_S``, 2 s) missed, so the watch, reading every
+# second, sees a death within 5 s. Tighter than a reader that stops a job on it (10 s there):
+# here a false alarm costs a restart of the roles, not the job.
+RECORD_STALE_S = 4.0
+_ACTIVE_STATES = ("starting", "running")  # training.launch.status.ACTIVE_STATES
 PEER_LINGER_S = 2.0
 IDLE_WINDOW_S = 1.0
 IDLE_CPU_S = 0.01
@@ -71,17 +84,54 @@ def supervised_by(identity: ProcessIdentity | None) -> dict[str, str]:
     return {SUPERVISOR_ENV: identity.to_text() if identity is not None else STDIN}
 
 
+def supervised_by_record(status_uri: str, identity: ProcessIdentity) -> dict[str, str]:
+    """The role environment entry for a supervisor that is ``identity`` on another machine, judged
+    by the job's status record at ``status_uri`` (an S3 URI: no whitespace)."""
+    return {SUPERVISOR_ENV: f"{RECORD} {status_uri} {identity.to_text()}"}
+
+
 class SupervisorWatch:
     """What one role knows of its supervisor (``how``: ``SUPERVISOR_ENV``'s value)."""
 
     def __init__(self, how: str, *, interval_s: float = WATCH_INTERVAL_S) -> None:
         self.interval_s = interval_s
+        self.record_uri = ""
+        if how.startswith(RECORD + " "):
+            _, self.record_uri, text = how.split(" ", 2)
+            self.identity = ProcessIdentity.from_text(text)  # another machine's: compared, never looked up
+            return
         self.identity = None if how == STDIN else ProcessIdentity.from_text(how)
         if self.identity is not None and not self.identity.visible:
             raise ValueError(f"{SUPERVISOR_ENV}: the supervisor {how!r} is not a process of this machine's table")
 
+    def record_says_gone(self) -> str:
+        """Why the status record says the supervisor is gone; "" while it is alive, or unreadable."""
+        import json
+
+        from common import storage
+
+        try:
+            with storage.fail_fast():
+                record = json.loads(storage.get_bytes(self.record_uri))
+        except Exception:  # noqa: BLE001 - unreadable (storage trouble): judge nothing, read again
+            return ""
+        ident = self.identity
+        named = (record.get("process_table"), record.get("pid"), record.get("pid_started"))
+        if named != (ident.table, ident.pid, ident.started):
+            return f"the status record {self.record_uri} names another supervisor"
+        if record.get("state") not in _ACTIVE_STATES:
+            return f"the status record {self.record_uri} says the job is {record.get('state')}"
+        age = time.time() - float(record.get("heartbeat") or 0.0)
+        if age > RECORD_STALE_S:
+            return f"its heartbeat in {self.record_uri} is {age:.1f}s old"
+        return ""
+
     def wait(self) -> str:
         """Block until the supervisor is gone; why it is judged gone."""
+        if self.record_uri:
+            while not (why := self.record_says_gone()):
+                time.sleep(self.interval_s)
+            return why
         if self.identity is None:
             try:
                 while os.read(0, 4096):  # nothing is ever written; read until end of file
@@ -102,7 +152,7 @@ def ends_itself(pid: int) -> bool:
         how = psutil.Process(pid).environ().get(SUPERVISOR_ENV, "")
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
-    if how == STDIN:
+    if how == STDIN or how.startswith(RECORD + " "):
         return True  # its supervisor's end cannot be seen from here; stop_job has just ended it
     try:
         return bool(how) and ProcessIdentity.from_text(how).running() is False

@@ -17,7 +17,9 @@ import pytest
 from infra.cluster import ClusterSpec, ProvisionError, SupervisorHostLost, attach, find_leaked, provision, reap
 from infra.ec2_cluster import (TAG_CLUSTER, TAG_EXPIRES, TAG_RECLAIMED, TAG_RUN, Ec2Options, _wait, find_expired,
                                reap_expired)
+from common.procs.identity import ProcessIdentity
 from common.procs.spot import SPOT_NOTICE_ENV, SPOT_WATCH_ENV
+from common.procs.watchdog import SUPERVISOR_ENV
 from common.roles import JobLaunch
 from tests.integration.moto_server import moto_server
 
@@ -91,7 +93,8 @@ def test_roles_start_through_ssm_with_each_instance_address(moto, ec2, tmp_path)
     ssm = boto3.client("ssm", region_name=REGION, endpoint_url=moto)
     try:
         launch = JobLaunch(job_uri="s3://mxpipe/runs/x/job.json", num_workers=2, num_servers=1,
-                           env={"AWS_SECRET_ACCESS_KEY": "must-not-travel", "MXPIPE_FAULT_KILL_STEP": "3"})
+                           env={"AWS_SECRET_ACCESS_KEY": "must-not-travel", "MXPIPE_FAULT_KILL_STEP": "3"},
+                           status_uri="s3://mxpipe/runs/x/job_status.json")
         handles = cluster.start_roles(launch)
         by_role = {h.name: h for h in handles}
         assert set(by_role) == {"scheduler", "server-0", "worker-0", "worker-1"}
@@ -108,6 +111,8 @@ def test_roles_start_through_ssm_with_each_instance_address(moto, ec2, tmp_path)
             assert env["DMLC_ROLE"] == h.kind and env["DMLC_NUM_WORKER"] == "2"
             assert "AWS_SECRET_ACCESS_KEY" not in env and env["MXPIPE_FAULT_KILL_STEP"] == "3"
             assert SPOT_WATCH_ENV not in env and SPOT_NOTICE_ENV not in env  # on-demand: no notice to watch
+            # Apart from its supervisor: it watches the job's status record for this process.
+            assert env[SUPERVISOR_ENV] == f"record s3://mxpipe/runs/x/job_status.json {ProcessIdentity.of().to_text()}"
             assert "exec-role" in script and "must-not-travel" not in script
         # The workers are spread over both instances.
         assert {by_role["worker-0"].instance_id, by_role["worker-1"].instance_id} == set(cluster.instance_ids)

@@ -197,3 +197,61 @@ def test_a_stop_waits_for_roles_ending_themselves_instead_of_signalling_them(tmp
         kill_recorded(str(tmp_path / "procs"), grace_s=0.5)
     assert PEER_LINGER_S - 1.5 <= took < 10.0, took  # it ended itself, well within the wait
     assert not marker.exists()  # and was never signalled
+
+
+def test_a_role_apart_from_its_supervisor_watches_the_status_record(tmp_path):
+    """``ec2``: SSM starts a role on another instance than its supervisor, so it reads the job's
+    status record (here a local file this test writes as the supervisor would): no record judges
+    nothing, fresh heartbeats keep it running, and once they stop it is gone within
+    ``RECORD_STALE_S`` and a read; another supervisor's record ends it at once."""
+    import threading
+
+    from common.procs.watchdog import RECORD_STALE_S, WATCH_INTERVAL_S, supervised_by_record
+    from training.launch.status import StatusWriter
+
+    me = ProcessIdentity.of()  # this test plays the supervisor
+    uri = str(tmp_path / "job_status.json")
+
+    def role():
+        return subprocess.Popen([sys.executable, "-c", ROLE], env=_env(**supervised_by_record(uri, me)),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=ROOT)
+
+    first = role()
+    try:
+        assert first.stdout.readline().strip() == "ready"
+        time.sleep(2 * WATCH_INTERVAL_S)
+        assert first.poll() is None  # no record yet (or storage trouble): nothing judged
+        writer = StatusWriter(uri, JobStatus(state=RUNNING, job_id="j", pid=me.pid, process_table=me.table,
+                                             pid_started=me.started), heartbeat_s=0.5)
+        stop = threading.Event()
+
+        def beat_until_stopped():
+            while not stop.wait(0.2):
+                writer.beat()
+
+        beats = threading.Thread(target=beat_until_stopped)
+        beats.start()
+        time.sleep(RECORD_STALE_S + 2 * WATCH_INTERVAL_S)
+        assert first.poll() is None  # heartbeats fresh: alive
+        stop.set()
+        beats.join()
+        last_beat = time.monotonic()
+        first.wait(timeout=RECORD_STALE_S + WATCH_INTERVAL_S + PEER_LINGER_S + 5)
+        gone_after = time.monotonic() - last_beat
+        assert first.returncode == EXIT_SUPERVISOR_GONE
+        err = first.stderr.read()
+        assert "the supervisor is gone (its heartbeat in" in err, err
+        # Seen within the stale bound and a read, then the peers' linger (PEER_LINGER_S, idle).
+        assert gone_after <= RECORD_STALE_S + WATCH_INTERVAL_S + PEER_LINGER_S + 1.5, gone_after
+
+        other = replace(writer.status, pid=me.pid + 1)
+        (tmp_path / "job_status.json").write_bytes(replace(other, heartbeat=time.time()).to_json())
+        second = role()
+        second.wait(timeout=WATCH_INTERVAL_S + PEER_LINGER_S + 5)
+        assert second.returncode == EXIT_SUPERVISOR_GONE and "names another supervisor" in second.stderr.read()
+    finally:
+        for proc in (first, locals().get("second")):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)

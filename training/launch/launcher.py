@@ -192,12 +192,13 @@ class _Role:
         return self.handle.host
 
 
-def launch_for(cfg: TrainConfig, job_uri: str, env: Mapping[str, str] | None = None) -> JobLaunch:
+def launch_for(cfg: TrainConfig, job_uri: str, env: Mapping[str, str] | None = None,
+               status_uri: str = "") -> JobLaunch:
     """The ``JobLaunch`` of a config: its cluster shape and per-role thread bound."""
     c = cfg.cluster
     return JobLaunch(job_uri=job_uri, num_workers=c.num_workers, num_servers=c.num_servers,
                      threads_per_role=c.threads_per_role, env=dict(env or {}), distributed=c.distributed,
-                     flush_denormals=c.flush_denormals)
+                     flush_denormals=c.flush_denormals, status_uri=status_uri)
 
 
 def _describe_exit(code: int) -> str:
@@ -347,7 +348,8 @@ class Supervisor:
             self._start_notice_watch(job_uri, stop_notices)
             # The cluster supplies each host's base environment; the job adds what a role must
             # inherit from here (storage credentials, fault injection, ps-lite tuning).
-            launch = launch_for(self.cfg, job_uri, forwarded_env(self.base_env))
+            launch = launch_for(self.cfg, job_uri, forwarded_env(self.base_env),
+                                status_uri=self.status.uri if self.status is not None else "")
             while True:
                 round_start = self.checkpoint_step  # before the roles start: they may commit at once
                 self._start_roles(launch)
