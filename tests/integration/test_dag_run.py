@@ -58,7 +58,6 @@ def test_full_run_with_a_worker_killed_three_times_restarts_in_place_and_registe
     assert all(t["state"] == "success" for t in tasks.values()), tasks
     assert all((tmp_path / f"fault-fired-{s}").exists() for s in KILLS), "a kill never fired"
     assert tasks["train"]["try_number"] == 1  # three restarts in place, no Airflow retry
-    assert "killed by SIGKILL" in logs and "restarted every role in place (restart 3;" in logs
     assert not os.path.exists(os.path.join(airflow_env["MXPIPE_HOME"], "clusters")) or \
         os.listdir(os.path.join(airflow_env["MXPIPE_HOME"], "clusters")) == []
 

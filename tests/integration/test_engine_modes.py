@@ -163,8 +163,9 @@ def test_warmup_cosine_schedule_follows_the_global_step_across_a_resume(shards, 
     cfg, prefix, manifest = shards
     steps = _steps_per_epoch(manifest, 2, 32)
     total, warmup, peak = 3 * steps, steps + steps // 2, 0.01
+    # No restart in place: the killed job ends and the next one (the retry's) resumes.
     overrides = {"optim": {"epochs": 3, "learning_rate": peak, "lr_schedule": "cosine", "warmup_steps": warmup},
-                 "checkpoint": {"every_n_steps": 5}}
+                 "checkpoint": {"every_n_steps": 5}, "cluster": {"max_restarts_without_progress": 0}}
     job = make_job(cfg, prefix, s3_prefix, **overrides)
     kill_at = steps + 7
     fault = {"MXPIPE_FAULT_KILL_STEP": str(kill_at), "MXPIPE_FAULT_KILL_RANK": "1",
@@ -290,7 +291,9 @@ def test_split_model_resumes_exactly_after_sigterm(shards, split_run, s3_prefix,
     cadence) writes an emergency checkpoint with every stage's optimizer state; the retry
     restores it and ends with the uninterrupted job's parameters bit for bit."""
     _, metrics, _, (_, reference) = split_run
-    job = make_job(shards[0], shards[1], s3_prefix, **SPLIT)
+    # No restart in place: the preempted job ends and the next one (the retry's) resumes.
+    job = make_job(shards[0], shards[1], s3_prefix, **{**SPLIT, "cluster": {**SPLIT["cluster"],
+                                                                            "max_restarts_without_progress": 0}})
     with pytest.raises(JobFailed) as failed:
         run_job(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_TERM_STEP": "27", "MXPIPE_FAULT_KILL_RANK": "0"})
     assert failed.value.exit_code == EXIT_PREEMPTED, str(failed.value)

@@ -148,7 +148,10 @@ def test_a_killed_role_ends_the_run_failed_and_the_retry_reuses_it(digits_shards
 def test_stopping_the_supervisor_ends_the_run_killed(digits_shards, s3_prefix, tmp_path, mlflow_server,
                                                      nothing_left):
     cfg, shards = digits_shards
-    job = _tracked(make_job(cfg, shards, s3_prefix, optim={"epochs": 20}), mlflow_server, "live-stopped")
+    # Far longer than the wait for the first epoch's metric, however loaded the machine (early
+    # stopping off): the job is stopped long before it could end.
+    job = _tracked(make_job(cfg, shards, s3_prefix, optim={"epochs": 500, "early_stopping_patience": 0}),
+                   mlflow_server, "live-stopped")
     client = _client(mlflow_server)
 
     def stop_after_first_epoch():

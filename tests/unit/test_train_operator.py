@@ -40,6 +40,26 @@ def test_trigger_judges_each_record(tmp_path):
     assert lost["state"] == "lost" and "no status record within 100s" in lost["why"]
 
 
+def test_the_task_log_gets_a_line_per_restart_in_place_and_per_new_step(tmp_path, caplog):
+    import logging
+
+    trigger, log = _trigger(tmp_path), logging.getLogger("test.task")
+    caplog.set_level(logging.INFO, logger="test.task")
+    base = JobStatus(state=RUNNING, job_id="1-a", global_step=10, epoch=1)
+    trigger.report(base, log)
+    trigger.report(base, log)  # nothing changed: no line
+    restarted = JobStatus(state=RUNNING, job_id="1-a", global_step=12, epoch=1, restarts=1,
+                          last_restart_reason="worker-1 on 127.0.0.1 failed: killed by SIGKILL")
+    trigger.report(restarted, log)
+    trigger.report(JobStatus(state=RUNNING, job_id="other", restarts=5), log)  # another job's record
+    assert [r.getMessage() for r in caplog.records] == [
+        "job 1-a running: epoch 1, global step 10",
+        "job 1-a restarted every role in place (restart 1; 0 in a row without a new checkpoint) after: "
+        "worker-1 on 127.0.0.1 failed: killed by SIGKILL",
+        "job 1-a running: epoch 1, global step 12"]
+    assert caplog.records[1].levelname == "WARNING"
+
+
 def test_trigger_knows_a_supervisor_gone_on_this_machine_at_once(tmp_path):
     import subprocess
     import sys
