@@ -48,7 +48,9 @@ def test_warm_start_loads_the_source_run_then_a_retry_resumes_its_own(tmp_path, 
     run_job(first, storage.join(root, "run-a"), tmp_path)
     trained = _params(first)
 
-    warm = make_job(cfg, shards, storage.join(root, "run-b"), optim={"learning_rate": 1e-12})
+    # No restart in place: the killed job ends, and the next one (the retry's) resumes its own.
+    warm = make_job(cfg, shards, storage.join(root, "run-b"), optim={"learning_rate": 1e-12},
+                    cluster={"max_restarts_without_progress": 0})
     warm = dataclasses.replace(warm, warm_start_prefix=first.checkpoint_prefix)
     # Attempt 1 warm-starts, checkpoints at step 7 and is killed at step 12.
     caplog.clear()
