@@ -111,7 +111,8 @@ def test_a_job_resumed_after_it_stopped_trains_nothing_and_exports_the_best_agai
 def test_a_killed_worker_and_a_resume_make_the_same_decisions(shards, reference, s3_prefix, tmp_path, caplog,
                                                              kill_step, newest):
     cfg, shards_prefix = shards
-    job = _job(cfg, shards_prefix, s3_prefix)
+    # No restart in place: the killed job ends, and the next one (the retry's) resumes.
+    job = _job(cfg, shards_prefix, s3_prefix, cluster={"max_restarts_without_progress": 0})
     with pytest.raises(JobFailed, match="SIGKILL"):
         _run(job, s3_prefix, tmp_path, env={"MXPIPE_FAULT_KILL_STEP": str(kill_step), "MXPIPE_FAULT_KILL_RANK": "1"})
     assert CheckpointStore(job.checkpoint_prefix).committed_steps()[0] == newest
@@ -131,7 +132,8 @@ def test_a_killed_worker_and_a_resume_make_the_same_decisions(shards, reference,
 
 def test_elastic_resume_on_one_worker_keeps_the_best_so_far_and_its_patience(shards, reference, s3_prefix, tmp_path):
     cfg, shards_prefix = shards
-    job2 = _job(cfg, shards_prefix, s3_prefix, checkpoint={"elastic": True})
+    job2 = _job(cfg, shards_prefix, s3_prefix, checkpoint={"elastic": True},
+                cluster={"max_restarts_without_progress": 0})
     with pytest.raises(JobFailed):
         _run(job2, s3_prefix, tmp_path, env={"MXPIPE_FAULT_KILL_STEP": "190", "MXPIPE_FAULT_KILL_RANK": "1"})
     # The newest checkpoint is 189, in epoch 9, after the best epoch (7) and one epoch without a

@@ -184,7 +184,9 @@ def test_a_custom_network_reaches_the_remote_workers_through_storage(hosts, loca
 def test_killed_remote_worker_is_reported_with_its_host_and_everything_stops(hosts, local_shards, tmp_path,
                                                                             nothing_left, caplog):
     cfg, shards = local_shards
-    job, job_uri = _job(cfg, shards, str(tmp_path / "run"), optim={"epochs": 2})
+    # No restart in place: the lost worker ends the job (restarts: tests/integration/test_role_restarts.py).
+    job, job_uri = _job(cfg, shards, str(tmp_path / "run"), optim={"epochs": 2},
+                        cluster={"max_restarts_without_progress": 0})
     spec = ClusterSpec(run_tag=f"hosts-test--kill-{hosts[0]['transport']}-{SUFFIX}", workers=2, servers=1,
                        backend="hosts", options={"hosts": hosts})
     cluster = provision(spec, home=str(tmp_path / "home"))

@@ -35,7 +35,8 @@ def test_a_killed_regression_job_resumes_to_the_same_parameters(s3_server, tmp_p
     shards = storage.join(bucket, "shards")
     ref = _job(cfg, shards, storage.join(bucket, "reference"))
     _run(ref, storage.join(bucket, "reference"), tmp_path / "ref")
-    job = _job(cfg, shards, storage.join(bucket, "resumed"))
+    # No restart in place: the killed job ends, and the next one (the retry's) resumes.
+    job = _job(cfg, shards, storage.join(bucket, "resumed"), cluster={"max_restarts_without_progress": 0})
     with pytest.raises(JobFailed):
         _run(job, storage.join(bucket, "resumed"), tmp_path / "a",
              env={"MXPIPE_FAULT_KILL_STEP": "12", "MXPIPE_FAULT_KILL_RANK": "1"})
