@@ -7,7 +7,7 @@ status record shows rank 0 at ``notice_at_step``. The supervisor's event log
 emergency checkpoint rank 0 wrote when the supervisor acted (the step it had reached: it finishes
 its step, saves and exits), the step the next round resumed from, and the newest checkpoint
 before the notice, where a crash at the same moment would have resumed from. Used by
-``tests/integration/test_spot_watch.py``.
+``tests/integration/test_spot_watch.py`` and ``benchmarks/spot_notice.py``.
 """
 from __future__ import annotations
 

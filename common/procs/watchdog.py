@@ -50,6 +50,7 @@ from collections.abc import Callable, Mapping
 
 import psutil
 
+from common.job_states import ACTIVE_STATES
 from common.procs.identity import ProcessIdentity
 
 SUPERVISOR_ENV = "MXPIPE_SUPERVISOR"
@@ -61,7 +62,6 @@ WATCH_INTERVAL_S = 1.0
 # second, sees a death within 5 s. Tighter than a reader that stops a job on it (10 s there):
 # here a false alarm costs a restart of the roles, not the job.
 RECORD_STALE_S = 4.0
-_ACTIVE_STATES = ("starting", "running")  # training.launch.status.ACTIVE_STATES
 PEER_LINGER_S = 2.0
 IDLE_WINDOW_S = 1.0
 IDLE_CPU_S = 0.01
@@ -119,7 +119,7 @@ class SupervisorWatch:
         named = (record.get("process_table"), record.get("pid"), record.get("pid_started"))
         if named != (ident.table, ident.pid, ident.started):
             return f"the status record {self.record_uri} names another supervisor"
-        if record.get("state") not in _ACTIVE_STATES:
+        if record.get("state") not in ACTIVE_STATES:
             return f"the status record {self.record_uri} says the job is {record.get('state')}"
         age = time.time() - float(record.get("heartbeat") or 0.0)
         if age > RECORD_STALE_S:

@@ -28,12 +28,9 @@ from typing import Any
 
 from common import storage
 from common.events import EpochDone, EventError, Progress, parse_event
+from common.job_states import ACTIVE_STATES, FAILED, FINAL_STATES, RUNNING, STARTING, STATES, STOPPED, SUCCEEDED
 from common.procs.identity import ProcessIdentity
 
-STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED = "starting", "running", "succeeded", "failed", "stopped"
-STATES = (STARTING, RUNNING, SUCCEEDED, FAILED, STOPPED)
-ACTIVE_STATES = frozenset({STARTING, RUNNING})
-FINAL_STATES = frozenset({SUCCEEDED, FAILED, STOPPED})
 # A live supervisor refreshes its heartbeat at least this often (with its progress, if any): a
 # 3-day run writes about 130k small objects. MIN_WRITE_INTERVAL_S bounds ``update``'s writes.
 HEARTBEAT_S = 2.0
