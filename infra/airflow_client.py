@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 TERMINAL_RUN_STATES = frozenset({"success", "failed"})
 _PAGE = 100  # [api] maximum_page_limit
+# The read timeout of a wait's polls: one poll that takes longer is repeated (``_poll``), within the
+# wait's own deadline.
+POLL_READ_TIMEOUT_S = 30.0
 DB_BUSY_RETRIES = 3  # repeats of an idempotent call answered "Database error" (see AirflowClient.request)
 
 
@@ -253,17 +256,19 @@ def wait_for_dag_run(base_url: str, dag_id: str, run_id: str, timeout_s: float =
     """
     deadline = time.monotonic() + timeout_s
     last: dict[str, str | None] = {}
-    with AirflowClient(base_url) as client:
+    state = "unknown"
+    with AirflowClient(base_url, timeout_s=POLL_READ_TIMEOUT_S) as client:
         while True:
-            state = client.dag_run(dag_id, run_id)["state"]
-            states = client.task_states(dag_id, run_id)
-            if states != last:
-                last = states
-                log.info("%s %s: %s %s", dag_id, run_id, state, states)
-                if on_progress is not None:
-                    on_progress(states)
-            if state in TERMINAL_RUN_STATES:
-                return state
+            polled = _poll(lambda: (client.dag_run(dag_id, run_id)["state"], client.task_states(dag_id, run_id)))
+            if polled is not None:
+                state, states = polled
+                if states != last:
+                    last = states
+                    log.info("%s %s: %s %s", dag_id, run_id, state, states)
+                    if on_progress is not None:
+                        on_progress(states)
+                if state in TERMINAL_RUN_STATES:
+                    return state
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{dag_id} run {run_id} still {state} after {timeout_s:.0f}s; "
                                    f"tasks: {last}")
@@ -274,15 +279,17 @@ def wait_for_task_state(base_url: str, dag_id: str, run_id: str, task_id: str, w
                         timeout_s: float = 300.0, poll_s: float = 2.0) -> None:
     """Poll until ``task_id`` is in state ``wanted`` (e.g. ``awaiting_input``); fail early if the run ends."""
     deadline = time.monotonic() + timeout_s
-    with AirflowClient(base_url) as client:
+    states: dict[str, str | None] = {}
+    with AirflowClient(base_url, timeout_s=POLL_READ_TIMEOUT_S) as client:
         while True:
-            states = client.task_states(dag_id, run_id)
-            if states.get(task_id) == wanted:
-                return
-            run_state = client.dag_run(dag_id, run_id)["state"]
-            if run_state in TERMINAL_RUN_STATES:
-                raise AirflowAPIError(f"{dag_id} run {run_id} ended {run_state} before {task_id} was "
-                                      f"{wanted}; tasks: {states}")
+            polled = _poll(lambda: (client.task_states(dag_id, run_id), client.dag_run(dag_id, run_id)["state"]))
+            if polled is not None:
+                states, run_state = polled
+                if states.get(task_id) == wanted:
+                    return
+                if run_state in TERMINAL_RUN_STATES:
+                    raise AirflowAPIError(f"{dag_id} run {run_id} ended {run_state} before {task_id} was "
+                                          f"{wanted}; tasks: {states}")
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{task_id} of {dag_id} run {run_id} not {wanted} after {timeout_s:.0f}s; "
                                    f"tasks: {states}")
@@ -294,15 +301,27 @@ def wait_for_new_run(base_url: str, dag_id: str, known: set[str], timeout_s: flo
     """Wait until a run of ``dag_id`` whose id is not in ``known`` (and, if given, of ``run_type``,
     e.g. ``asset_triggered``) exists."""
     deadline = time.monotonic() + timeout_s
-    with AirflowClient(base_url) as client:
+    with AirflowClient(base_url, timeout_s=POLL_READ_TIMEOUT_S) as client:
         while True:
-            fresh = [r for r in client.dag_runs(dag_id) if r["dag_run_id"] not in known
-                     and (run_type is None or r["run_type"] == run_type)]
+            runs = _poll(lambda: client.dag_runs(dag_id)) or []
+            fresh = [r for r in runs if r["dag_run_id"] not in known and (run_type is None or r["run_type"] == run_type)]
             if fresh:
                 return fresh[0]
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no new run of {dag_id} after {timeout_s:.0f}s")
             time.sleep(poll_s)
+
+
+def _poll(read: Callable[[], Any]) -> Any:
+    """One poll of a wait: ``read()``, or None when the API server did not answer in time or
+    the connection failed. A wait has its own deadline, so one slow answer (an API server on a
+    loaded machine can take longer than the client's read timeout) is worth only another poll;
+    an HTTP error answer is not transient and is raised."""
+    try:
+        return read()
+    except (requests.Timeout, requests.ConnectionError) as exc:
+        log.warning("Airflow API did not answer this poll (%s); polling again", exc)
+        return None
 
 
 def _format_errors(errors: list[dict[str, Any]]) -> str:

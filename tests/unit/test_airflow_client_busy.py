@@ -1,14 +1,17 @@
 """The Airflow client repeats an idempotent call that the API server answered with its busy
-database's "Database error" (HTTP 500), and never repeats a POST, which may have been applied.
-A real HTTP server on loopback plays the API server."""
+database's "Database error" (HTTP 500), and never repeats a POST, which may have been applied; a
+wait polls again after an answer slower than its read timeout. A real HTTP server on loopback
+plays the API server."""
 from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from infra import airflow_client
 from infra.airflow_client import AirflowAPIError, AirflowClient
 
 pytestmark = pytest.mark.unit
@@ -71,3 +74,50 @@ def test_a_post_is_not_repeated(api):
     with _client(api) as client, pytest.raises(AirflowAPIError, match="HTTP 500"):
         client.request("POST", "/dags/d/dagRuns", json={})
     assert _Busy.calls["POST"] == 1
+
+
+class _Slow(BaseHTTPRequestHandler):
+    """Answers a run's state, the first time only after ``delay_s`` (an API server on a loaded
+    machine), then ``success``; its task instances at once."""
+
+    delay_s = 1.5
+    run_calls = 0
+
+    def do_GET(self) -> None:
+        if self.path.endswith("/auth/token"):
+            body: dict = {"access_token": "t"}
+        elif "/taskInstances" in self.path:
+            body = {"task_instances": [{"task_id": "t", "map_index": -1, "state": "success"}], "total_entries": 1}
+        else:
+            type(self).run_calls += 1
+            if type(self).run_calls == 1:
+                time.sleep(self.delay_s)
+            body = {"state": "success"}
+        data = json.dumps(body).encode()
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up on the slow answer
+            pass
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_wait_polls_again_after_an_answer_slower_than_the_read_timeout(monkeypatch):
+    monkeypatch.setattr(airflow_client, "POLL_READ_TIMEOUT_S", 0.5)
+    _Slow.run_calls = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        state = airflow_client.wait_for_dag_run(f"http://127.0.0.1:{server.server_address[1]}", "d", "r",
+                                                timeout_s=20, poll_s=0.1)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    assert state == "success" and _Slow.run_calls >= 2
