@@ -16,7 +16,9 @@ pytestmark = pytest.mark.unit
 
 
 def _cfg(checkpoint=None, **optim):
-    return recipe("debug").replace(optim=optim, checkpoint=checkpoint or {})
+    """The debug recipe watching val_accuracy (the records below vary it), unless told otherwise."""
+    return recipe("debug").replace(optim={"early_stopping_metric": "val_accuracy", **optim},
+                                   checkpoint=checkpoint or {})
 
 
 def _records(values, metric="val_accuracy", steps_per_epoch=20):
@@ -91,8 +93,8 @@ def test_a_metric_missing_from_the_epoch_record_is_bad_input_naming_what_it_repo
         tracker.update({"epoch": 0, "global_step": 20, "val_accuracy": 0.5})
 
 
-def test_auto_watches_the_tasks_first_metric():
-    assert _cfg(early_stopping_patience=1).early_stopping_metric == "val_accuracy"
+def test_auto_watches_the_validation_loss_or_for_regression_the_rmse():
+    assert _cfg(early_stopping_patience=1, early_stopping_metric="auto").early_stopping_metric == "val_loss"
     regression = TrainConfig.from_dict({"data": {"label_column": "y"}, "model": {"task": "regression"},
                                         "optim": {"early_stopping_patience": 1}})
     assert regression.early_stopping_metric == "val_rmse"
@@ -128,10 +130,20 @@ def test_a_checkpoint_without_tracker_state_is_replayed_from_its_history():
     assert (restored.epoch, restored.value, restored.step, restored.bad_epochs) == (1, 0.9, 40, 1)
 
 
+def test_a_tracker_of_another_metric_is_replayed_from_the_history_in_the_configs_metric():
+    # A checkpoint written when "auto" meant val_accuracy, resumed where it means val_loss.
+    old = BestEpoch.from_config(_cfg(early_stopping_patience=2))
+    history = [{"epoch": e, "global_step": (e + 1) * 20, "val_accuracy": a, "val_loss": loss}
+               for e, (a, loss) in enumerate([(0.5, 0.9), (0.9, 0.4), (0.7, 0.3)])]
+    for record in history:
+        old.update(record)
+    restored = BestEpoch.restore(_cfg(early_stopping_patience=2, early_stopping_metric="auto"), old.to_state(), history)
+    assert (restored.metric, restored.epoch, restored.value, restored.bad_epochs) == ("val_loss", 2, 0.3, 0)
+
+
 def test_the_checkpoint_names_the_best_step_for_retention_only_when_the_best_is_exported():
     for export, patience, keep in (("auto", 2, 60), ("best", 0, 60), ("last", 2, None), ("auto", 0, None)):
-        cfg = recipe("debug").replace(optim={"early_stopping_patience": patience},
-                                      checkpoint={"export_epoch": export})
+        cfg = _cfg(early_stopping_patience=patience, checkpoint={"export_epoch": export})
         best = BestEpoch.from_config(cfg)
         _run(best, [0.5, 0.8, 0.9, 0.7])
         record = train_record(TrainState(epoch=4, global_step=80, best=best), [], cfg, 2, {"shards": []})

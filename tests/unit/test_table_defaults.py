@@ -15,7 +15,7 @@ def test_a_table_gets_an_epoch_budget_with_early_stopping_and_the_best_epoch(tas
                 recipe("digits").replace(model={"task": task})):  # the DAG's starting point
         assert (cfg.optim.epochs, cfg.optim.early_stopping_patience) == (DEFAULT_EPOCHS, DEFAULT_PATIENCE) == (100, 10)
         assert cfg.exports_best and cfg.optim.lr_schedule == "cosine" and cfg.model.dropout == 0.1
-        assert cfg.early_stopping_metric == ("val_rmse" if task == "regression" else "val_accuracy")
+        assert cfg.early_stopping_metric == ("val_rmse" if task == "regression" else "val_loss")
 
 
 def test_an_explicit_setting_wins():

@@ -91,11 +91,13 @@ class BestEpoch:
     def restore(cls, cfg: TrainConfig, state: dict[str, Any] | None,
                 history: list[dict[str, Any]]) -> BestEpoch:
         """The tracker a checkpoint recorded; for one that holds none (written while nothing was
-        tracked: ``checkpoint.export_epoch`` may change on a resume), replayed from its epoch
-        records. The metric, its direction, min_delta and patience always come from ``cfg`` (the
+        tracked: ``checkpoint.export_epoch`` may change on a resume) or one of another metric,
+        replayed from its epoch records. The metric, its direction, min_delta and patience always come from ``cfg`` (the
         resume digest guarantees they are the ones the checkpoint was written with)."""
         fresh = cls.from_config(cfg)
-        if state:
+        # A tracker of another metric (written when "auto" meant val_accuracy for classification)
+        # is replayed from the epoch records, which hold every validation metric.
+        if state and state.get("metric") == fresh.metric:
             return cls(**{**state, "metric": fresh.metric, "higher": fresh.higher, "min_delta": fresh.min_delta,
                           "patience": fresh.patience})
         for record in history:
