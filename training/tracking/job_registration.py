@@ -161,44 +161,57 @@ def _champion(client: Any, name: str, version: str, digest: str, metric_keys: se
     return Champion(champion, metrics, basis)
 
 
+def _training_facts(job: TrainedJob, metrics: Mapping[str, Any], run: Any) -> Any:
+    """The card's training section: steps and time from the job's metrics file, cost from the
+    run's ``cost.*`` metrics (its live tracking's), the machines from the config."""
+    import time
+
+    from training.tracking import model_card as mc
+    from training.tracking.cost import PREFIX as COST_PREFIX
+    from training.tracking.registry import selection_tags
+
+    cluster, history = job.config.cluster, metrics.get("history", [])
+    # The run opened when training started (its live tracking), or at registration.
+    wall = max(time.time() - run.info.start_time / 1000, 0.0) if run.info.start_time else None
+    return mc.Training(
+        global_step=int(metrics.get("global_step", 0)), epochs=len(history), loop_seconds=mc.loop_seconds(history),
+        wall_seconds=wall, attempts=job.train_attempts, restarts=job.restarts,
+        resumed_from_step=job.resumed_from_step, backend=cluster.backend, num_workers=cluster.num_workers,
+        num_servers=cluster.num_servers, device=cluster.device, devices_per_worker=cluster.devices_per_worker,
+        instance_type=job.instance_type,
+        cost={k: float(v) for k, v in run.data.metrics.items() if k.startswith(COST_PREFIX)},
+        selection=selection_tags(metrics.get("best")))
+
+
 def attach_model_card(job: TrainedJob, manifest: Mapping[str, Any], metrics: Mapping[str, Any],
                       result: Mapping[str, Any]) -> dict[str, str]:
     """Build the registered version's model card (gate pending) and log it to its run
-    (``model_card.log_card``); returns its artifact paths and summary."""
+    (``model_card.log_card``); returns its artifact paths and summary. A retry logs the same
+    paths again."""
     import time
 
     from common.manifest import manifest_uri
     from training.tracking import model_card as mc
-    from training.tracking.cost import PREFIX as COST_PREFIX
-    from training.tracking.registry import logged_model_id, selection_tags
+    from training.tracking.registry import logged_model_id
     from training.tracking.review import client as mlflow_client
     from training.tracking.runs import bounded_mlflow_env
 
+    started = time.monotonic()
     name, version, rid = result["registered_model_name"], str(result["version"]), result["run_id"]
-    cfg, cluster = job.config, job.config.cluster
+    cfg = job.config
     with bounded_mlflow_env():
         client = mlflow_client(job.tracking_uri)
         mv = client.get_model_version(name, version)
         run = client.get_run(rid)
-        history = metrics.get("history", [])
-        training = mc.Training(
-            global_step=int(metrics.get("global_step", 0)), epochs=len(history),
-            loop_seconds=mc.loop_seconds(history),
-            wall_seconds=max(time.time() - run.info.start_time / 1000, 0.0) if run.info.start_time else None,
-            attempts=job.train_attempts, restarts=job.restarts, resumed_from_step=job.resumed_from_step,
-            backend=cluster.backend, num_workers=cluster.num_workers, num_servers=cluster.num_servers,
-            device=cluster.device, devices_per_worker=cluster.devices_per_worker, instance_type=job.instance_type,
-            cost={k: float(v) for k, v in run.data.metrics.items() if k.startswith(COST_PREFIX)},
-            selection=selection_tags(metrics.get("best")))
         test_metrics = {k: float(v) for k, v in result["test_metrics"].items()}
         card = mc.ModelCard(
             name=name, version=version, created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             data=mc.data_facts(manifest, manifest_uri=manifest_uri(job.shards_prefix), digest=job.manifest_digest),
-            config=json.loads(cfg.to_json()), config_digest=cfg.digest(), git_commit=run.data.tags.get("mlflow.source.git.commit", ""),
-            model_code_sha256=job.model_code_sha256, model_sha256=mv.tags.get("model_sha256", ""),
-            test_metrics=test_metrics,
+            config=json.loads(cfg.to_json()), config_digest=cfg.digest(),
+            git_commit=run.data.tags.get("mlflow.source.git.commit", ""), model_code_sha256=job.model_code_sha256,
+            model_sha256=mv.tags.get("model_sha256", ""), test_metrics=test_metrics,
             champion=_champion(client, name, version, job.manifest_digest, set(test_metrics)),
-            gate=mc.Gate(mc.GATE_PENDING), training=training,
+            gate=mc.Gate(mc.GATE_PENDING), training=_training_facts(job, metrics, run),
             lineage=mc.Lineage(dag_id=job.dag_id, run_id=job.run_id, airflow_run_url=job.airflow_run_url,
                                mlflow_run_id=rid, mlflow_run_url=result["run_url"],
                                checkpoints_prefix=job.checkpoints_prefix, model_prefix=job.model_prefix,
@@ -209,6 +222,7 @@ def attach_model_card(job: TrainedJob, manifest: Mapping[str, Any], metrics: Map
         if "Model card:" not in description:
             client.update_model_version(name, version, description=f"{description}\n\nModel card: "
                                                                      f"`runs:/{rid}/{logged['html']}`".strip())
+    log.info("model card of %s version %s logged to run %s in %.1f s", name, version, rid, time.monotonic() - started)
     return logged
 
 

@@ -246,7 +246,7 @@ def fenced(text: str, info: str = "") -> str:
 def _num(value: float | None, digits: int = 4) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "–"
-    return f"{value:.{digits}f}" if isinstance(value, float) and not float(value).is_integer() else f"{value:g}"
+    return str(value) if isinstance(value, int) else f"{value:.{digits}f}"
 
 
 def _seconds(value: float | None) -> str:
