@@ -131,6 +131,8 @@ def test_hostile_text_stays_text(sharded):
     assert "<script>" not in page and "<img" not in page and "<b>bold</b>" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;|**x**" in page  # shown, as text
     assert 'href="javascript' not in page
+    # The HTML itself takes no raw HTML from the Markdown (a second line of defence).
+    assert "<script>" not in mc.html("<script>alert(1)</script>\n\n<b>x</b>", "t")
     assert "<title>Model card? m|&lt;img" not in page and "<title>m|&lt;img src=x onerror=alert(1)&gt;</title>" in page
 
 
