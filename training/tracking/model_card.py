@@ -297,10 +297,9 @@ def _preprocessing_section(card: ModelCard) -> list[str]:
     d, prep = card.data, card.data.preprocessing
     lines = ["## Preprocessing", ""]
     if d.feature_scaling:
-        lines.append(f"Features: {escape(d.feature_scaling)}.")
+        lines += [f"Features: {escape(d.feature_scaling)}.", ""]
     if not prep:
-        lines += ["No fitted preprocessing: the features are used as read." if not d.feature_scaling else "", ""]
-        return [line for line in lines if line != ""] + [""]
+        return lines if d.feature_scaling else lines + ["No fitted preprocessing: the features are used as read.", ""]
     lines += [f"Fitted on the train split, applied to every split and inside the registered model "
               f"(standardize: {escape(prep.get('standardize'))}, missing values: "
               f"{escape(prep.get('missing_values', '–'))}).", ""]
@@ -313,7 +312,7 @@ def _preprocessing_section(card: ModelCard) -> list[str]:
         fill = col.get("fill")
         rows.append([escape(col.get("name", "")), escape(col.get("kind", "")), what,
                      "–" if fill is None else escape(fill)])
-    lines += _table(["input", "kind", "transform", "missing → "], rows) + [""]
+    lines += _table(["input", "kind", "transform", "missing filled with"], rows) + [""]
     return lines
 
 
