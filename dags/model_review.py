@@ -6,8 +6,9 @@ run and the task log) → gate (the challenger's metrics against the ``gate`` Pa
 and the champion's; a failure tags the version ``review=gate_failed`` with the reason in
 ``review.gate`` and skips everything after it: no reviewer is asked, and the run ends
 *success* with ``gate`` returning False and approval/promote/reject skipped) → approval
-(Airflow's ApprovalOperator; the comparison and the gate's table are its body) → promote (on
-Approve: the ``champion`` alias moves to the version) / reject (on Reject: the version is
+(Airflow's ApprovalOperator; the version's model card summary, the comparison and the gate's
+table are its body; the gate task logs the card with its result, ``training.tracking.model_card``)
+→ promote (on Approve: the ``champion`` alias moves to the version) / reject (on Reject: the version is
 tagged ``review=rejected`` with the reviewer's comment; the aliases stay).
 
 Triggered by the Asset ``x-mlflow://models/<name>`` (``plugins.review_tasks.model_asset``) of each
@@ -87,7 +88,9 @@ def model_review() -> None:
         task_id="approval",
         subject="Promote {{ ti.xcom_pull(task_ids='resolve')['name'] }} version "
                 "{{ ti.xcom_pull(task_ids='resolve')['challenger'] }} to champion?",
-        body="{{ ti.xcom_pull(task_ids='compare')['markdown'] }}\n\n"
+        # The model card's summary first: the reviewer decides from it (the full card is linked).
+        body="{{ ti.xcom_pull(task_ids='gate', key='" + GATE_KEY + "')['card'] }}\n\n"
+             "{{ ti.xcom_pull(task_ids='compare')['markdown'] }}\n\n"
              "{{ ti.xcom_pull(task_ids='gate', key='" + GATE_KEY + "')['markdown'] }}",
         params={"comment": Param("", type="string", description="Why (kept as a tag on the version).")},
         response_timeout=RESPONSE_TIMEOUT,

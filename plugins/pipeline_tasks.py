@@ -260,9 +260,10 @@ def prepare_job(config: Mapping[str, Any], params: Mapping[str, Any], cluster: d
 
 
 def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[str, Any], trained: dict[str, Any],
-             validation: dict[str, Any], dag_id: str, run_id: str, try_number: int) -> dict[str, Any]:
+             validation: dict[str, Any], dag_id: str, run_id: str, try_number: int, *,
+             airflow_run_url: str = "") -> dict[str, Any]:
     """Evaluate the trained model on the test split, log the run to MLflow and register a version
-    (``training.tracking.job_registration.register_trained_job``)."""
+    with its model card (``training.tracking.job_registration.register_trained_job``)."""
     from training.tracking.evaluation import EvaluationError
     from training.tracking.job_registration import TrainedJob, register_trained_job
     from training.tracking.mlflow_params import ParamConflictError
@@ -275,7 +276,10 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
                      model_prefix=trained["model_prefix"], metrics_uri=trained["metrics_uri"],
                      resumed_from_step=trained["resumed_from_step"], train_attempts=trained["attempt"],
                      restarts=trained.get("restarts", 0),
-                     validation_report_uri=validation.get("report_uri"))
+                     validation_report_uri=validation.get("report_uri"),
+                     checkpoints_prefix=trained.get("checkpoint_prefix") or run_paths(dag_id, run_id).checkpoints,
+                     airflow_run_url=airflow_run_url, instance_type=params.get("instance_type") or "",
+                     model_code_sha256=(shards.get("model_code") or {}).get("sha256", ""))
     try:
         return register_trained_job(job)
     except (ParamConflictError, EvaluationError) as exc:  # conflicting params, unscorable test split: no retry

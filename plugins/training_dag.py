@@ -149,7 +149,10 @@ def _train_and_register(shards: Any, config: Any, checked: Any, *, retry_delay: 
     @with_connections
     def register(shards: dict, trained: dict, validation: dict, config: dict, params: dict | None = None) -> dict:
         dag_id, run_id, try_number = _ids()
-        out = pipeline_tasks.register(config, params, shards, trained, validation, dag_id, run_id, try_number)
+        # The task's own page (Airflow's ti.log_url) less its task part: the DAG run's page.
+        run_page = get_current_context()["ti"].log_url.split("/tasks/", 1)[0]
+        out = pipeline_tasks.register(config, params, shards, trained, validation, dag_id, run_id, try_number,
+                                      airflow_run_url=run_page)
         _emit(MODEL, {"name": out["registered_model_name"], "version": str(out["version"]),
                       "run_url": out["run_url"]})
         # What model_review reads (plugins.review_tasks._from_events): which version to review.

@@ -2,8 +2,9 @@
 and triggerer from ``airflow_stack``, MLflow and SeaweedFS from the session fixtures.
 
 Three versions of one registered model (tiny Gluon MLPs, ``tiny_model.py``) whose
-``dataset.shards_prefix`` tag points at real shards of the same data. Version 1 is reviewed with
-no champion yet and approved (it becomes the first champion); version 3 is rejected (tagged,
+``dataset.shards_prefix`` tag points at real shards of the same data. Version 1, registered by
+the training DAG's register step (so with its model card, whose summary heads the approval
+body), is reviewed with no champion yet and approved (it becomes the first champion); version 3 is rejected (tagged,
 champion unchanged); version 2 is reviewed because an event on its ``x-mlflow://models/<name>``
 Asset was posted through the API (what ``register`` emits), and the run reads the version from
 that event, not from its Params (which would pick the challenger alias, on version 3 here);
@@ -23,7 +24,7 @@ import pytest
 
 from infra.airflow_client import AirflowClient, trigger_dag_run, wait_for_dag_run, wait_for_new_run, wait_for_task_state
 from testkit.airflow_stack import airflow_stack, wait_until_parked
-from tests.integration.tiny_model import blobs, train_and_export
+from tests.integration.tiny_model import blobs, registered_job, train_and_export
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
@@ -104,8 +105,12 @@ def _decide(stack, run_id: str, option: str, comment: str) -> dict:
 
 def test_first_version_approved_becomes_champion(stack, mlflow_server, shards, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("v1")
-    history = [{"epoch": e, "train_loss": 1.0 / (e + 1)} for e in range(EPOCH_POINTS)]
-    version, run_id = _register(mlflow_server, shards, tmp, 60, epoch_metrics=history)
+    history = [{"epoch": e, "train_loss": 1.0 / (e + 1), "global_step": e + 1, "step_time_s": 0.01}
+               for e in range(EPOCH_POINTS)]
+    # Through the training DAG's register step, so the version has its model card.
+    registered = registered_job(mlflow_server.tracking_uri, MODEL, shards["prefix"], shards["manifest"], shards["X"],
+                                shards["yi"], str(tmp), run_id="hitl_1", steps=60, history=history)
+    version, run_id = registered["version"], registered["run_id"]
     c = _mlflow(mlflow_server)
     assert len(c.get_metric_history(run_id, "train_loss")) == EPOCH_POINTS  # > 1000: batched
 
@@ -115,6 +120,11 @@ def test_first_version_approved_becomes_champion(stack, mlflow_server, shards, t
     assert f"version {version}" in out["detail"]["subject"]
     # No champion: only the floor applies; the tolerance against a champion is skipped.
     body = out["detail"]["body"]
+    # The model card's summary heads the body, with the gate's result the review logged to the card.
+    assert body.startswith(f"**Model card** of {MODEL} version {version} (runs:/{run_id}/model\\_card/"
+                           "reviewed.html):"), body
+    assert "- test (no champion yet): accuracy_score " in body and "- gate: passed" in body, body
+    assert c.get_model_version(MODEL, version).tags["model_card"] == "model_card/reviewed.md"
     assert "**Gate: passed.**" in body and "| >= 0.5 | pass |" in body, body
     assert "| >= champion - 0.01 | skipped (no champion) |" in body, body
     _check_evaluation(c, version)
@@ -147,6 +157,7 @@ def test_reject_tags_and_asset_event_review_moves_champion(stack, mlflow_server,
     out = _decide(stack, manual, "Reject", "worse on ant")
     assert out["target"]["champion"] == champion and out["states"]["reject"] == "success"
     body = out["detail"]["body"]  # the run's own gate, not the default
+    assert body.startswith(f"**Model card**: none was logged for {MODEL} version {rejected}"), body
     assert "| >= 0.9 | pass |" in body and "| >= champion - 0.05 x abs(champion) (" in body, body
     tags = c.get_model_version(MODEL, rejected).tags
     assert tags["review"] == "rejected" and tags["review.comment"] == "worse on ant"
@@ -189,6 +200,9 @@ def _check_evaluation(c, version: str) -> None:
     assert parent.data.metrics["challenger.accuracy_score"] > 0.9 and parent.data.tags["review.gate"] == "passed"
     files = {a.path for a in c.list_artifacts(parent.info.run_id, "review")}
     assert {"review/confusion_challenger.png", "review/comparison.json", "review/gate.md"} <= files, files
+    assert {"review/model_card.md", "review/model_card.html"} <= files, files
+    # Linked by the review's nested run (and, for a version the register step scored, by its run too).
     linked = [m for m in c.get_logged_model(model_id).metrics if m.key == "accuracy_score"]
-    assert linked and linked[0].dataset_name == "test split"
-    assert c.get_run(linked[0].run_id).data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert linked and all(m.dataset_name == "test split" for m in linked)
+    parents = {c.get_run(m.run_id).data.tags.get("mlflow.parentRunId") for m in linked}
+    assert parent.info.run_id in parents, parents

@@ -46,3 +46,34 @@ def train_and_export(model_dir: str, X: np.ndarray, yi: np.ndarray, classes: Seq
             "num_features": len(features)}
     with open(os.path.join(model_dir, "model_meta.json"), "w") as f:
         json.dump(meta, f)
+
+
+def registered_job(tracking_uri: str, model_name: str, shards_prefix: str, manifest: dict, X: np.ndarray,
+                   yi: np.ndarray, work_dir: str, *, run_id: str, steps: int = 80,
+                   history: list[dict[str, float]] | None = None) -> dict[str, Any]:
+    """The training DAG's register step (``register_trained_job``) on a tiny model: the model is
+    trained, its files and a metrics file (as a worker writes them) are put in storage beside
+    ``shards_prefix``, and the job is registered like a DAG run ``run_id`` of ``mxnet_training``
+    would (its debug-recipe config); returns the step's result."""
+    from common import storage
+    from common.config import recipe
+    from common.manifest import manifest_digest
+    from training.tracking.job_registration import TrainedJob, register_trained_job
+
+    model_dir = os.path.join(work_dir, f"model-{run_id}")
+    train_and_export(model_dir, X, yi, manifest["classes"], manifest["feature_columns"], steps=steps)
+    base = f"{shards_prefix.rsplit('/', 1)[0]}/runs/{run_id}"
+    for name in os.listdir(model_dir):
+        storage.upload_file(os.path.join(model_dir, name), f"{base}/model/{name}")
+    history = history or [{"epoch": e, "train_loss": 1.0 / (e + 1), "global_step": 10 * (e + 1),
+                           "step_time_s": 0.01} for e in range(3)]
+    storage.put_bytes(f"{base}/metrics/train.json", json.dumps(
+        {"global_step": history[-1]["global_step"], "history": history}).encode())
+    job = TrainedJob(config=recipe("debug", manifest["source_uri"]), dag_id="mxnet_training", run_id=run_id,
+                     try_number=1, registered_model_name=model_name, tracking_uri=tracking_uri,
+                     shards_prefix=shards_prefix, manifest_digest=manifest_digest(manifest),
+                     source_fingerprint=manifest["source_fingerprint"], model_prefix=f"{base}/model",
+                     metrics_uri=f"{base}/metrics/train.json", resumed_from_step=0, train_attempts=1,
+                     checkpoints_prefix=f"{base}/checkpoints",
+                     airflow_run_url=f"http://airflow.test/dags/mxnet_training/runs/{run_id}")
+    return register_trained_job(job)

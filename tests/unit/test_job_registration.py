@@ -31,3 +31,25 @@ def test_the_headline_metric_follows_the_task():
     scores = {"test_accuracy": 0.9, "test_rmse": 1.5, "test_r2": 0.7, "accuracy_score": 0.9}
     assert headline_metrics("classification", scores) == {"test_accuracy": 0.9}
     assert headline_metrics("regression", scores) == {"test_rmse": 1.5, "test_r2": 0.7}
+
+
+def test_the_register_task_hands_the_card_its_lineage(monkeypatch):
+    """``plugins.pipeline_tasks.register`` passes the card's inputs on: the job's checkpoints, the
+    Airflow run's page, the instance type Param and a custom network's code digest."""
+    from plugins import pipeline_tasks
+    from training.tracking import job_registration
+
+    seen = {}
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.test")
+    monkeypatch.setattr(job_registration, "register_trained_job", lambda job: seen.setdefault("job", job))
+    config = pipeline_tasks.config_xcom(recipe("debug", "s3://b/d.csv"))
+    shards = {"shards_prefix": "s3://b/shards/abc", "manifest_digest": "d1g", "fingerprint": "f1n",
+              "model_code": {"uri": "s3://b/code/model_code.tar.gz", "sha256": "c0de"}}
+    trained = {"model_prefix": "s3://b/model", "metrics_uri": "s3://b/m.json", "resumed_from_step": 0, "attempt": 1,
+               "checkpoint_prefix": "s3://b/run/checkpoints"}
+    pipeline_tasks.register(config, {"registered_model_name": "digits", "instance_type": "c5.large"}, shards,
+                            trained, {}, "mxnet_training", "manual__1", 1,
+                            airflow_run_url="http://airflow/dags/mxnet_training/runs/manual__1")
+    job = seen["job"]
+    assert (job.checkpoints_prefix, job.airflow_run_url, job.instance_type, job.model_code_sha256) == (
+        "s3://b/run/checkpoints", "http://airflow/dags/mxnet_training/runs/manual__1", "c5.large", "c0de")

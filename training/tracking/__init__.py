@@ -8,6 +8,7 @@
 - ``evaluation``: scoring a model on a test split (``score_model``, for registration and review).
 - ``review``: the challenger-vs-champion comparison.
 - ``gate``: the automatic gate before a human review.
+- ``model_card``: a registered version's model card (Markdown, HTML), its summary for the review.
 - ``warm_start``: resolving a ``models:/`` warm start to a checkpoint.
 - ``server``: where the MLflow tracking server is, the one resolver every task and CLI uses.
 - ``runs``: the MLflow runs a DAG run writes to, and the bounded client settings of every call.

@@ -243,7 +243,8 @@ def gate(tracking_uri: str, target: Target, reviewed: Mapping[str, Any], spec: M
     """The automatic gate (``training.tracking.gate``) on a review's evaluations, recorded on the
     version and the review run alike: a failure tags them ``review=gate_failed`` with the
     reason in ``review.gate``; a pass sets ``review.gate=passed``. The version also gets
-    ``review.run_id``."""
+    ``review.run_id``, and its model card the gate's result (``review_card``): the outcome's
+    ``card`` is the card's summary."""
     from training.tracking.gate import evaluate_gate, gate_for_task
 
     evaluations = reviewed["evaluations"]
@@ -263,8 +264,28 @@ def gate(tracking_uri: str, target: Target, reviewed: Mapping[str, Any], spec: M
             c.set_model_version_tag(target.name, target.challenger, key, value)
         c.log_metric(run_id, "gate.passed", float(outcome["passed"]))
         c.log_text(run_id, outcome["markdown"] + "\n", "review/gate.md")
+        card = review_card(c, target, evaluations, outcome, run_id)
     log.info("gate for %s version %s:\n%s", target.name, target.challenger, outcome["markdown"])
-    return outcome
+    return {**outcome, "card": card}
+
+
+def review_card(c: Any, target: Target, evaluations: Mapping[str, Any], outcome: Mapping[str, Any],
+                review_run_id: str) -> str:
+    """The version's model card with the gate's result and both versions' figures on its test
+    split, logged as ``model_card/reviewed.*`` to its training run (a copy to the review run);
+    returns its summary for the approval body. A version without a card (registered before
+    cards, or outside the training DAG) gets a line saying so: the review goes on."""
+    from training.tracking import model_card
+
+    source_run = c.get_model_version(target.name, target.challenger).run_id
+    card = model_card.load_card(c, source_run) if source_run else None
+    if card is None:
+        return (f"**Model card**: none was logged for {target.name} version {target.challenger} (registered "
+                "outside the training DAG or before model cards).")
+    champion = evaluations.get("champion")
+    card = model_card.reviewed(card, outcome, evaluations["challenger"]["metrics"],
+                               target.champion, champion["metrics"] if champion else None, review_run_id)
+    return model_card.log_card(c, card, source_run, model_card.REVIEWED, copy_to_run=review_run_id)["summary"]
 
 
 def _decision_tags(decision: str, reviewer: str, comment: str, review_run_id: str | None) -> dict[str, str]:
