@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -103,19 +104,16 @@ def _csv_columns(source: sources.SourceFile, gz: bool) -> dict[str, str]:
     return {n: str(sample.schema.field(n).type) for n in sample.column_names}
 
 
-class _open_parquet:
+@contextmanager
+def _open_parquet(source: sources.SourceFile) -> Iterator[Any]:
     """``pq.ParquetFile`` over the fsspec file (ranged reads: the footer, then the row groups read)."""
+    import pyarrow.parquet as pq
 
-    def __init__(self, source: sources.SourceFile) -> None:
-        self._raw = sources.open_ranged(source)
-
-    def __enter__(self) -> Any:
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(self._raw)
-
-    def __exit__(self, *exc: object) -> None:
-        self._raw.close()
+    raw = sources.open_ranged(source)
+    try:
+        yield pq.ParquetFile(raw)
+    finally:
+        raw.close()
 
 
 def parts(plan: InputPlan, part_rows: int) -> list[dict[str, Any]]:

@@ -27,9 +27,9 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from common.settings import settings
 from data_checks.score_checks import DEFAULT_DRIFT, DRIFT_SCHEMA  # noqa: F401  (the DAG's Param)
@@ -109,7 +109,7 @@ def resolve(params: Mapping[str, Any], events: Mapping[Any, Iterable[Any]] | Non
         plan = plan_input(spec)
         id_column = manifest.get("id_column") or None
         check_schema(inputs, plan, id_column)
-    prefix = bs.output_prefix(f"{settings().artifact_root}", model, plan.fingerprint, chunk_rows, part_rows)
+    prefix = bs.output_prefix(settings().artifact_root, model, plan.fingerprint, chunk_rows, part_rows)
     committed = bs.read_output_manifest(prefix)
     log.info("scoring %s (%d files, fingerprint %s) with %s (%s); output under %s%s", spec, len(plan.files),
              plan.fingerprint[:16], model.uri, model.requested, prefix,
