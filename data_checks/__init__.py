@@ -1,7 +1,8 @@
 """Shard a source dataset into per-worker RecordIO shards with a manifest, and validate them.
 
 Sharding is ``sources`` → ``readers`` / ``images`` → ``preprocess`` → ``assign`` → ``shard``;
-validation is ``suites`` → ``validate`` → ``cross`` → ``report``.
+validation is ``suites`` → ``validate`` → ``cross`` → ``report``; a batch-scoring input is
+``sources`` → ``score_input`` → ``score_checks``.
 
 - ``sources``: find the files of a source dataset, fingerprint them, open them as byte streams.
 - ``filesystems``: which fsspec filesystem reads a source URI, with which options and errors.
@@ -14,6 +15,8 @@ validation is ``suites`` → ``validate`` → ``cross`` → ``report``.
 - ``validate``: one Great Expectations run per committed shard, then the cross-shard checks.
 - ``cross``: checks that need every shard at once (cross-shard consistency, drift).
 - ``report``: the validation report: JSON, a small HTML page, the failure message.
+- ``score_input``: a batch-scoring input: its files, fingerprint and parts, its rows in chunks.
+- ``score_checks``: a batch-scoring input checked against the training manifest: schema, drift.
 - ``errors``: the deterministic failure kinds of the data stage (never worth a retry).
 - ``__main__``: the command line of the data stage; runs with no Airflow at all.
 

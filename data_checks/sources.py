@@ -251,6 +251,12 @@ def open_stream(source: SourceFile, on_bytes: Callable[[int], None] | None = Non
         reader.close()
 
 
+def open_ranged(source: SourceFile) -> Any:
+    """``source`` opened for random access (a Parquet footer, then its row groups), read in
+    ranged blocks of ``_READ_BLOCK``; the caller closes it."""
+    return _open(source.fs, source.path, source.uri)
+
+
 def read_head(source: SourceFile, limit: int = 1 << 20) -> bytes:
     """The first ``limit`` bytes (a ranged read where the store has them)."""
     blocks: list[bytes] = []

@@ -9,6 +9,7 @@ functions so DAG files that import from here stay cheap to parse.
 - ``train_operator``: the training task: a durable, deferrable operator around a detached supervisor.
 - ``train_trigger``: the trigger the training operator defers to; it polls the job's status record.
 - ``review_tasks``: what each task of the model-review DAG does.
+- ``score_tasks``: what each task of the batch-scoring DAG does.
 - ``failures``: ``fail_without_retry``, the one way a task fails without using its retries.
 - ``approval``: Airflow's ``ApprovalOperator``, with the reviewer's answer kept on Reject too.
 - ``assets``: the pipeline's Airflow Assets, for lineage and data-aware scheduling.
@@ -17,6 +18,7 @@ functions so DAG files that import from here stay cheap to parse.
 - ``links``: the "MLflow run" extra link on the training DAG's train and register tasks.
 
 The tasks are thin: ``pipeline_tasks`` (the training DAG) and ``review_tasks`` (the review DAG)
+and ``score_tasks`` (the batch-scoring DAG)
 turn Params and XComs into a call of the layer below, and its deterministic errors into
 ``failures.fail_without_retry`` (no retry).
 """

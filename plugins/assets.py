@@ -2,7 +2,8 @@
 
 ``source_dataset`` is the table the retraining DAG reads (``MXPIPE_DATASET_URI``); a DAG that
 lands new data there declares it as an outlet (see ``dags/dataset_landed.py``), and that
-triggers a retraining run. ``shards`` and ``model`` are what a training run produces; their
+triggers a retraining run; ``score_input`` is a table to score landing, which triggers a
+batch-scoring run (``dags/mxnet_batch_score.py``). ``shards`` and ``model`` are what a training run produces; their
 static URIs (``x-mxpipe://…``, see ``_uri``) name the collection, and each run attaches its concrete location (shards prefix,
 manifest digest, model version) as the asset event's ``extra``. Read from the settings once,
 at parse time: nothing heavy is imported.
@@ -31,6 +32,10 @@ SOURCE_DATASET = Asset(name="mxpipe.source_dataset", uri=_uri("dataset", _SETTIN
 SHARDS = Asset(name="mxpipe.shards", uri=_uri("shards", storage.join(_SETTINGS.artifact_root, DATASETS_DIR)),
                group="dataset")
 MODEL = Asset(name="mxpipe.model", uri=_uri("model", DEFAULT_MODEL_NAME), group="model")
+# "A table to score has landed": triggers ``mxnet_batch_score``. Static, like the others; the
+# event's extra names the data (``{"input_uri": ...}``, optionally ``model_name``, ``version``):
+# posted through the API by an upload job, or by an upstream task with this Asset as its outlet.
+SCORE_INPUT = Asset(name="mxpipe.score_input", uri=_uri("score-input", "landed"), group="dataset")
 
 
 def check_landed(uri: str) -> dict[str, object]:

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.integration.tiny_model import blobs, registered_job
+from testkit.tiny_model import blobs, registered_job
 
 pytestmark = pytest.mark.integration
 

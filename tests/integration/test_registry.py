@@ -26,7 +26,7 @@ import pytest
 from training.tracking.evaluation import TARGET_COLUMN, EvaluationData
 from training.tracking.mlflow_params import ParamConflictError
 from training.tracking.registry import CHALLENGER_ALIAS, ModelRunRequest, log_model_run
-from tests.integration.tiny_model import blobs, train_and_export
+from testkit.tiny_model import blobs, train_and_export
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,7 @@ import pytest
 
 from infra.airflow_client import AirflowClient, trigger_dag_run, wait_for_dag_run, wait_for_new_run, wait_for_task_state
 from testkit.airflow_stack import airflow_stack, wait_until_parked
-from tests.integration.tiny_model import blobs, registered_job, train_and_export
+from testkit.tiny_model import blobs, registered_job, train_and_export
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 

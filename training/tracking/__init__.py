@@ -10,6 +10,8 @@
 - ``gate``: the automatic gate before a human review.
 - ``model_card``: a registered version's model card (Markdown, HTML), its summary for the review.
 - ``warm_start``: resolving a ``models:/`` warm start to a checkpoint.
+- ``batch_score``: batch scoring with a registered version: resolving it, the output's prefix,
+  deterministic Parquet parts, the output manifest.
 - ``server``: where the MLflow tracking server is, the one resolver every task and CLI uses.
 - ``runs``: the MLflow runs a DAG run writes to, and the bounded client settings of every call.
 - ``live``: the DAG run's MLflow run while its training runs: curves, system metrics, end state,

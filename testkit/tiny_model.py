@@ -10,17 +10,24 @@ from typing import Any
 import numpy as np
 
 
-def blobs(num_classes: int, num_features: int, n: int, seed: int = 7) -> tuple[np.ndarray, np.ndarray]:
-    """Separable blobs: features ``[n, f]`` float32 and class indices ``[n]``."""
+def blobs(num_classes: int, num_features: int, n: int, seed: int = 7,
+          sample_seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Separable blobs: features ``[n, f]`` float32 and class indices ``[n]``. ``sample_seed``:
+    other rows around the same centres (``seed`` places them), e.g. new data for a trained model."""
     rng = np.random.RandomState(seed)
     centers = rng.randn(num_classes, num_features) * 4
+    if sample_seed is not None:
+        rng = np.random.RandomState(sample_seed)
     yi = rng.randint(0, num_classes, n)
     return (centers[yi] + rng.randn(n, num_features)).astype(np.float32), yi
 
 
 def train_and_export(model_dir: str, X: np.ndarray, yi: np.ndarray, classes: Sequence[Any],
-                     features: Sequence[str], *, steps: int = 80, seed: int = 7) -> None:
-    """``steps`` Adam steps of a 16-unit MLP on ``(X, yi)``, exported into ``model_dir``."""
+                     features: Sequence[str], *, steps: int = 80, seed: int = 7,
+                     preprocessing: dict[str, Any] | None = None) -> None:
+    """``steps`` Adam steps of a 16-unit MLP on ``(X, yi)``, exported into ``model_dir``;
+    ``preprocessing`` (a manifest's record; ``X`` then holds the transformed features) goes
+    beside it, so the model takes the raw table."""
     from training.tracking.pyfunc_model import _import_mxnet
 
     mx = _import_mxnet()
@@ -46,6 +53,9 @@ def train_and_export(model_dir: str, X: np.ndarray, yi: np.ndarray, classes: Seq
             "num_features": len(features)}
     with open(os.path.join(model_dir, "model_meta.json"), "w") as f:
         json.dump(meta, f)
+    if preprocessing is not None:
+        with open(os.path.join(model_dir, "preprocessing.json"), "w") as f:
+            json.dump(preprocessing, f)
 
 
 def registered_job(tracking_uri: str, model_name: str, shards_prefix: str, manifest: dict, X: np.ndarray,
