@@ -7,6 +7,11 @@ more DAGs of the same pipeline under other ids with other limits, side by side o
 ``max_active_runs``, retry delay and the train task's poll interval (``MXPIPE_TRAIN_POLL_S``) come
 from the settings for every DAG built here.
 
+After validation, ``check_reuse`` (a branch) either skips to ``reuse``, when an earlier successful
+run registered a version from the same training inputs and the ``force`` Param is off (nothing
+is provisioned, trained or registered, and no model or review event is emitted), or goes on to
+``provision``, ``train``, ``release`` and ``register``.
+
 Parse-time light like a DAG file: Airflow's SDK and the project's light task module only.
 """
 from __future__ import annotations

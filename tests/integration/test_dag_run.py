@@ -55,6 +55,7 @@ def test_full_run_with_a_worker_killed_three_times_restarts_in_place_and_registe
     result, logs = _run_dag(airflow_env, _conf(digits_uri), fault)
     tasks = result["tasks"]
     assert result["state"] == "success", logs[-6000:]
+    assert tasks.pop("reuse")["state"] == "skipped"  # the branch not taken: this run trains
     assert all(t["state"] == "success" for t in tasks.values()), tasks
     assert all((tmp_path / f"fault-fired-{s}").exists() for s in KILLS), "a kill never fired"
     assert tasks["train"]["try_number"] == 1  # three restarts in place, no Airflow retry

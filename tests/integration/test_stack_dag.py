@@ -43,6 +43,7 @@ def test_scheduler_runs_the_dag_to_a_registered_model(stack, s3_server, digits_c
         assert state == "success", states
         path = f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/register/xcomEntries/return_value"
         registered = client.request("GET", path, params={"deserialize": "true"}).json()["value"]
+    assert states.pop("reuse") == "skipped"  # the branch not taken: this run trains
     assert set(states.values()) == {"success"}
     assert registered["registered_model_name"] == "digits-stack-test"
     assert registered["test_accuracy"] > 0.85
