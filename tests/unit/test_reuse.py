@@ -168,3 +168,9 @@ def test_force_trains_although_an_earlier_run_matches(monkeypatch):
 def test_no_match_trains(monkeypatch):
     decision = _check(monkeypatch, Search(None, "2", ("config_digest",)))
     assert decision["reusable"] is None and decision["inputs"]["manifest_digest"] == "m" * 64
+
+
+def test_the_log_line_names_a_reused_versions_review_outcome():
+    rejected = dataclasses.replace(MATCH, review="rejected")
+    assert "(MLflow run abc, review: rejected)" in Search(rejected).explain(INPUTS, "digits")
+    assert "review" not in Search(MATCH).explain(INPUTS, "digits")

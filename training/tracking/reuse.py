@@ -110,8 +110,11 @@ class Reusable:
     review: str  # the version's review tag (promoted, rejected, gate_failed) or ""
 
     def describe(self) -> str:
+        # The review's outcome too: the same inputs train the same model, so a rejected version
+        # is reused as it is, and the log says so.
+        review = f", review: {self.review}" if self.review else ""
         return (f"version {self.version} of {self.name}, trained by DAG run {self.dag_id}/{self.dag_run_id} "
-                f"(MLflow run {self.mlflow_run_id})")
+                f"(MLflow run {self.mlflow_run_id}{review})")
 
 
 @dataclass(frozen=True)
