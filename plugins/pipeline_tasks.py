@@ -163,7 +163,8 @@ def check_reuse(config: Mapping[str, Any], params: Mapping[str, Any], shards: di
     from training.tracking.server import tracking_uri
 
     cfg = load_config(config)
-    inputs = TrainingInputs.of(shards["manifest_digest"], model_digest(cfg), (shards.get("model_code") or {}).get("sha256"),
+    code = shards.get("model_code") or {}
+    inputs = TrainingInputs.of(shards["manifest_digest"], model_digest(cfg), code.get("sha256"),
                                warm_start_checkpoint(params, dag_id, run_id, cfg))
     name = params["registered_model_name"]
     search = find_reusable(tracking_uri(), name, inputs)

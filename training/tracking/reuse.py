@@ -135,7 +135,8 @@ class Search:
         if not self.changed:
             return (f"inputs {inputs.digest()} match version {self.newest_version} of {name}, but its run did not "
                     "finish successfully")
-        return f"inputs {inputs.digest()}: {', '.join(self.changed)} changed since version {self.newest_version} of {name}"
+        return (f"inputs {inputs.digest()}: {', '.join(self.changed)} changed since version {self.newest_version} "
+                f"of {name}")
 
 
 def _client(tracking_uri: str) -> Any:
@@ -188,7 +189,8 @@ def find_reusable(tracking_uri: str, name: str, inputs: TrainingInputs) -> Searc
         review=version.tags.get("review", "")))
 
 
-def record_reuse(tracking_uri: str, reused: Reusable, inputs: TrainingInputs, dag_id: str, run_id: str) -> dict[str, Any]:
+def record_reuse(tracking_uri: str, reused: Reusable, inputs: TrainingInputs, dag_id: str,
+                 run_id: str) -> dict[str, Any]:
     """The reusing DAG run's MLflow run (found again on a retry) and the version's
     ``REUSED_BY_TAG``; returns what the run's register step would have: the version, its model
     URI, the run that trained it, its headline metrics, and ``reused_from``, ``reuse_run_id`` and
