@@ -92,7 +92,7 @@ def conf_for(args: argparse.Namespace, dataset: str, epochs: int, every: int | s
     # steps for the reference and the soak, and a run cut short would take none of its kills.
     return {"dataset_uri": dataset, "recipe": "digits", "epochs": epochs, "batch_size": args.batch_size,
             "learning_rate": 0.001, "num_workers": 2, "num_servers": 1, "kvstore": "dist_sync",
-            "registered_model_name": "goodput-bench",
+            "registered_model_name": "goodput-bench", "force": True,  # the reference and the soak both train
             "config": {"model": {"hidden": [int(h) for h in args.hidden.split(",")]}, "checkpoint": checkpoint,
                        "optim": {"early_stopping_patience": 0}}}
 

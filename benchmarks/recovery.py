@@ -54,7 +54,7 @@ def run_once(env: dict[str, str], dataset: str, kill_step: int, workdir: Path, *
     events, once = workdir / "events.jsonl", workdir / "fault-fired"
     conf = {"dataset_uri": dataset, "recipe": "debug", "epochs": 3, "batch_size": 32, "learning_rate": 0.005,
             "num_workers": 2, "num_servers": 1, "checkpoint_every_n_steps": 1,
-            "registered_model_name": "digits-recovery-bench"}
+            "registered_model_name": "digits-recovery-bench", "force": True}  # every round trains
     if not in_place:
         conf["config"] = {"cluster": {"max_restarts_without_progress": 0}}
     run_env = {**env, "MXPIPE_EVENTS_FILE": str(events), "MXPIPE_FAULT_KILL_STEP": str(kill_step),

@@ -1,9 +1,14 @@
 """Scheduled (and on-demand) distributed MXNet training.
 
-shard → validate (one mapped task per shard, then cross-shard checks) → provision (setup) →
-train (dist_sync, checkpoints, retry = resume) → register, with teardown (runs on success and
-failure) releasing the cluster. ``train`` is ``plugins.train_operator.TrainJobOperator``: it
-starts the job's supervisor detached on the cluster and defers while the job runs.
+shard → validate (one mapped task per shard, then cross-shard checks) → check_reuse → provision
+(setup) → train (dist_sync, checkpoints, retry = resume) → register, with teardown (runs on
+success and failure) releasing the cluster. ``check_reuse`` is a branch: when an earlier
+successful run registered a version from the same inputs (data manifest, the config fields that
+decide the model, a custom network's code, the warm start), it goes to ``reuse`` instead, which
+names that version and records the reuse in MLflow; provision, train, release and register show
+as skipped, and its log says which run and version matched. The ``force`` Param trains anyway.
+``train`` is ``plugins.train_operator.TrainJobOperator``: it starts the job's supervisor detached
+on the cluster and defers while the job runs.
 
 This file reads like a config: Airflow's SDK and the project's light task module, nothing heavy,
 no I/O at parse time. The schedule comes from ``MXPIPE_SCHEDULE`` (a cron expression; ``none``

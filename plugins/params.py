@@ -184,7 +184,7 @@ def training_params() -> dict[str, Param]:
 
 def _run_params() -> dict[str, Param]:
     """The form fields that are not config fields: the model name, the EC2 type, the
-    connections and the warm start (read by the task that uses them)."""
+    connections, the warm start and ``force`` (read by the task that uses them)."""
     return {
         "registered_model_name": Param(DEFAULT_MODEL_NAME, type="string", pattern=r"^[A-Za-z0-9_.-]{1,100}$",
                                        description="MLflow registered model to add a version to."),
@@ -204,6 +204,13 @@ def _run_params() -> dict[str, Param]:
                                         "of this DAG (its run id), or from a registered version "
                                         "(models:/<name>/<version> or models:/<name>@<alias>); empty = from "
                                         "scratch. A retry of this run still resumes its own checkpoints first."),
+        # Off: a run whose inputs match an earlier successful run's reuses its version
+        # (plugins.pipeline_tasks.check_reuse); on: it trains and registers a new one anyway.
+        "force": Param(False, type="boolean",
+                       description="Train even when an earlier successful run had the same inputs (data manifest, "
+                                   "the config fields that decide the model, the custom network's code, the warm "
+                                   "start). Off: such a run provisions and trains nothing and reuses that run's "
+                                   "registered version."),
     }
 
 

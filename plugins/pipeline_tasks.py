@@ -29,6 +29,11 @@ pointers. ``shard`` checks the reference first all the same, before anything is 
 provisioned, so a run naming a missing run, model, version or alias fails at once, not after a
 cluster was provisioned for it.
 
+Unchanged inputs are not trained again: ``check_reuse`` (after validation, before anything is
+provisioned) finds a version an earlier successful run registered from the same training
+inputs (``training.tracking.reuse``), and ``reuse`` records its reuse in MLflow; ``register``
+tags every version it registers with its inputs.
+
 Failure kinds are chosen on purpose: bad input, a failed data check, an invalid config,
 invalid cluster settings, a missing or unusable connection, a warm start naming nothing usable
 and a NaN loss raise ``AirflowFailException`` (no retry: the same input fails the same way); a
@@ -60,6 +65,10 @@ log = logging.getLogger(__name__)
 CONFIG_XCOM_KEY = "config"
 # The train task's XCom holding its live MLflow run's URL (the "MLflow run" link during training).
 LIVE_RUN_XCOM_KEY = "mlflow_run_url"
+# The reuse check's XComs: the run's training inputs (``TrainingInputs`` as a dict) and the
+# earlier version it reuses (``Reusable`` as a dict; None: the run trains).
+INPUTS_XCOM_KEY = "inputs"
+REUSABLE_XCOM_KEY = "reusable"
 
 
 def run_paths(dag_id: str, run_id: str) -> RunPaths:
@@ -139,6 +148,43 @@ def _refuse_bad_warm_start() -> Iterator[None]:
         yield
     except (WarmStartError, CheckpointKeyError) as exc:  # a wrong key is configuration: no retry
         raise fail_without_retry(str(exc)) from exc
+
+
+def check_reuse(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[str, Any], dag_id: str,
+                run_id: str) -> dict[str, Any]:
+    """The run's training inputs and the registered version an earlier successful run trained on
+    the same ones (``training.tracking.reuse.find_reusable``): ``{"inputs", "reusable", "reason"}``,
+    ``reusable`` None when the run must train (no match, or the ``force`` Param). The inputs: the
+    manifest digest and custom network code the shard task recorded, the config's
+    ``model_digest`` and the checkpoint the warm start resolves to now (a ``models:/…@alias``
+    whose alias moved is another input)."""
+    from training.loop.resume import model_digest
+    from training.tracking.reuse import TrainingInputs, find_reusable
+    from training.tracking.server import tracking_uri
+
+    cfg = load_config(config)
+    code = shards.get("model_code") or {}
+    inputs = TrainingInputs.of(shards["manifest_digest"], model_digest(cfg), code.get("sha256"),
+                               warm_start_checkpoint(params, dag_id, run_id, cfg))
+    name = params["registered_model_name"]
+    search = find_reusable(tracking_uri(), name, inputs)
+    reason = search.explain(inputs, name)
+    reusable = search.match
+    if reusable is not None and params.get("force"):
+        reason, reusable = f"{reason}; the force Param is set: training anyway", None
+    log.info("%s; %s", reason, "reusing it: provision and train are skipped (the force Param trains anyway)"
+             if reusable is not None else "training")
+    return {"inputs": dataclasses.asdict(inputs), "reason": reason,
+            "reusable": dataclasses.asdict(reusable) if reusable is not None else None}
+
+
+def reuse(inputs: Mapping[str, Any], reusable: Mapping[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
+    """Record that this run reuses an earlier run's version (``training.tracking.reuse.record_reuse``):
+    the version, its model URI and metrics, and which DAG run trained it."""
+    from training.tracking.reuse import Reusable, TrainingInputs, record_reuse
+    from training.tracking.server import tracking_uri
+
+    return record_reuse(tracking_uri(), Reusable(**reusable), TrainingInputs(**inputs), dag_id, run_id)
 
 
 def validate_shard(config: Mapping[str, Any], shards: dict[str, Any], shard_name: str, dag_id: str,
@@ -260,13 +306,15 @@ def prepare_job(config: Mapping[str, Any], params: Mapping[str, Any], cluster: d
 
 
 def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[str, Any], trained: dict[str, Any],
-             validation: dict[str, Any], dag_id: str, run_id: str, try_number: int, *,
-             airflow_run_url: str = "") -> dict[str, Any]:
+             validation: dict[str, Any], inputs: Mapping[str, Any], dag_id: str, run_id: str,
+             try_number: int, *, airflow_run_url: str = "") -> dict[str, Any]:
     """Evaluate the trained model on the test split, log the run to MLflow and register a version
-    with its model card (``training.tracking.job_registration.register_trained_job``)."""
+    with its model card (``training.tracking.job_registration.register_trained_job``), tagged with
+    the run's training ``inputs`` (the reuse check's) so a later run on the same inputs reuses it."""
     from training.tracking.evaluation import EvaluationError
     from training.tracking.job_registration import TrainedJob, register_trained_job
     from training.tracking.mlflow_params import ParamConflictError
+    from training.tracking.reuse import TrainingInputs
     from training.tracking.server import tracking_uri
 
     job = TrainedJob(config=load_config(config), dag_id=dag_id, run_id=run_id, try_number=try_number,
@@ -279,7 +327,8 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
                      validation_report_uri=validation.get("report_uri"),
                      checkpoints_prefix=trained.get("checkpoint_prefix") or run_paths(dag_id, run_id).checkpoints,
                      airflow_run_url=airflow_run_url, instance_type=params.get("instance_type") or "",
-                     model_code_sha256=(shards.get("model_code") or {}).get("sha256", ""))
+                     model_code_sha256=(shards.get("model_code") or {}).get("sha256", ""),
+                     input_tags=TrainingInputs(**inputs).tags())
     try:
         return register_trained_job(job)
     except (ParamConflictError, EvaluationError) as exc:  # conflicting params, unscorable test split: no retry

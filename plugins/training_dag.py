@@ -7,6 +7,11 @@ more DAGs of the same pipeline under other ids with other limits, side by side o
 ``max_active_runs``, retry delay and the train task's poll interval (``MXPIPE_TRAIN_POLL_S``) come
 from the settings for every DAG built here.
 
+After validation, ``check_reuse`` (a branch) either skips to ``reuse``, when an earlier successful
+run registered a version from the same training inputs and the ``force`` Param is off (nothing
+is provisioned, trained or registered, and no model or review event is emitted), or goes on to
+``provision``, ``train``, ``release`` and ``register``.
+
 Parse-time light like a DAG file: Airflow's SDK and the project's light task module only.
 """
 from __future__ import annotations
@@ -28,6 +33,8 @@ from plugins.train_operator import TrainJobOperator
 # The model name is a run-time Param, so the "new version of <name>" Asset the review DAG waits
 # on is emitted through an alias (Airflow creates the Asset if no DAG declared it yet).
 REGISTERED_MODEL = AssetAlias(name="mxpipe.registered_model")
+# The two paths after validation (check_reuse's branch): train a model, or reuse an earlier one.
+PROVISION_TASK, REUSE_TASK = "provision", "reuse"
 
 
 def _schedule(cron: str) -> AssetOrTimeSchedule | None:
@@ -132,8 +139,22 @@ def _checked_shards() -> tuple[Any, Any, Any]:
 
 def _train_and_register(shards: Any, config: Any, checked: Any, *, retry_delay: timedelta, train_timeout_s: float,
                         deferrable: bool, poll_s: float) -> None:
-    """Inside the DAG: provision the cluster once validation passed, train on it, always release
-    it, and register the trained model."""
+    """Inside the DAG: once validation passed, either reuse the version an earlier run trained on
+    the same inputs, or provision the cluster, train on it, always release it, and register the
+    trained model."""
+    # A branch, not a short-circuit: one of two paths runs. Reuse skips provision (the setup:
+    # its teardown release is skipped with it, Airflow's all_done_setup_success rule) and
+    # register; train is skipped as its upstream was. Training skips reuse.
+    @task.branch(retries=2, retry_delay=retry_delay)
+    @with_connections
+    def check_reuse(shards: dict, config: dict, params: dict | None = None) -> str:
+        dag_id, run_id, _ = _ids()
+        decision = pipeline_tasks.check_reuse(config, params, shards, dag_id, run_id)
+        ti = get_current_context()["ti"]
+        ti.xcom_push(key=pipeline_tasks.INPUTS_XCOM_KEY, value=decision["inputs"])
+        ti.xcom_push(key=pipeline_tasks.REUSABLE_XCOM_KEY, value=decision["reusable"])
+        return REUSE_TASK if decision["reusable"] else PROVISION_TASK
+
     @setup
     @with_connections
     def provision(config: dict, params: dict | None = None) -> dict:
@@ -147,11 +168,12 @@ def _train_and_register(shards: Any, config: Any, checked: Any, *, retry_delay: 
 
     @task(retries=2, retry_delay=retry_delay, outlets=[MODEL, REGISTERED_MODEL])
     @with_connections
-    def register(shards: dict, trained: dict, validation: dict, config: dict, params: dict | None = None) -> dict:
+    def register(shards: dict, trained: dict, validation: dict, config: dict, inputs: dict,
+                 params: dict | None = None) -> dict:
         dag_id, run_id, try_number = _ids()
         # The task's own page (Airflow's ti.log_url) less its task part: the DAG run's page.
         run_page = get_current_context()["ti"].log_url.split("/tasks/", 1)[0]
-        out = pipeline_tasks.register(config, params, shards, trained, validation, dag_id, run_id, try_number,
+        out = pipeline_tasks.register(config, params, shards, trained, validation, inputs, dag_id, run_id, try_number,
                                       airflow_run_url=run_page)
         _emit(MODEL, {"name": out["registered_model_name"], "version": str(out["version"]),
                       "run_url": out["run_url"]})
@@ -161,11 +183,24 @@ def _train_and_register(shards: Any, config: Any, checked: Any, *, retry_delay: 
             extra={"registered_model_name": out["registered_model_name"], "version": str(out["version"])})
         return out
 
+    # No outlets: a reuse registers no version, so it emits no MODEL event and no review trigger
+    # (Airflow emits a declared Asset outlet on every success; the version was reviewed when its
+    # own run registered it). Its return value is what register's would be, naming the version.
+    @task(task_id=REUSE_TASK, retries=2, retry_delay=retry_delay)
+    @with_connections
+    def reuse(inputs: dict, reusable: dict) -> dict:
+        dag_id, run_id, _ = _ids()
+        return pipeline_tasks.reuse(inputs, reusable, dag_id, run_id)
+
+    decision = check_reuse(shards, config)
+    checked >> decision
+    inputs = decision[pipeline_tasks.INPUTS_XCOM_KEY]
     cluster = provision(config)
-    checked >> cluster
+    decision >> cluster
     trained = TrainJobOperator(task_id="train", cluster=cluster, shards=shards, config=config, retries=2,
                                retry_delay=retry_delay, retry_exponential_backoff=True,
                                execution_timeout=_limit(train_timeout_s), deferrable=deferrable,
                                poll_s=poll_s).output
     trained >> release(cluster)
-    register(shards, trained, checked, config)
+    register(shards, trained, checked, config, inputs)
+    reuse(inputs, decision[pipeline_tasks.REUSABLE_XCOM_KEY])

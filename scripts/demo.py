@@ -89,6 +89,13 @@ def main() -> int:
             value = client.request("GET", path, params={"deserialize": "true"}).json()["value"]
             return json.loads(value) if isinstance(value, str) else value
 
+        reused = client.task_states(DAG_ID, run_id).get("reuse") == "success"
+        if reused:  # an earlier run trained on the same inputs: nothing was provisioned or trained
+            out = xcom("reuse")
+            print(f"Reused model:       {out['registered_model_name']} version {out['version']}, trained by run "
+                  f"{out['reused_from']['run_id']} on the same inputs (trigger with force=true to train again)")
+            print(f"MLflow run:         {out['run_url']} (this run's record of the reuse: {out['reuse_run_url']})")
+            return 0
         registered, trained = xcom("register"), xcom("train")
     print(f"MLflow run:         {registered['run_url']}")
     print(f"Registered model:   {registered['registered_model_name']} version {registered['version']} "

@@ -2,9 +2,10 @@
 database): the one DagBag runner script of the tests and benchmarks.
 
 Several confs run in the same child (Airflow's import costs seconds here); each conf's outcome
-is either the finished run (state, run id, every task instance with its map index, rendered
-name, state and try number, and the XComs asked for) or the exception that refused it, with its
-message, so a test can check both a rejected trigger and a failed run. The parsed DAG's
+is either the finished run (state, run id, its seconds from start to end, every task instance
+with its map index, rendered name, state, try number and duration, and the XComs asked for) or
+the exception that refused it, with its message, so a test can check both a rejected trigger
+and a failed run. The parsed DAG's
 timetable and task ids come back too.
 """
 from __future__ import annotations
@@ -38,9 +39,10 @@ for conf in confs:
         continue
     tis = dr.get_task_instances()
     results.append({"state": str(dr.state), "run_id": dr.run_id,
+                    "seconds": (dr.end_date - dr.start_date).total_seconds() if dr.end_date and dr.start_date else None,
                     "task_instances": [{"task_id": ti.task_id, "map_index": ti.map_index,
                                         "name": ti.rendered_map_index, "state": str(ti.state),
-                                        "try_number": ti.try_number} for ti in tis],
+                                        "try_number": ti.try_number, "duration": ti.duration} for ti in tis],
                     "xcom": {t: ti.xcom_pull(task_ids=t) for ti in tis[:1] for t in xcom_tasks}})
 with create_session() as session:
     runs = session.query(DagRun).filter(DagRun.dag_id == dag_id).count()

@@ -70,7 +70,9 @@ def conf(uri: str, **kw: Any) -> dict[str, Any]:
     return {"dataset_uri": uri, "label_column": "label", "recipe": "debug", "model": "mlp", "epochs": 4,
             "batch_size": 32, "learning_rate": 0.005, "optimizer": "adam", "num_workers": 2, "num_servers": 1,
             "kvstore": "dist_sync", "checkpoint_every_n_steps": 10,
-            "registered_model_name": "digits-operator", **kw}
+            # force: these runs are about training (kills, timeouts, restarts); an earlier run's
+            # version on the same inputs would otherwise be reused and nothing trained.
+            "registered_model_name": "digits-operator", "force": True, **kw}
 
 
 def run_paths(s3_server: Any, run_id: str, dag_id: str = DAG_ID) -> RunPaths:

@@ -18,15 +18,19 @@ def test_parse_loads_nothing_heavy(dag_file):
 
 def test_structure(dag):
     tasks = {t.task_id: t for t in dag.tasks}
-    assert set(tasks) == {"shard", "shard_names", "validate_shard", "validate", "provision", "train", "release",
-                          "register"}
+    assert set(tasks) == {"shard", "shard_names", "validate_shard", "validate", "check_reuse", "provision", "train",
+                          "release", "register", "reuse"}
     # One validation task per shard (mapped), then the cross-shard task, which waits for all of them.
     assert type(tasks["validate_shard"]).__name__.endswith("MappedOperator")
     assert "validate_shard" in tasks["validate"].upstream_task_ids
     assert tasks["provision"].is_setup and tasks["release"].is_teardown
-    # Nothing is provisioned before the data has passed validation.
-    assert "validate" in tasks["provision"].upstream_task_ids
+    # Nothing is provisioned before the data has passed validation and the reuse check chose to train.
+    assert "validate" in tasks["check_reuse"].upstream_task_ids
+    assert tasks["check_reuse"].downstream_task_ids == {"provision", "register", "reuse"}
+    assert type(tasks["check_reuse"]).__name__ == "_BranchPythonDecoratedOperator"
     assert {"provision", "train"} <= tasks["release"].upstream_task_ids
+    # register is downstream of provision, so the branch to provision does not skip it.
+    assert "register" in tasks["provision"].get_flat_relative_ids(upstream=False)
     assert tasks["train"].retries >= 2
     assert tasks["shard"].retries == 0 and tasks["validate"].retries == 0
     assert dag.max_active_runs == 1 and dag.catchup is False
@@ -36,6 +40,8 @@ def test_structure(dag):
     assert [o.name for o in tasks["shard"].outlets] == ["mxpipe.shards"]
     # The alias carries the review trigger: x-mlflow://models/<the run's registered_model_name>.
     assert [o.name for o in tasks["register"].outlets] == ["mxpipe.model", "mxpipe.registered_model"]
+    # A reuse registers nothing: no model event, no review trigger.
+    assert tasks["reuse"].outlets == []
 
 
 @pytest.mark.parametrize("name,bad", [("num_workers", 0), ("num_workers", 17), ("epochs", 0),

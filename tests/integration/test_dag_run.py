@@ -55,6 +55,7 @@ def test_full_run_with_a_worker_killed_three_times_restarts_in_place_and_registe
     result, logs = _run_dag(airflow_env, _conf(digits_uri), fault)
     tasks = result["tasks"]
     assert result["state"] == "success", logs[-6000:]
+    assert tasks.pop("reuse")["state"] == "skipped"  # the branch not taken: this run trains
     assert all(t["state"] == "success" for t in tasks.values()), tasks
     assert all((tmp_path / f"fault-fired-{s}").exists() for s in KILLS), "a kill never fired"
     assert tasks["train"]["try_number"] == 1  # three restarts in place, no Airflow retry
@@ -98,6 +99,10 @@ def test_a_failure_the_supervisor_may_not_restart_is_retried_by_airflow(airflow_
     assert run.data.metrics["job.restarts"] == 0
 
 
+def _duration(result, task_id):
+    return next(ti["duration"] for ti in result["task_instances"] if ti["task_id"] == task_id)
+
+
 def _check_test_evaluation(client, run, model_id: str) -> None:
     """register scored the logged model with MLflow's classifier evaluator on the test split: its
     metrics are on the run and on the version's LoggedModel (linked from this run, with the test
@@ -131,19 +136,6 @@ def test_missing_dataset_fails_in_shard_with_its_uri(airflow_env, s3_server):
     assert result["state"] == "failed"
     assert result["tasks"]["shard"]["state"] == "failed"
     assert missing in logs
-
-
-def test_warm_start_from_an_earlier_run_of_the_dag(airflow_env, digits_uri):
-    """The shard task finds the named run's checkpoints; the job starts from them."""
-    first, logs = _run_dag(airflow_env, _conf(digits_uri, epochs=1, registered_model_name="digits-warm"))
-    assert first["state"] == "success", logs[-4000:]
-    assert "warm start:" not in logs  # a run never starts from another one unless asked
-    second, logs = _run_dag(airflow_env, _conf(digits_uri, epochs=1, registered_model_name="digits-warm",
-                                               warm_start=first["run_id"]))
-    assert second["state"] == "success", logs[-4000:]
-    assert f"warm start from {first['run_id']} step" in logs  # shard's check
-    # The worker's own "warm start: parameters from step" line did not appear in dag.test()'s output
-    # (seen here); the worker side is checked in test_warm_start.py.
 
 
 def test_diabetes_regression_through_the_dag_registers_a_float_model(airflow_env, tmp_path):
@@ -247,3 +239,52 @@ def test_a_factory_that_cannot_be_imported_fails_shard_without_retry(airflow_env
     assert result["tasks"]["train"]["state"] in ("upstream_failed", "None")
     assert "invalid model: model.name='mynet.broken:build': importing mynet.broken failed: ImportError: needs torch" \
         in logs
+
+
+def test_an_unchanged_rerun_reuses_the_version_and_a_warm_start_from_it_trains_again(airflow_env, digits_uri):
+    """Two runs of one conf in one dag.test() process: the first trains and registers version 1;
+    the second's check_reuse finds it (same manifest, config, code, no warm start) and branches
+    to reuse: provision, train, release and register are skipped, and reuse names version 1,
+    records the reuse in MLflow and tags the version. A third run warm-starts from the first (a
+    changed input): it trains, and the shard task finds the named run's checkpoints. (One test,
+    so the warm start's source run is the reuse's: the suite trains once less.)"""
+    conf = _conf(digits_uri, epochs=1, registered_model_name="digits-warm")
+    report, logs = dag_runs.dag_tests(airflow_env, [conf, conf], xcom_tasks=("reuse", "register"))
+    first, second = report["results"]
+    assert first["state"] == "success", logs[-6000:]
+    assert second["state"] == "success", logs[-6000:]
+    assert "warm start:" not in logs  # a run never starts from another one unless asked
+    trained, reused = (dag_runs.tasks(r, unmapped_only=True) for r in (first, second))
+    assert {t: trained[t]["state"] for t in ("provision", "train", "release", "register", "reuse")} == \
+        {"provision": "success", "train": "success", "release": "success", "register": "success", "reuse": "skipped"}
+    assert reused["check_reuse"]["state"] == "success" and reused["reuse"]["state"] == "success"
+    assert {t: reused[t]["state"] for t in ("provision", "train", "release", "register")} == \
+        dict.fromkeys(("provision", "train", "release", "register"), "skipped"), reused
+    assert f"match version 1 of digits-warm, trained by DAG run mxnet_training/{first['run_id']}" in logs
+    out = second["xcom"]["reuse"]
+    assert out["registered_model_name"] == "digits-warm" and out["version"] == "1" and out["reused"] is True
+    assert out["reused_from"] == {"dag_id": "mxnet_training", "run_id": first["run_id"]}
+    assert out["test_accuracy"] == first["xcom"]["register"]["test_accuracy"]
+    # What the reuse spent: the whole run against the training run's (both include shard and validate).
+    print(f"trained run {first['seconds']:.1f} s, reusing run {second['seconds']:.1f} s; reuse check "
+          f"{_duration(second, 'check_reuse'):.1f} s, reuse {_duration(second, 'reuse'):.1f} s")
+    assert second["seconds"] < first["seconds"]
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(airflow_env["MLFLOW_TRACKING_URI"])
+    assert [v.version for v in client.search_model_versions("name = 'digits-warm'")] == ["1"]  # nothing new
+    version = client.get_model_version("digits-warm", "1")
+    assert version.tags["mxpipe.reused_by"] == f"mxnet_training/{second['run_id']}"
+    run = client.get_run(out["reuse_run_id"])
+    assert run.data.tags["airflow.run_id"] == second["run_id"] and run.info.status == "FINISHED"
+    assert run.data.tags["mxpipe.reused_version"] == "digits-warm/1"
+    assert run.data.tags["mxpipe.reused_from_mlflow_run"] == version.run_id
+
+    third, logs = _run_dag(airflow_env, {**conf, "warm_start": first["run_id"]})
+    assert third["state"] == "success", logs[-4000:]
+    assert f"warm start from {first['run_id']} step" in logs  # shard's check
+    # The worker's own "warm start: parameters from step" line did not appear in dag.test()'s output
+    # (seen here); the worker side is checked in test_warm_start.py.
+    assert "warm_start changed since version 1 of digits-warm" in logs
+    assert third["tasks"]["train"]["state"] == "success" and third["tasks"]["reuse"]["state"] == "skipped"

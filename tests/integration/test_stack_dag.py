@@ -43,6 +43,21 @@ def test_scheduler_runs_the_dag_to_a_registered_model(stack, s3_server, digits_c
         assert state == "success", states
         path = f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/register/xcomEntries/return_value"
         registered = client.request("GET", path, params={"deserialize": "true"}).json()["value"]
+    assert states.pop("reuse") == "skipped"  # the branch not taken: this run trains
     assert set(states.values()) == {"success"}
     assert registered["registered_model_name"] == "digits-stack-test"
     assert registered["test_accuracy"] > 0.85
+
+    # The same conf again, as a scheduled retraining on unchanged data would be: the scheduler
+    # runs check_reuse's branch to reuse, and nothing is provisioned, trained or registered.
+    again = trigger_dag_run(stack.airflow_url, DAG_ID, conf)
+    state = wait_for_dag_run(stack.airflow_url, DAG_ID, again, timeout_s=300, poll_s=3)
+    with AirflowClient(stack.airflow_url) as client:
+        states = client.task_states(DAG_ID, again)
+        assert state == "success", states
+        path = f"/dags/{DAG_ID}/dagRuns/{again}/taskInstances/reuse/xcomEntries/return_value"
+        reused = client.request("GET", path, params={"deserialize": "true"}).json()["value"]
+    assert {t: states[t] for t in ("check_reuse", "reuse", "provision", "train", "release", "register")} == {
+        "check_reuse": "success", "reuse": "success", "provision": "skipped", "train": "skipped",
+        "release": "skipped", "register": "skipped"}, states
+    assert (reused["version"], reused["reused_from"]["run_id"]) == (registered["version"], run_id)

@@ -48,8 +48,10 @@ def test_the_register_task_hands_the_card_its_lineage(monkeypatch):
     trained = {"model_prefix": "s3://b/model", "metrics_uri": "s3://b/m.json", "resumed_from_step": 0, "attempt": 1,
                "checkpoint_prefix": "s3://b/run/checkpoints"}
     pipeline_tasks.register(config, {"registered_model_name": "digits", "instance_type": "c5.large"}, shards,
-                            trained, {}, "mxnet_training", "manual__1", 1,
+                            trained, {}, {"manifest_digest": "d1g", "config_digest": "c0nf"}, "mxnet_training",
+                            "manual__1", 1,
                             airflow_run_url="http://airflow/dags/mxnet_training/runs/manual__1")
     job = seen["job"]
+    assert job.input_tags["mxpipe.input.manifest_digest"] == "d1g"
     assert (job.checkpoints_prefix, job.airflow_run_url, job.instance_type, job.model_code_sha256) == (
         "s3://b/run/checkpoints", "http://airflow/dags/mxnet_training/runs/manual__1", "c5.large", "c0de")

@@ -2,7 +2,9 @@
 
 - ``restore``: the newest valid checkpoint of this run (exact resume; another worker count is an
   elastic resume, ``elastic_position``), else another run's parameters (``warm_start``), else
-  fresh. ``check_compatible`` refuses a checkpoint of another training (``resume_digest``).
+  fresh. ``check_compatible`` refuses a checkpoint of another training (``resume_digest``);
+  ``model_digest`` is the stricter digest of what decides a freshly trained model (an earlier
+  run's registered model is reused only when it matches, ``training.tracking.reuse``).
 - ``restore_optimizer``: the checkpoint's optimizer state into the trainer built at the
   resumed step (with the optimizer on the servers it restarts from zero, logged).
 - ``train_record``: what a checkpoint holds besides parameters and optimizer state: the data
@@ -27,7 +29,7 @@ from training.loop.early_stop import BestEpoch
 from training.loop.optim import reposition
 
 __all__ = ["BEST_EPOCH", "RNG_SCHEME", "TrainState", "check_compatible", "elastic_position", "restore",
-           "restore_optimizer", "resume_digest", "train_record", "warm_start"]
+           "model_digest", "restore_optimizer", "resume_digest", "train_record", "warm_start"]
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +120,9 @@ def warm_start(net: Any, prefix: str, cfg: TrainConfig, ctx: Any) -> None:
     log.info("warm start: parameters from step %d of %s", ckpt.step, ckpt.uri)
 
 
-def resume_digest(cfg: TrainConfig) -> str:
-    """The part of the config a checkpoint must match: what is trained and how, not the cadence,
-    retention, encryption, timeouts or (elastic) the cluster size."""
+def _resume_fields(cfg: TrainConfig) -> dict[str, Any]:
+    """What ``resume_digest`` hashes: the config without the cadence, retention, encryption,
+    timeouts or (elastic) the cluster size."""
     raw = cfg.digest_dict()
     raw.pop("checkpoint")
     raw["data"].pop("prefetch_batches")  # how far ahead batches are built does not change them
@@ -133,7 +135,31 @@ def resume_digest(cfg: TrainConfig) -> str:
     if cluster["gradient_compression"] != "none":  # left out when off: older checkpoints still match
         raw["cluster"].update(gradient_compression=cluster["gradient_compression"],
                               compression_threshold=cluster["compression_threshold"])
+    return raw
+
+
+def _digest(raw: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resume_digest(cfg: TrainConfig) -> str:
+    """The part of the config a checkpoint must match: what is trained and how, not the cadence,
+    retention, encryption, timeouts or (elastic) the cluster size."""
+    return _digest(_resume_fields(cfg))
+
+
+def model_digest(cfg: TrainConfig) -> str:
+    """The part of the config that decides the trained model: ``resume_digest``'s fields plus the
+    two a resume may change on purpose but a fresh training may not. The worker count and the
+    contexts per worker set the global batch, the data each worker reads and the learning-rate
+    scaling (an elastic resume is a continuation, not the same training); which epoch's
+    parameters are exported (``checkpoint.export_epoch`` resolved) is what gets registered.
+    Left out, as for a resume: checkpoint cadence and retention, encryption, timeouts, the
+    backend, the server count and prefetching (none of them changes a parameter)."""
+    raw = _resume_fields(cfg)
+    raw["cluster"].update(num_workers=cfg.cluster.num_workers, devices_per_worker=cfg.cluster.devices_per_worker)
+    raw["exports_best"] = cfg.exports_best
+    return _digest(raw)
 
 
 def elastic_position(state: dict[str, Any], num_workers: int, steps: int) -> int:

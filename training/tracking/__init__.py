@@ -16,6 +16,7 @@
 - ``runs``: the MLflow runs a DAG run writes to, and the bounded client settings of every call.
 - ``live``: the DAG run's MLflow run while its training runs: curves, system metrics, end state,
   fed by the supervisor with the roles' ``common.events``.
+- ``reuse``: finding an earlier run's version trained on the same inputs, and recording its reuse.
 - ``cost``: what a run consumed, as MLflow metrics (core-seconds per role, GPU-seconds).
 
 Runs in Airflow tasks, CLIs and the supervisor, never in a role process. May import ``common``

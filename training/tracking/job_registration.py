@@ -6,7 +6,8 @@ the training curves, reads the test split, and hands all of it to ``registry.log
 (log the DAG run's MLflow run, score the model, register it as ``challenger``). The run is the
 DAG run's own (``runs.dag_run_tags`` find the one its live tracking or an earlier attempt
 created), tagged with its lineage: the Airflow ids and attempt, the manifest digest, the shards
-prefix (a review reads its test data from it) and the source fingerprint, the code's commit.
+prefix (a review reads its test data from it) and the source fingerprint, the code's commit,
+and the training inputs a later run is matched against (``training.tracking.reuse``).
 Then the version's model card (``training.tracking.model_card``) is built from the manifest, the
 config, the run's cost metrics and the champion's test metrics, and logged to the run with the
 gate pending (the review adds its result).
@@ -20,7 +21,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.config import TrainConfig
@@ -57,17 +58,20 @@ class TrainedJob:
     airflow_run_url: str = ""
     instance_type: str = ""
     model_code_sha256: str = ""  # a custom network's staged code (common.model_code.StagedCode)
+    # The training inputs' tags (training.tracking.reuse.TrainingInputs.tags): a later run on the
+    # same inputs finds the version by them and reuses it.
+    input_tags: Mapping[str, str] = field(default_factory=dict)
 
 
 def run_tags(job: TrainedJob) -> dict[str, str]:
     """The MLflow run's tags (and so every version's registered from it): the DAG run and
-    attempt, the data lineage, the code's commit."""
+    attempt, the data lineage, the code's commit, the training inputs (``input_tags``)."""
     from common.version import git_sha
 
     return {**dag_run_tags(job.dag_id, job.run_id), "airflow.try_number": str(job.try_number),
             "dataset.manifest_digest": job.manifest_digest, "mlflow.source.git.commit": git_sha(),
             # A review reads its test data from this tag; the fingerprint names the source data.
-            SHARDS_TAG: job.shards_prefix, "dataset.fingerprint": job.source_fingerprint}
+            SHARDS_TAG: job.shards_prefix, "dataset.fingerprint": job.source_fingerprint, **job.input_tags}
 
 
 def download_model(model_prefix: str, local_dir: str) -> str:
