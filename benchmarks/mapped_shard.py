@@ -24,7 +24,7 @@ import time
 
 # The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from shard_throughput import generate_csv, with_s3  # noqa: E402
+from benchmarks.shard_throughput import generate_csv, with_s3  # noqa: E402
 
 from testkit import REPO  # noqa: E402
 from testkit.result_file import write_json  # noqa: E402
