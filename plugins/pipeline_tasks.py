@@ -18,11 +18,17 @@ Variables, each with the environment and the settings files as the fallback.
 
 The config is resolved once. ``shard``, the first task, turns the Params (and the file
 ``config_uri`` names) into the typed ``TrainConfig`` (``resolve_config``; a wrong type or an
-invalid combination fails there, at once) and returns its dict beside the shard pointers; the
+invalid combination fails there, at once) and returns its dict beside the sharding plan; the
 DAG pushes that dict as the shard task's ``config`` XCom (``CONFIG_XCOM_KEY``, about 2 KB), and
 every later task rebuilds the same config from it (``load_config``) rather than deriving it
 again from the Params. The Params that are not part of the config (the registered model
-name, the warm start, the EC2 instance type) are read by the task that uses them.
+name, the warm start, the EC2 instance type, the number of shard parts) are read by the task
+that uses them.
+
+Sharding is four steps (``data_checks.parts``): ``shard`` plans it (and finds unchanged shards to
+reuse), ``shard_count`` and ``shard_part`` run once per part of the source as mapped tasks, and
+``shard_merge`` assembles the shards, commits the manifest and returns the shard pointers every
+later task reads (``shard_in_process`` runs the four in one process).
 
 Warm start is resolved by ``train``, for the job it starts; the shard XCom carries only shard
 pointers. ``shard`` checks the reference first all the same, before anything is written or
