@@ -414,6 +414,10 @@ def merge(cfg: TrainConfig, plan_uri: str) -> dict[str, Any]:
     """Assemble every shard from the parts' pieces, upload it, then commit the manifest (last, as
     ``shard._commit`` does) and remove the parts' folder; returns the manifest."""
     doc = _load(plan_uri)
+    done = _existing_manifest(doc["prefix"])
+    if done is not None and done.get("source_fingerprint") == doc["fingerprint"]:  # a retry after the commit
+        storage.delete_prefix(doc["work"])
+        return done
     state = _state(cfg, doc)
     splan = _source(doc)
     params = sharding_params(cfg)

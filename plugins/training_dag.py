@@ -109,18 +109,20 @@ def _checked_shards() -> tuple[Any, Any, Any]:
 
     # One task per part of the source, twice: its counts, then its pieces of every shard (each
     # part needs every part's counts to know where it starts). Intermediate files go to the store.
-    @task(map_index_template="part {{ task.op_kwargs['part'] }}")
+    # A data failure fails without a retry; the one retry is for infrastructure errors (a part
+    # rewrites the same files; the merge finds its own committed manifest).
+    @task(map_index_template="part {{ task.op_kwargs['part'] }}", retries=1, retry_delay=timedelta(seconds=5))
     @with_connections
     def shard_count(part: int, planned: dict, config: dict) -> str:
         return pipeline_tasks.shard_count(config, planned, part)
 
-    @task(map_index_template="part {{ task.op_kwargs['part'] }}")
+    @task(map_index_template="part {{ task.op_kwargs['part'] }}", retries=1, retry_delay=timedelta(seconds=5))
     @with_connections
     def shard_part(part: int, planned: dict, config: dict) -> str:
         return pipeline_tasks.shard_part(config, planned, part)
 
     # none_failed: it also runs when the parts were skipped (reused shards, an image folder).
-    @task(outlets=[SHARDS], trigger_rule="none_failed")
+    @task(outlets=[SHARDS], trigger_rule="none_failed", retries=1, retry_delay=timedelta(seconds=5))
     @with_connections
     def shard_merge(planned: dict, config: dict) -> dict:
         dag_id, run_id, _ = _ids()

@@ -165,3 +165,24 @@ def test_exact_moments_merge_in_any_order():
         total = add_moments(total, exact_moments(p))
     assert total == (n, s, q, 1) and mean_std((n, s, q, 0)) == mean_std(add_moments(total, (0, 0, 0, -1)))
     json.dumps(total)  # plain ints: they travel as JSON
+
+
+def test_a_merge_run_again_after_its_commit_returns_the_manifest(frame, tmp_path):
+    """A retry of the merge task after it committed (e.g. lost while removing the parts' folder)."""
+    from data_checks.parts import count, merge, shard_part
+
+    path = tmp_path / "one.csv"
+    frame.to_csv(path, index=False)
+    cfg = config(str(path))
+    planned = plan(cfg, str(tmp_path / "out"), 2)
+    for k in planned["parts"]:
+        count(cfg, planned["plan_uri"], k)
+    for k in planned["parts"]:
+        shard_part(cfg, planned["plan_uri"], k)
+    first = merge(cfg, planned["plan_uri"])
+    assert not storage.exists(planned["plan_uri"])  # the parts' folder is gone after the commit
+    plan_doc = {"prefix": planned["prefix"], "fingerprint": planned["fingerprint"],
+                "work": planned["plan_uri"].rsplit("/", 1)[0]}
+    storage.put_bytes(planned["plan_uri"], json.dumps(plan_doc).encode())  # as if the removal had failed
+    assert merge(cfg, planned["plan_uri"]) == first
+    assert not storage.exists(planned["plan_uri"])
