@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 # The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -136,10 +137,18 @@ def main() -> None:
     args = parser.parse_args()
     rows = args.rows or (36_000 if args.quick else 1_000_000)
 
+    result = with_s3("shard-bench-", lambda bucket, home, env: bench(bucket, home, rows, args, env))
+    print("RESULT " + json.dumps(result))
+    write_json(args.json, result)
+
+
+def with_s3(prefix: str, run: Callable[[str, str, dict[str, str]], dict]) -> dict:
+    """``run(bucket, home, env)`` against a SeaweedFS S3 server of its own (free ports, a temp
+    folder ``home``), stopped and removed after it; ``env``: a child's environment to reach it."""
     from infra.s3_service import start_s3, stop_s3
     from infra.stack_config import StackConfig, stack_env
 
-    home = tempfile.mkdtemp(prefix="shard-bench-")
+    home = tempfile.mkdtemp(prefix=prefix)
     stack = StackConfig.with_free_ports(home)
     stack.save()
     handle = start_s3(stack)
@@ -148,14 +157,13 @@ def main() -> None:
                "PYTHONPATH": REPO}
         env.pop("AWS_ENDPOINT_URL", None)
         os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
-        result = bench(stack.bucket, home, rows, args, env)
+        result = run(stack.bucket, home, env)
     finally:
         stopped = stop_s3(handle)
         shutil.rmtree(home, ignore_errors=True)
     if not stopped:
         raise RuntimeError(f"SeaweedFS left processes behind: {handle.processes()}")
-    print("RESULT " + json.dumps(result))
-    write_json(args.json, result)
+    return result
 
 
 def bench(bucket: str, home: str, rows: int, args: argparse.Namespace, env: dict[str, str]) -> dict:

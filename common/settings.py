@@ -100,6 +100,11 @@ class Settings(BaseSettings):
                               "registered models the review DAG is scheduled on", group="dags")
     review_timeout_h: float = _var(72.0, "MXPIPE_REVIEW_TIMEOUT_H", "Hours a review waits for "
                                    "a reviewer", group="dags")
+    shard_parts: int = _var(0, "MXPIPE_SHARD_PARTS", "Parts the training DAG's sharding is spread over (mapped "
+                            "`shard_count` / `shard_part` tasks; the `shard_parts` Param wins): files of a "
+                            "multi-file source, or byte ranges of one CSV file (no quoted newlines); `0`: one "
+                            "per 256 MB of source, at most 8 and one per file; the shards are the same for any "
+                            "number", group="dags", ge=0, le=64)
     gx_data_docs: bool = _var(True, "MXPIPE_GX_DATA_DOCS", "Render the Great Expectations HTML "
                               "report (`0`: JSON report only)", group="dags")
     git_sha: str | None = _var(None, "MXPIPE_GIT_SHA", "Code version tagged on the MLflow run "

@@ -11,6 +11,7 @@ validation is ``suites`` → ``validate`` → ``cross`` → ``report``; a batch-
 - ``preprocess``: table preprocessing, fitted on the train split at shard time, applied to all.
 - ``assign``: seeded, streaming assignment of rows to train/val/test and to balanced train shards.
 - ``shard``: write the RecordIO shards, committing the manifest last.
+- ``parts``: the same shards from parts of the source (mapped tasks: plan, count, shard, merge).
 - ``suites``: Great Expectations suites, one function per dataset kind, and the code that runs them.
 - ``validate``: one Great Expectations run per committed shard, then the cross-shard checks.
 - ``cross``: checks that need every shard at once (cross-shard consistency, drift).

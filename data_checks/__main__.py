@@ -2,8 +2,10 @@
 
     python -m data_checks shard --config cfg.json --out PREFIX
         Shards ``data.source_uri`` of the config into RecordIO shards + manifest under PREFIX.
-    python -m data_checks shard --config cfg.json --under ROOT
-        The same under ROOT/{fingerprint[:16]} (reused when source and settings are unchanged).
+    python -m data_checks shard --config cfg.json --under ROOT [--parts N]
+        The same under ROOT/{fingerprint[:16]} (reused when source and settings are unchanged);
+        with --parts, in N parts of the source one after the other (``data_checks.parts``, as the
+        DAG's mapped tasks do; 0: one per 256 MB): the same shards.
     python -m data_checks validate --config cfg.json --shards PREFIX [--report PREFIX]
                                    [--previous MANIFEST] [--docs]
         Runs the Great Expectations suites over the shards and the cross-shard checks (drift
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     where = s.add_mutually_exclusive_group(required=True)
     where.add_argument("--out", help="prefix for shards and manifest.json")
     where.add_argument("--under", help="root for content-addressed shards (ROOT/{fingerprint[:16]})")
+    s.add_argument("--parts", type=int, help="with --under: shard in this many parts of the source, as the DAG's "
+                                             "mapped tasks do (0: one per 256 MB); the shards are the same")
     v = sub.add_parser("validate", help="validate shards with Great Expectations")
     v.add_argument("--config", required=True, help="TrainConfig JSON file")
     v.add_argument("--shards", required=True, help="prefix holding manifest.json")
@@ -55,8 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "shard":
             from data_checks.shard import shard_content_addressed, shard_dataset
 
+            if args.parts is not None and not args.under:
+                parser.error("--parts needs --under (mapped sharding is content-addressed)")
             if args.out:
                 prefix, manifest, reused = args.out, shard_dataset(cfg, args.out), None
+            elif args.parts is not None:
+                from data_checks.parts import shard_in_parts
+
+                prefix, manifest, reused = shard_in_parts(cfg, args.under, args.parts)
             else:
                 prefix, manifest, reused = shard_content_addressed(cfg, args.under)
             print(json.dumps({"shards": prefix, "reused": reused, "fingerprint": manifest["source_fingerprint"],

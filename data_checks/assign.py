@@ -149,6 +149,47 @@ class Assigner:
         split = np.full(len(rest), TRAIN, np.int8)
         return rest, split, self._deal(split)
 
+    def resume(self, seen: dict[int, int], held: dict[int, list[int]], trained: int) -> None:
+        """Continue a stream from its middle (``data_checks.parts``: one part of the source):
+        rows seen per class before it, the handles still held per class (in row order), and the
+        train rows dealt before it. What follows is assigned as if the earlier rows had passed
+        through this assigner."""
+        self._seen = dict(seen)
+        self._held = {c: list(h) for c, h in held.items() if h}
+        self._trained = trained
+
+    def held(self) -> dict[int, list[int]]:
+        """The handles held back so far, per class, in row order (a class's first rows)."""
+        return {c: list(h) for c, h in self._held.items()}
+
+    @property
+    def trained(self) -> int:
+        return self._trained
+
+    def split_at(self, class_id: int, within: int) -> int:
+        """The split of a class's row number ``within`` (in a class of at least 3 rows)."""
+        return int(self._split_of(np.array([class_id], np.int64), np.array([within], np.int64))[0])
+
+    def train_rows(self, class_id: int, start: int, stop: int) -> int:
+        """How many of a class's rows numbered ``start..stop-1`` (within the class) go to train, without
+        the rows: the first block's slots, whole blocks' fixed quota, and the slots of the partial
+        blocks at either end. Mapped sharding counts each part's train rows so (``data_checks.parts``)."""
+        size, total = self.block.size, 0
+        if start < min(stop, size):
+            total += int((self._first_block_of(class_id)[start:min(stop, size)] == TRAIN).sum())
+        start = max(start, size)
+        if start >= stop:
+            return total
+        whole_from, whole_to = -(-start // size), stop // size
+        ends = [(start, stop)] if whole_from >= whole_to else [(start, whole_from * size), (whole_to * size, stop)]
+        for a, b in ends:
+            if a < b:
+                within = np.arange(a, b, dtype=np.int64)
+                total += int((self._split_of(np.full(len(within), class_id, np.int64), within) == TRAIN).sum())
+        if whole_from < whole_to:
+            total += (whole_to - whole_from) * (size - self.block.test - self.block.val)
+        return total
+
     def _split_of(self, classes: np.ndarray, within: np.ndarray) -> np.ndarray:
         size = self.block.size
         out = np.empty(len(classes), np.int8)

@@ -22,8 +22,10 @@ split's numeric columns, 4 bytes a value, for exact medians.
 from __future__ import annotations
 
 import logging
+import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,46 +49,121 @@ def needed(data: "DataConfig", layout: "Layout") -> bool:
     return data.standardize or data.missing_values == "impute" or bool(layout.categorical)
 
 
-def _merge(acc: tuple[int, float, float], values: np.ndarray) -> tuple[int, float, float]:
-    """Chan et al.'s parallel update of (count, mean, sum of squared deviations)."""
-    n_b = len(values)
-    if n_b == 0:
-        return acc
-    mean_b = float(values.mean())
-    m2_b = float(((values - mean_b) ** 2).sum())
-    n_a, mean_a, m2_a = acc
-    n = n_a + n_b
-    delta = mean_b - mean_a
-    return n, mean_a + delta * n_b / n, m2_a + m2_b + delta * delta * n_a * n_b / n
+# Exact sums. The statistics must come out bit-identical whatever the order the train rows are
+# summed in: one sharder reads them shard by shard, mapped sharding (``data_checks.parts``) part
+# by part, and a float sum depends on its order. A float32 value is ``m * 2**e`` with an integer
+# ``|m| < 2**24``; per exponent, the integer mantissas add up exactly in float64 (bincount) for
+# up to 2**29 values, and the per-exponent sums then add up exactly as a Python int scaled by
+# ``2**_SHIFT``. Squares (``m**2 < 2**48``) are summed as two 24-bit halves the same way. The
+# result (count, sum, sum of squares as ints, and the count of non-finite values left out) merges
+# by integer addition, in any order; the mean and standard deviation are rounded once, from the
+# exact rationals (NaN if any value was not finite: validation names those rows).
+_SHIFT = 172  # float32's smallest subnormal is 2**-149 = 2**23 * 2**-172: every exponent is >= 0
+_BUCKETS = 2 * (128 + _SHIFT) + 1
+_MAX_BLOCK = 1 << 29
+
+
+Moments = tuple[int, int, int, int]
+
+
+def exact_moments(values: np.ndarray) -> Moments:
+    """``(n, sum * 2**172, sum of squares * 2**344, non-finite)`` of float32 values, exactly
+    (the sums over the ``n`` finite values)."""
+    out = [0, 0, 0, 0]
+    for start in range(0, len(values), _MAX_BLOCK):
+        x = np.asarray(values[start:start + _MAX_BLOCK], np.float32).astype(np.float64)
+        finite = np.isfinite(x)
+        out[3] += int((~finite).sum())
+        x = x[finite]
+        if not len(x):
+            continue
+        m, e = np.frexp(x)
+        mant = (m * (1 << 24)).astype(np.int64)  # exact: a float32 has 24 significant bits
+        exp = (e - 24 + _SHIFT).astype(np.int64)
+        sums = np.bincount(exp, weights=mant.astype(np.float64), minlength=_BUCKETS)
+        square = mant * mant
+        exp2 = 2 * exp
+        hi = np.bincount(exp2, weights=(square >> 24).astype(np.float64), minlength=_BUCKETS)
+        lo = np.bincount(exp2, weights=(square & ((1 << 24) - 1)).astype(np.float64), minlength=_BUCKETS)
+        out[0] += len(x)
+        out[1] += sum(int(v) << b for b, v in enumerate(sums.tolist()) if v)
+        out[2] += sum((int(h) << (b + 24)) + (int(v) << b) for b, (h, v) in enumerate(zip(hi.tolist(), lo.tolist()))
+                      if h or v)
+    return out[0], out[1], out[2], out[3]
+
+
+def add_moments(a: Moments | list[int], b: Moments | list[int]) -> Moments:
+    return int(a[0]) + int(b[0]), int(a[1]) + int(b[1]), int(a[2]) + int(b[2]), int(a[3]) + int(b[3])
+
+
+def mean_std(moments: Moments | list[int]) -> tuple[float, float]:
+    """The mean and (population) standard deviation, each rounded once from the exact sums."""
+    n, s, q, bad = (int(v) for v in moments)
+    if bad:
+        return math.nan, math.nan
+    if not n:
+        return 0.0, 0.0
+    mean = Fraction(s, n << _SHIFT)
+    var = Fraction(n * q - s * s, (n * n) << (2 * _SHIFT))
+    return float(mean), math.sqrt(float(var))
+
+
+def fit_partial(train: Iterable[np.ndarray], layout: "Layout", codes: dict[str, dict[str, int]],
+                data: "DataConfig") -> dict[str, Any]:
+    """What ``fit`` needs from some train rows (features as read), in a form that merges exactly
+    (``merge_partials``): rows, exact moments per numeric column, value counts per categorical
+    column and (imputing) the finite values per numeric column, for exact medians."""
+    impute = data.missing_values == "impute"
+    counts = {name: [0] * len(values) for name, values in codes.items()}
+    moments = {name: (0, 0, 0, 0) for name in layout.feature_columns if name not in codes}
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in moments} if impute else {}
+    rows = 0
+    for X in train:
+        rows += len(X)
+        for j, name in enumerate(layout.feature_columns):
+            x = X[:, j]
+            if name in codes:
+                got = np.bincount(x[~np.isnan(x)].astype(np.int64), minlength=len(counts[name]))
+                counts[name] = [a + int(b) for a, b in zip(counts[name], got.tolist())]
+                continue
+            finite = x[np.isfinite(x)]
+            moments[name] = add_moments(moments[name], exact_moments(finite))
+            if impute:
+                columns[name].append(finite.astype(np.float32))
+    values = {name: np.concatenate(parts) if parts else np.zeros(0, np.float32) for name, parts in columns.items()}
+    return {"rows": rows, "moments": moments, "counts": counts, "values": values}
+
+
+def merge_partials(partials: list[dict[str, Any]]) -> dict[str, Any]:
+    """Partials of disjoint row sets → the partial of their union (integer sums: any order)."""
+    first = partials[0]
+    out = {"rows": sum(p["rows"] for p in partials),
+           "moments": {k: tuple(sum(int(p["moments"][k][i]) for p in partials) for i in range(4))
+                       for k in first["moments"]},
+           "counts": {k: [sum(int(p["counts"][k][i]) for p in partials) for i in range(len(v))]
+                      for k, v in first["counts"].items()},
+           # A median depends on the multiset of values only: their order does not matter.
+           "values": {k: np.concatenate([p["values"][k] for p in partials]) for k in first["values"]}}
+    return out
 
 
 def fit(train: Callable[[], Iterator[np.ndarray]], layout: "Layout", codes: dict[str, dict[str, int]],
         data: "DataConfig") -> dict[str, Any]:
     """The preprocessing record from the train shards' features (as read): ``train()`` yields
-    them a block at a time, once per pass."""
+    them a block at a time."""
+    return fit_from_partial(fit_partial(train(), layout, codes, data), layout, codes, data)
+
+
+def fit_from_partial(partial: dict[str, Any], layout: "Layout", codes: dict[str, dict[str, int]],
+                     data: "DataConfig") -> dict[str, Any]:
+    """The preprocessing record from the (merged) partial of every train row."""
     impute = data.missing_values == "impute"
-    numeric = [j for j, name in enumerate(layout.feature_columns) if name not in codes]
-    counts = {name: np.zeros(len(values), np.int64) for name, values in codes.items()}
-    moments = {j: (0, 0.0, 0.0) for j in numeric}
-    columns: dict[int, list[np.ndarray]] = {j: [] for j in numeric} if impute else {}
-    rows = 0
-    for X in train():
-        rows += len(X)
-        for j, name in enumerate(layout.feature_columns):
-            x = X[:, j]
-            if name in codes:
-                counts[name] += np.bincount(x[~np.isnan(x)].astype(np.int64), minlength=len(counts[name]))
-                continue
-            finite = x[np.isfinite(x)]
-            moments[j] = _merge(moments[j], finite.astype(np.float64))
-            if impute:
-                columns[j].append(finite)
     inputs: list[dict[str, Any]] = []
-    for j, name in enumerate(layout.feature_columns):
+    for name in layout.feature_columns:
         if name in codes:
-            counts_ = counts[name]
+            counts_ = partial["counts"][name]
             values = list(codes[name])
-            seen = sorted((values[c] for c in np.flatnonzero(counts_)))
+            seen = sorted(values[c] for c, n in enumerate(counts_) if n)
             if len(seen) > MAX_CATEGORIES:
                 raise DataError(f"text column {name!r} has {len(seen)} distinct values in the train split (at most "
                                 f"{MAX_CATEGORIES} categories, e.g. {seen[:5]}): an id or free text is no category; "
@@ -95,34 +172,42 @@ def fit(train: Callable[[], Iterator[np.ndarray]], layout: "Layout", codes: dict
             inputs.append({"name": name, "kind": "categorical", "categories": seen,
                            "fill": most if impute else None})
             continue
-        n, mean, m2 = moments[j]
-        std = float(np.sqrt(m2 / n)) if n else 0.0
+        mean, std = mean_std(partial["moments"][name])
         fill = None
         if impute:
-            finite = np.concatenate(columns.pop(j)).astype(np.float64)
+            finite = partial["values"][name].astype(np.float64)
             fill = float(np.median(finite)) if len(finite) else 0.0
         inputs.append({"name": name, "kind": "numeric", "mean": mean, "std": std if std > 0 else 1.0, "fill": fill})
     output: list[str] = []
     for col in inputs:
         output += [col["name"]] if col["kind"] == "numeric" else \
             [f"{col['name']}={v}" for v in col["categories"]] + [f"{col['name']}={UNKNOWN}"]
-    return {"fit_on": "train", "rows": rows, "standardize": data.standardize,
+    return {"fit_on": "train", "rows": partial["rows"], "standardize": data.standardize,
             "missing_values": data.missing_values, "categorical_encoding": "onehot", "unknown": UNKNOWN,
             "inputs": inputs, "output_columns": output, "imputed": {}}
 
 
-def fit_targets(train: Callable[[], Iterator[np.ndarray]], names: list[str]) -> list[dict[str, Any]]:
-    """Per target, its train mean and standard deviation (a constant target keeps std 1), from
-    ``train()``'s blocks of targets ``[rows, len(names)]`` in shard order: the same shards give the
-    same bits, so a resumed job trains on the same standardised targets."""
-    moments = [(0, 0.0, 0.0)] * len(names)
-    for Y in train():
-        moments = [_merge(moments[k], Y[:, k].astype(np.float64)) for k in range(len(names))]
+def target_moments(train: Iterable[np.ndarray], count: int) -> list[Moments]:
+    """Exact moments of each of ``count`` target columns over ``train``'s blocks ``[rows, count]``."""
+    moments: list[Moments] = [(0, 0, 0, 0)] * count
+    for Y in train:
+        moments = [add_moments(moments[k], exact_moments(Y[:, k])) for k in range(count)]
+    return moments
+
+
+def targets_record(moments: list[Moments], names: list[str]) -> list[dict[str, Any]]:
     out = []
-    for name, (n, mean, m2) in zip(names, moments):
-        std = float(np.sqrt(m2 / n)) if n else 0.0
+    for name, m in zip(names, moments):
+        mean, std = mean_std(m)
         out.append({"name": name, "mean": mean, "std": std if std > 0 else 1.0})
     return out
+
+
+def fit_targets(train: Callable[[], Iterator[np.ndarray]], names: list[str]) -> list[dict[str, Any]]:
+    """Per target, its train mean and standard deviation (a constant target keeps std 1), from
+    ``train()``'s blocks of targets ``[rows, len(names)]``: exact sums, so the same rows give the
+    same bits in any order, and a resumed job trains on the same standardised targets."""
+    return targets_record(target_moments(train(), len(names)), names)
 
 
 def category_slots(record: dict[str, Any], codes: dict[str, dict[str, int]]) -> dict[str, np.ndarray]:

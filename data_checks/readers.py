@@ -12,6 +12,7 @@ duplicate ids) are left for validation to report.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
@@ -78,6 +79,17 @@ class Layout:
         return [*(self.target_columns or [self.label_column]), *([self.id_column] if self.id_column else [])]
 
 
+@dataclass
+class Part:
+    """What a reader of one part of a source needs besides its files (``data_checks.parts``)."""
+
+    layout: Layout  # the whole source's (its first file's)
+    first_row: int = 0  # the row number of the part's first row in the whole source
+    span: tuple[int, int] | None = None  # one CSV file's byte range: rows whose line starts in it
+    categories: dict[str, dict[str, int]] | None = None  # the whole source's codes (None: learn them)
+    counting: bool = False  # the counting pass: read labels and categories only
+
+
 def canonical_label(value: Any) -> Any:
     """A class value as JSON keeps it: ints (also "3", 3.0, "3.0") stay ints, the rest is text.
 
@@ -119,8 +131,12 @@ class TableReader:
     """
 
     def __init__(self, plan: sources.SourcePlan, data: "DataConfig", work_dir: str,
-                 on_bytes: Callable[[int], None] | None = None, targets: tuple[str, ...] = ()) -> None:
+                 on_bytes: Callable[[int], None] | None = None, targets: tuple[str, ...] = (),
+                 part: "Part | None" = None) -> None:
         self.plan = plan
+        # One part of the source (mapped sharding, ``data_checks.parts``): its files or byte range,
+        # the whole source's layout and category codes, and the row number of its first row.
+        self.part = part
         self.data = data
         self.targets = list(targets)
         self.work_dir = work_dir
@@ -131,6 +147,11 @@ class TableReader:
         # Per categorical column: its values in order of first appearance (a value's code is its
         # position), over every split; preprocessing keeps the train split's.
         self.categories: dict[str, dict[str, int]] = {}
+        if part is not None:
+            self.layout = part.layout
+            self.categories = {c: dict(v) for c, v in part.categories.items()} if part.categories is not None \
+                else {c: {} for c in part.layout.categorical}
+            self.rows = part.first_row
 
     def chunks(self) -> Iterator[Chunk]:
         for source in self.plan.files:
@@ -139,10 +160,34 @@ class TableReader:
             read = self._csv if self.plan.format.startswith("csv") else self._parquet
             before = self.rows
             yield from read(source)
-            if self.rows == before:
+            if self.rows == before and (self.part is None or self.part.span is None):
                 log.warning("source file %s has a header but no rows", source.uri)
-        if self.rows == 0:
+        if self.rows == 0 and self.part is None:  # a part may be empty; the merge checks the whole
             raise DataError(f"source dataset has no rows (header only): {self.plan.spec}")
+
+    def probe_layout(self) -> Layout:
+        """The first file's layout, from its head (CSV) or its footer (Parquet): no rows are read.
+        A wrong label, id or feature column fails here, before any part is read."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        source = self.plan.files[0]
+        if source.bytes == 0:
+            raise DataError(f"source dataset is empty (no header, no rows): {source.uri}")
+        if self.plan.format.startswith("csv"):
+            self._csv_sample(source)
+        else:
+            with contextlib.closing(sources.open_ranged(source)) as fh:
+                try:
+                    schema = pq.ParquetFile(fh).schema_arrow
+                except (pa.ArrowInvalid, OSError) as exc:
+                    raise DataError(f"cannot read {source.uri} as Parquet (truncated or corrupt?): {exc}") from None
+            names = [n for n in schema.names if not _PANDAS_INDEX.fullmatch(n)]
+            self.layout = self._layout(source.uri, names, {n: str(schema.field(n).type) for n in names},
+                                       {n: _numeric_type(schema.field(n).type) for n in names}, lambda c: None,
+                                       {n: _text_type(schema.field(n).type) for n in names})
+        assert self.layout is not None
+        return self.layout
 
     # -- layout ---------------------------------------------------------------------------------
 
@@ -207,17 +252,10 @@ class TableReader:
         import pyarrow.csv as pcsv
 
         gz = self.plan.format == "csv.gz"
-        head = _csv_head(source, gz)
-        try:
-            sample = pcsv.read_csv(io.BytesIO(head), read_options=pcsv.ReadOptions(use_threads=False))
-        except (pa.ArrowInvalid, UnicodeDecodeError) as exc:
-            raise _csv_error(exc, source.uri, []) from None
+        head, sample = self._csv_sample(source)
         names = sample.column_names
-        numeric = {n: _numeric_type(sample.schema.field(n).type) for n in names}
-        self.layout = self._layout(source.uri, names, {n: str(sample.schema.field(n).type) for n in names},
-                                   numeric, lambda c: _first_non_numeric(sample.column(c)),
-                                   {n: _text_type(sample.schema.field(n).type) for n in names})
         lay = self.layout
+        assert lay is not None
         # Parsed straight to float32 (what the records hold; half the memory of float64).
         types = {c: pa.string() if c in lay.categorical else
                  pa.bool_() if pa.types.is_boolean(sample.schema.field(c).type) else pa.float32()
@@ -230,9 +268,12 @@ class TableReader:
         # consumer does: a block of a quarter chunk's text keeps that within ~8 chunks of text.
         line_bytes = max(1, len(head) // max(1, head.count(b"\n")))
         block = int(min(_MAX_BLOCK, max(_MIN_BLOCK, self.data.chunk_rows * line_bytes // 4)))
-        convert = pcsv.ConvertOptions(column_types=types, strings_can_be_null=True,
-                                      include_columns=[*lay.role_columns, *lay.feature_columns])
-        with sources.open_stream(source, self.on_bytes) as stream:
+        columns = self._columns()
+        convert = pcsv.ConvertOptions(column_types={c: t for c, t in types.items() if c in columns},
+                                      strings_can_be_null=True, include_columns=columns)
+        span = self.part.span if self.part is not None else None
+        with sources.open_stream(source, self.on_bytes, span=span, header=len(head.split(b"\n", 1)[0]) + 1) \
+                as stream:
             raw: Any = pa.CompressedInputStream(pa.PythonFile(stream, mode="r"), "gzip") if gz else stream
             try:
                 reader = pcsv.open_csv(raw, read_options=pcsv.ReadOptions(block_size=block),
@@ -246,7 +287,34 @@ class TableReader:
                 raise
             while stream.read(8 << 20):  # hash any bytes the parser did not need (e.g. a gzip trailer)
                 pass
-            self._record(source, stream.sha256.hexdigest(), stream.count)
+            if span is None:  # a byte range's hash is not the file's (parts.merge says what is recorded)
+                self._record(source, stream.sha256.hexdigest(), stream.count)
+
+    def _csv_sample(self, source: sources.SourceFile) -> tuple[bytes, Any]:
+        """The head of a CSV file and its rows as parsed (types); sets (or checks) the layout."""
+        import pyarrow as pa
+        import pyarrow.csv as pcsv
+
+        head = _csv_head(source, self.plan.format == "csv.gz")
+        try:
+            sample = pcsv.read_csv(io.BytesIO(head), read_options=pcsv.ReadOptions(use_threads=False))
+        except (pa.ArrowInvalid, UnicodeDecodeError) as exc:
+            raise _csv_error(exc, source.uri, []) from None
+        names = sample.column_names
+        numeric = {n: _numeric_type(sample.schema.field(n).type) for n in names}
+        self.layout = self._layout(source.uri, names, {n: str(sample.schema.field(n).type) for n in names},
+                                   numeric, lambda c: _first_non_numeric(sample.column(c)),
+                                   {n: _text_type(sample.schema.field(n).type) for n in names})
+        return head, sample
+
+    def _columns(self) -> list[str]:
+        """The columns read: every role and feature column, or (a part's counting pass) the label
+        (else the first target) and the categorical columns only."""
+        lay = self.layout
+        assert lay is not None
+        if self.part is not None and self.part.counting:
+            return [*(lay.target_columns[:1] or [lay.label_column]), *lay.categorical]
+        return [*lay.role_columns, *lay.feature_columns]
 
     # -- Parquet --------------------------------------------------------------------------------
 
@@ -271,8 +339,7 @@ class TableReader:
             self.layout = self._layout(source.uri, names, {n: str(schema.field(n).type) for n in names},
                                        {n: _numeric_type(schema.field(n).type) for n in names}, example,
                                        {n: _text_type(schema.field(n).type) for n in names})
-            lay = self.layout
-            columns = [*lay.role_columns, *lay.feature_columns]
+            columns = self._columns()
             try:
                 yield from self._rebatch(pf.iter_batches(batch_size=self.data.chunk_rows, columns=columns),
                                          source.uri)
@@ -303,11 +370,16 @@ class TableReader:
             yield self._chunk(pa.Table.from_batches(pending).combine_chunks(), uri)
 
     def _chunk(self, batch: "pa.Table", uri: str) -> Chunk:
-        import pyarrow.compute as pc
-
         lay = self.layout
         assert lay is not None
         n = batch.num_rows
+        if self.part is not None and self.part.counting:  # the label and the categories' values only
+            for name in lay.categorical:
+                _codes(batch.column(name).combine_chunks(), self.categories[name])
+            X = np.empty((n, 0), dtype=np.float32)
+            if lay.target_columns:
+                return self._counted(Chunk(X, np.zeros(n, np.int64), [0], self._row_ids(n), None))
+            return self._counted(Chunk(X, *self._labels(batch, uri, n), self._row_ids(n), None))
         X = np.empty((n, len(lay.feature_columns)), dtype=np.float32)
         for j, name in enumerate(lay.feature_columns):
             column = batch.column(name).combine_chunks()
@@ -319,6 +391,14 @@ class TableReader:
             targets = _float32_columns(batch, lay.target_columns)
             return self._counted(Chunk(X, np.zeros(n, np.int64), [0], self._row_ids(n),
                                        self._id_hashes(batch, uri, n), targets))
+        return self._counted(Chunk(X, *self._labels(batch, uri, n), self._row_ids(n), self._id_hashes(batch, uri, n)))
+
+    def _labels(self, batch: "pa.Table", uri: str, n: int) -> tuple[np.ndarray, list[Any]]:
+        """The label column as (codes, canonical class values)."""
+        import pyarrow.compute as pc
+
+        lay = self.layout
+        assert lay is not None
         labels = batch.column(lay.label_column).combine_chunks()
         if labels.null_count:
             first = np.flatnonzero(labels.is_null().to_numpy(zero_copy_only=False))[:5] + self.rows
@@ -328,8 +408,7 @@ class TableReader:
         raw_values = [canonical_label(v) for v in encoded.dictionary.to_pylist()]
         values = list(dict.fromkeys(raw_values))  # "3" and "3.0" are one class
         remap = np.array([values.index(v) for v in raw_values], dtype=np.int64)
-        codes = remap[encoded.indices.to_numpy(zero_copy_only=False)]
-        return self._counted(Chunk(X, codes, values, self._row_ids(n), self._id_hashes(batch, uri, n)))
+        return remap[encoded.indices.to_numpy(zero_copy_only=False)], values
 
     def _row_ids(self, n: int) -> np.ndarray:
         return np.arange(self.rows, self.rows + n, dtype=np.int64)

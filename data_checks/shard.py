@@ -55,7 +55,7 @@ def sharding_params(cfg: TrainConfig) -> dict[str, Any]:
               "id_column": d.id_column, "classes": list(d.classes), "feature_columns": list(d.feature_columns),
               "num_train_shards": cfg.num_train_shards, "val_fraction": d.val_fraction,
               "test_fraction": d.test_fraction, "input_shape": list(d.input_shape), "seed": cfg.seed,
-              "preprocessing": {"version": 1, "standardize": d.standardize, "missing_values": d.missing_values}}
+              "preprocessing": {"version": 2, "standardize": d.standardize, "missing_values": d.missing_values}}
     if cfg.model.task == "regression":  # only then: classification fingerprints stay what they were
         params.update(task="regression", target_columns=list(cfg.target_columns))
         if d.standardize:  # the manifest holds the targets' train mean and std: shards of before lack them
@@ -109,9 +109,15 @@ def shard_for_run(cfg: TrainConfig, dataset: DatasetPaths) -> tuple[dict[str, An
     the data is unchanged): ``(pointers, manifest)``, the pointers being what the run's later
     steps read (prefix, manifest URI and digest, row counts, shard names, the source fingerprint,
     and the dataset's last validated manifest, for the drift check)."""
+    prefix, manifest, reused = shard_content_addressed(cfg, dataset.shards)
+    return run_pointers(cfg, dataset, prefix, manifest, reused), manifest
+
+
+def run_pointers(cfg: TrainConfig, dataset: DatasetPaths, prefix: str, manifest: dict[str, Any],
+                 reused: bool) -> dict[str, Any]:
+    """What a pipeline run's later steps read of its committed shards (``shard_for_run``)."""
     from common.manifest import read_pointer
 
-    prefix, manifest, reused = shard_content_addressed(cfg, dataset.shards)
     pointer = read_pointer(dataset.latest_validated)
     splits = manifest["splits"]
     log.info("%s %s: %s train / %s val / %s test rows in %d train shards under %s",
@@ -121,7 +127,7 @@ def shard_for_run(cfg: TrainConfig, dataset: DatasetPaths) -> tuple[dict[str, An
             "num_classes": manifest["num_classes"], "rows": {k: v["count"] for k, v in splits.items()},
             "shard_names": [s["name"] for s in manifest["shards"]], "fingerprint": manifest["source_fingerprint"],
             "reused": reused, "dataset_root": dataset.base,
-            "previous_manifest_uri": pointer["manifest_uri"] if pointer else None}, manifest
+            "previous_manifest_uri": pointer["manifest_uri"] if pointer else None}
 
 
 def _existing_manifest(prefix: str) -> dict[str, Any] | None:
@@ -322,9 +328,11 @@ def _manifest(plan: sources.SourcePlan, cfg: TrainConfig, params: dict[str, Any]
     return manifest
 
 
-def _route(chunk: Chunk, cids: np.ndarray, assigner: Assigner, held: dict[int, tuple[np.ndarray, int, int]],
-           shards: _Shards, n_train: int) -> None:
-    """Assign one chunk and write what it emits; keep what it holds back."""
+def assign_chunk(chunk: Chunk, cids: np.ndarray, assigner: Assigner,
+                 held: dict[int, tuple[np.ndarray, int, int]]) -> tuple[np.ndarray, ...]:
+    """Assign one chunk and keep the rows it holds back in ``held`` (row number → payload, class
+    id, id hash): ``(emitted, split, shard, local, outside, payload, ids)``, ``local`` being each
+    emitted row's index in the chunk, except at ``outside``: rows released from earlier chunks."""
     emitted, split, shard, newly_held = assigner.assign(cids, chunk.row_ids)
     base, n = (int(chunk.row_ids[0]), len(chunk.row_ids)) if len(chunk.row_ids) else (0, 0)
     ids = chunk.id_hashes if chunk.id_hashes is not None else np.zeros(n, np.uint64)
@@ -332,7 +340,14 @@ def _route(chunk: Chunk, cids: np.ndarray, assigner: Assigner, held: dict[int, t
     for h in newly_held:
         held[h] = (payload[h - base].copy(), int(cids[h - base]), int(ids[h - base]))
     local = emitted - base
-    outside = np.flatnonzero((local < 0) | (local >= n))  # released rows held from earlier chunks
+    return emitted, split, shard, local, np.flatnonzero((local < 0) | (local >= n)), payload, ids
+
+
+def _route(chunk: Chunk, cids: np.ndarray, assigner: Assigner, held: dict[int, tuple[np.ndarray, int, int]],
+           shards: _Shards, n_train: int) -> None:
+    """Assign one chunk and write what it emits; keep what it holds back."""
+    emitted, split, shard, local, outside, payload, ids = assign_chunk(chunk, cids, assigner, held)
+    n = len(chunk.row_ids)
     if len(outside):  # rare (at most 2 per class): gather them into a small extension of the chunk
         extra = [held.pop(int(emitted[i])) for i in outside]
         features = np.concatenate([payload, np.stack([e[0] for e in extra])])
@@ -346,10 +361,14 @@ def _route(chunk: Chunk, cids: np.ndarray, assigner: Assigner, held: dict[int, t
 
 
 def _check_splits(shards: _Shards, classes: list[Any], spec: str, n_train: int, regression: bool) -> None:
+    _check_counts([w.count for w in shards.writers], classes, spec, n_train, regression)
+
+
+def _check_counts(counts: list[int], classes: list[Any], spec: str, n_train: int, regression: bool) -> None:
+    """Enough classes, and rows in every shard (``counts``: train shards, then val and test)."""
     if not regression and len(classes) < 2:
         raise DataError(f"label column in {spec} has a single class ({classes[0]!r}): nothing to learn"
                         if classes else f"{spec} has no labelled rows")
-    counts = [w.count for w in shards.writers]
     if counts[-1] == 0 or counts[-2] == 0:
         raise DataError(f"too few rows for a train/val/test split: fewer than 3 rows (source {spec})" if regression
                         else f"too few rows per class for a train/val/test split: every class has fewer than 3 rows "
@@ -400,7 +419,7 @@ def _regression_fields(cfg: TrainConfig) -> dict[str, Any]:
 
 def _source_sha(files: list[dict[str, Any]], plan: sources.SourcePlan) -> str:
     """The single source file's sha256; for several files (or images), a hash of the listing."""
-    if plan.kind == "table" and len(files) == 1:
+    if plan.kind == "table" and len(files) == 1 and files[0]["sha256"]:
         return files[0]["sha256"]
     return hashlib.sha256(json.dumps(files if plan.kind == "table" else plan.identity(),
                                      sort_keys=True).encode()).hexdigest()

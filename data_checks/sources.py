@@ -209,17 +209,30 @@ def _open(fs: Any, path: str, uri: str, cache_type: str = "readahead") -> Any:
         return fs.open(path, "rb", **options)
 
 
-class HashingReader(io.RawIOBase):
-    """A read-only stream that hashes and counts the bytes passing through it."""
+class _Wrapper(io.RawIOBase):
+    """A read-only stream over another one, which it closes."""
 
-    def __init__(self, raw: Any, on_bytes: Callable[[int], None] | None = None) -> None:
+    def __init__(self, raw: Any) -> None:
         self._raw = raw
-        self._on_bytes = on_bytes
-        self.sha256 = hashlib.sha256()
-        self.count = 0
 
     def readable(self) -> bool:
         return True
+
+    def close(self) -> None:
+        try:
+            self._raw.close()
+        finally:
+            super().close()
+
+
+class HashingReader(_Wrapper):
+    """A read-only stream that hashes and counts the bytes passing through it."""
+
+    def __init__(self, raw: Any, on_bytes: Callable[[int], None] | None = None) -> None:
+        super().__init__(raw)
+        self._on_bytes = on_bytes
+        self.sha256 = hashlib.sha256()
+        self.count = 0
 
     def read(self, size: int = -1) -> bytes:
         data = self._raw.read(size if size is not None and size >= 0 else -1) or b""
@@ -234,17 +247,21 @@ class HashingReader(io.RawIOBase):
         buffer[:len(data)] = data
         return len(data)
 
-    def close(self) -> None:
-        try:
-            self._raw.close()
-        finally:
-            super().close()
-
 
 @contextmanager
-def open_stream(source: SourceFile, on_bytes: Callable[[int], None] | None = None) -> Iterator[HashingReader]:
-    """A hashing byte stream of ``source``, read in blocks of at most ``_READ_BLOCK`` ahead."""
-    reader = HashingReader(_open(source.fs, source.path, source.uri), on_bytes)
+def open_stream(source: SourceFile, on_bytes: Callable[[int], None] | None = None,
+                span: tuple[int, int] | None = None, header: int = 0) -> Iterator[HashingReader]:
+    """A hashing byte stream of ``source``, read in blocks of at most ``_READ_BLOCK`` ahead.
+
+    ``span`` (a text file cut by byte ranges, ``data_checks.parts``): the first ``header`` bytes,
+    then the lines that start inside ``[span[0], span[1])``: a line belongs to the range its first
+    byte is in, so ranges that tile the file give every line to exactly one of them.
+    """
+    raw = _open(source.fs, source.path, source.uri)
+    if span is not None:
+        raw = _LineRange(raw, header, line_start(raw, span[0], header, source.bytes),
+                         line_start(raw, span[1], header, source.bytes))
+    reader = HashingReader(raw, on_bytes)
     try:
         yield reader
     finally:
@@ -255,6 +272,50 @@ def open_ranged(source: SourceFile) -> Any:
     """``source`` opened for random access (a Parquet footer, then its row groups), read in
     ranged blocks of ``_READ_BLOCK``; the caller closes it."""
     return _open(source.fs, source.path, source.uri)
+
+
+def line_start(raw: Any, offset: int, header: int, size: int) -> int:
+    """The first line start at or after ``offset`` (a line starts after the header or a newline)."""
+    if offset <= header:
+        return header
+    pos = offset - 1
+    raw.seek(pos)
+    while pos < size:
+        block = raw.read(1 << 16)
+        if not block:
+            break
+        found = block.find(b"\n")
+        if found >= 0:
+            return pos + found + 1
+        pos += len(block)
+    return size
+
+
+class _LineRange(_Wrapper):
+    """Bytes ``[0, header)`` then ``[start, stop)`` of a seekable file: one part's CSV text."""
+
+    def __init__(self, raw: Any, header: int, start: int, stop: int) -> None:
+        super().__init__(raw)
+        self._pieces = [(0, header), (start, max(start, stop))]
+        self._pos: int | None = None
+
+    def read(self, size: int = -1) -> bytes:
+        while self._pieces:
+            begin, end = self._pieces[0]
+            if self._pos is None:
+                self._raw.seek(begin)
+                self._pos = begin
+            left = end - self._pos
+            if left <= 0:
+                self._pieces.pop(0)
+                self._pos = None
+                continue
+            data = self._raw.read(left if size is None or size < 0 else min(size, left)) or b""
+            if not data:
+                raise OSError(f"unexpected end of file at byte {self._pos} (the file changed while read?)")
+            self._pos += len(data)
+            return data
+        return b""
 
 
 def read_head(source: SourceFile, limit: int = 1 << 20) -> bytes:

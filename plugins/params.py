@@ -199,6 +199,11 @@ def _run_params() -> dict[str, Param]:
                                  description="Airflow connection of the MLflow tracking server (URI, token or "
                                              "login/password); empty = mlflow_default where it exists, else "
                                              "MLFLOW_TRACKING_URI."),
+        # Not a config field: the shards' bytes are the same for any number of parts.
+        "shard_parts": Param(0, type="integer", minimum=0, maximum=64,
+                             description="Parts the source is sharded in (mapped tasks: files of a multi-file "
+                                         "source, byte ranges of one CSV file); the shards are the same for any "
+                                         "number. 0 = MXPIPE_SHARD_PARTS, else one per 256 MB (at most 8)."),
         "warm_start": Param("", type="string", pattern=WARM_START_PATTERN,
                             description="Initialise the model from the newest valid checkpoint of another run "
                                         "of this DAG (its run id), or from a registered version "

@@ -1,12 +1,12 @@
 """What each task of the training DAG does, in Airflow's terms. The DAG file only wires these together.
 
 This module only translates: Param values and upstream XComs come in and become the arguments
-of a domain function (``data_checks.shard.shard_for_run``, ``data_checks.validate``'s
+of a domain function (``data_checks.parts``' ``plan`` / ``count`` / ``shard_part`` / ``merge``, ``data_checks.validate``'s
 ``validate_run_shard`` / ``finish_run_validation``, ``infra.cluster``,
 ``training.train_job.prepare_attempt``, ``training.tracking.job_registration.register_trained_job``),
 its deterministic errors become a failure without a retry (``plugins.failures``), and a small
-dict of pointers (URIs, ids, digests) goes out: XCom carries pointers, never data. ``shard`` is
-the one task that calls several, in order, as its work spans ``training`` and ``data_checks``,
+dict of pointers (URIs, ids, digests) goes out: XCom carries pointers, never data. ``shard`` and
+``shard_merge`` call several, in order, as their work spans ``training`` and ``data_checks``,
 which never import each other. Heavy imports (mxnet, pandas, great_expectations, mlflow, boto3)
 happen inside the functions.
 
@@ -18,11 +18,17 @@ Variables, each with the environment and the settings files as the fallback.
 
 The config is resolved once. ``shard``, the first task, turns the Params (and the file
 ``config_uri`` names) into the typed ``TrainConfig`` (``resolve_config``; a wrong type or an
-invalid combination fails there, at once) and returns its dict beside the shard pointers; the
+invalid combination fails there, at once) and returns its dict beside the sharding plan; the
 DAG pushes that dict as the shard task's ``config`` XCom (``CONFIG_XCOM_KEY``, about 2 KB), and
 every later task rebuilds the same config from it (``load_config``) rather than deriving it
 again from the Params. The Params that are not part of the config (the registered model
-name, the warm start, the EC2 instance type) are read by the task that uses them.
+name, the warm start, the EC2 instance type, the number of shard parts) are read by the task
+that uses them.
+
+Sharding is four steps (``data_checks.parts``): ``shard`` plans it (and finds unchanged shards to
+reuse), ``shard_count`` and ``shard_part`` run once per part of the source as mapped tasks, and
+``shard_merge`` assembles the shards, commits the manifest and returns the shard pointers every
+later task reads (``shard_in_process`` runs the four in one process).
 
 Warm start is resolved by ``train``, for the job it starts; the shard XCom carries only shard
 pointers. ``shard`` checks the reference first all the same, before anything is written or
@@ -106,25 +112,82 @@ def _refuse_bad_model(check: Callable[..., Any], *args: Any) -> Any:
 
 
 def shard(params: Mapping[str, Any], dag_id: str, run_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Resolve the config and shard the source: ``(config XCom, shard pointers)``. In order: the
-    warm start is checked (before anything is written or provisioned, so a typo in the reference
-    fails at once; train resolves it again for the job it starts), the config and a custom
-    network's code are staged (``training.train_job.stage_run``), the source is sharded
-    (``data_checks.shard.shard_for_run``) and a custom network is built for its shape."""
+    """Resolve the config and plan the sharding: ``(config XCom, plan)``. In order: the warm
+    start is checked (before anything is written or provisioned, so a typo in the reference fails
+    at once; train resolves it again for the job it starts), the config and a custom network's
+    code are staged (``training.train_job.stage_run``), and the sharding is planned
+    (``data_checks.parts.plan``: reuse of unchanged shards, the source's columns, the parts, whose
+    number is the ``shard_parts`` Param, else ``MXPIPE_SHARD_PARTS``, else one per 256 MB)."""
+    import hashlib
+
+    from data_checks import parts
     from data_checks.errors import DataError
-    from data_checks.shard import shard_for_run
-    from training.train_job import check_model_fits, stage_run
+    from training.train_job import stage_run
 
     cfg = resolve_config(params)
     paths = run_paths(dag_id, run_id)
     warm_start_checkpoint(params, dag_id, run_id, cfg)
     code = _refuse_bad_model(stage_run, cfg, paths)
+    dataset = DatasetPaths.for_source(paths.root, cfg.data.source_uri)
+    # The run's folder of intermediate parts, the same for a retry of this task.
+    token = hashlib.sha256(f"{dag_id}/{run_id}".encode()).hexdigest()[:12]
     try:
-        pointers, manifest = shard_for_run(cfg, DatasetPaths.for_source(paths.root, cfg.data.source_uri))
+        planned = parts.plan(cfg, dataset.shards, int(params.get("shard_parts") or settings().shard_parts), token)
     except DataError as exc:
         raise fail_without_retry(f"shard: {exc}") from exc
+    return config_xcom(cfg), {**planned, "model_code": dataclasses.asdict(code) if code else None}
+
+
+@contextmanager
+def _refuse_bad_data(step: str) -> Iterator[None]:
+    """A data error fails the task without a retry (the same input fails the same way)."""
+    from data_checks.errors import DataError
+
+    try:
+        yield
+    except DataError as exc:
+        raise fail_without_retry(f"{step}: {exc}") from exc
+
+
+def shard_count(config: Mapping[str, Any], planned: Mapping[str, Any], part: int) -> str:
+    """One mapped task per part: its counts (``data_checks.parts.count``); returns their URI."""
+    from data_checks import parts
+
+    with _refuse_bad_data(f"shard_count {part}"):
+        return parts.count(load_config(config), planned["plan_uri"], part)
+
+
+def shard_part(config: Mapping[str, Any], planned: Mapping[str, Any], part: int) -> str:
+    """One mapped task per part: its pieces of every shard (``data_checks.parts.shard_part``)."""
+    from data_checks import parts
+
+    with _refuse_bad_data(f"shard_part {part}"):
+        return parts.shard_part(load_config(config), planned["plan_uri"], part)
+
+
+def shard_merge(config: Mapping[str, Any], planned: Mapping[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
+    """The shards from the parts, the manifest committed last (``data_checks.parts.merge``), or
+    the reused shards, or (an image folder) the shards of one pass; a custom network is then built
+    for their shape. Returns the shard pointers the later tasks read."""
+    from common.manifest import load_manifest
+    from common.model_code import StagedCode
+    from data_checks import parts
+    from data_checks.shard import run_pointers, shard_content_addressed
+    from training.train_job import check_model_fits
+
+    cfg = load_config(config)
+    dataset = DatasetPaths.for_source(run_paths(dag_id, run_id).root, cfg.data.source_uri)
+    with _refuse_bad_data("shard_merge"):
+        if planned["reused"]:
+            prefix, manifest, reused = planned["prefix"], load_manifest(planned["prefix"]), True
+        elif not planned["parts"]:  # an image folder: one pass
+            prefix, manifest, reused = shard_content_addressed(cfg, dataset.shards)
+        else:
+            prefix, manifest, reused = planned["prefix"], parts.merge(cfg, planned["plan_uri"]), False
+    code = StagedCode(**planned["model_code"]) if planned.get("model_code") else None
     _refuse_bad_model(check_model_fits, cfg, code, manifest)
-    return config_xcom(cfg), {**pointers, "model_code": dataclasses.asdict(code) if code else None}
+    return {**run_pointers(cfg, dataset, prefix, manifest, reused), "model_code": planned.get("model_code"),
+            "parts": len(planned["parts"])}
 
 
 def warm_start_checkpoint(params: Mapping[str, Any], dag_id: str, run_id: str,
@@ -333,3 +396,14 @@ def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[
         return register_trained_job(job)
     except (ParamConflictError, EvaluationError) as exc:  # conflicting params, unscorable test split: no retry
         raise fail_without_retry(str(exc)) from exc
+
+
+def shard_in_process(params: Mapping[str, Any], dag_id: str, run_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The DAG's sharding tasks in this process, in their order (``shard``, each part's
+    ``shard_count``, each part's ``shard_part``, ``shard_merge``): ``(config XCom, shard pointers)``."""
+    config, planned = shard(params, dag_id, run_id)
+    for part in planned["parts"]:
+        shard_count(config, planned, part)
+    for part in planned["parts"]:
+        shard_part(config, planned, part)
+    return config, shard_merge(config, planned, dag_id, run_id)

@@ -97,14 +97,43 @@ def training_dag(dag_id: str, *, train_timeout_s: float, dagrun_timeout_s: float
 
 
 def _checked_shards() -> tuple[Any, Any, Any]:
-    """Inside the DAG: shard the source, validate every shard, then the whole set; the shards,
-    the run's config (the shard task's XCom) and the validation's result."""
-    @task(outlets=[SHARDS])
+    """Inside the DAG: shard the source (planned, then counted and sharded part by part in mapped
+    tasks, then merged), validate every shard, then the whole set; the shards, the run's config
+    (the shard task's XCom) and the validation's result."""
+    @task
     @with_connections
     def shard(params: dict | None = None) -> dict:
         dag_id, run_id, _ = _ids()
-        config, out = pipeline_tasks.shard(params, dag_id, run_id)
+        config, planned = pipeline_tasks.shard(params, dag_id, run_id)
         get_current_context()["ti"].xcom_push(key=pipeline_tasks.CONFIG_XCOM_KEY, value=config)
+        return planned
+
+    # Airflow maps only over a task's whole return value: this hands the part indices over (an
+    # empty list, when the shards are reused or the source is an image folder, skips the parts).
+    @task
+    def shard_parts(planned: dict) -> list:
+        return planned["parts"]
+
+    # One task per part of the source, twice: its counts, then its pieces of every shard (each
+    # part needs every part's counts to know where it starts). Intermediate files go to the store.
+    # A data failure fails without a retry; the one retry is for infrastructure errors (a part
+    # rewrites the same files; the merge finds its own committed manifest).
+    @task(map_index_template="part {{ task.op_kwargs['part'] }}", retries=1, retry_delay=timedelta(seconds=5))
+    @with_connections
+    def shard_count(part: int, planned: dict, config: dict) -> str:
+        return pipeline_tasks.shard_count(config, planned, part)
+
+    @task(map_index_template="part {{ task.op_kwargs['part'] }}", retries=1, retry_delay=timedelta(seconds=5))
+    @with_connections
+    def shard_part(part: int, planned: dict, config: dict) -> str:
+        return pipeline_tasks.shard_part(config, planned, part)
+
+    # none_failed: it also runs when the parts were skipped (reused shards, an image folder).
+    @task(outlets=[SHARDS], trigger_rule="none_failed", retries=1, retry_delay=timedelta(seconds=5))
+    @with_connections
+    def shard_merge(planned: dict, config: dict) -> dict:
+        dag_id, run_id, _ = _ids()
+        out = pipeline_tasks.shard_merge(config, planned, dag_id, run_id)
         _emit(SHARDS, {"shards_prefix": out["shards_prefix"], "manifest_digest": out["manifest_digest"]})
         return out
 
@@ -129,8 +158,14 @@ def _checked_shards() -> tuple[Any, Any, Any]:
         dag_id, run_id, _ = _ids()
         return pipeline_tasks.validate(config, shards, dag_id, run_id)
 
-    shards = shard()
-    config = shards[pipeline_tasks.CONFIG_XCOM_KEY]
+    planned = shard()
+    config = planned[pipeline_tasks.CONFIG_XCOM_KEY]
+    indices = shard_parts(planned)
+    counted = shard_count.partial(planned=planned, config=config).expand(part=indices)
+    parted = shard_part.partial(planned=planned, config=config).expand(part=indices)
+    counted >> parted
+    shards = shard_merge(planned, config)
+    parted >> shards
     per_shard = validate_shard.partial(shards=shards, config=config).expand(shard_name=shard_names(shards))
     checked = validate(shards, config)
     per_shard >> checked

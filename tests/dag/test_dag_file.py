@@ -18,8 +18,17 @@ def test_parse_loads_nothing_heavy(dag_file):
 
 def test_structure(dag):
     tasks = {t.task_id: t for t in dag.tasks}
-    assert set(tasks) == {"shard", "shard_names", "validate_shard", "validate", "check_reuse", "provision", "train",
-                          "release", "register", "reuse"}
+    assert set(tasks) == {"shard", "shard_parts", "shard_count", "shard_part", "shard_merge", "shard_names",
+                          "validate_shard", "validate", "check_reuse", "provision", "train", "release", "register",
+                          "reuse"}
+    # Sharding: planned, then counted and sharded part by part (mapped), then merged.
+    for mapped in ("shard_count", "shard_part"):
+        assert type(tasks[mapped]).__name__.endswith("MappedOperator")
+        assert "shard_parts" in tasks[mapped].upstream_task_ids
+    assert "shard_count" in tasks["shard_part"].upstream_task_ids
+    assert {"shard", "shard_part"} <= tasks["shard_merge"].upstream_task_ids
+    assert tasks["shard_merge"].trigger_rule == "none_failed"  # also after skipped parts (reused shards)
+    assert "shard_merge" in tasks["shard_names"].upstream_task_ids
     # One validation task per shard (mapped), then the cross-shard task, which waits for all of them.
     assert type(tasks["validate_shard"]).__name__.endswith("MappedOperator")
     assert "validate_shard" in tasks["validate"].upstream_task_ids
@@ -37,7 +46,7 @@ def test_structure(dag):
     # The cron, or an update of the source dataset Asset.
     assert type(dag.timetable).__name__ == "AssetOrTimeSchedule"
     assert [a.name for a in dag.timetable.asset_condition.objects] == ["mxpipe.source_dataset"]
-    assert [o.name for o in tasks["shard"].outlets] == ["mxpipe.shards"]
+    assert [o.name for o in tasks["shard_merge"].outlets] == ["mxpipe.shards"]
     # The alias carries the review trigger: x-mlflow://models/<the run's registered_model_name>.
     assert [o.name for o in tasks["register"].outlets] == ["mxpipe.model", "mxpipe.registered_model"]
     # A reuse registers nothing: no model event, no review trigger.

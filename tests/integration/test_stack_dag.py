@@ -34,8 +34,9 @@ def test_out_of_range_param_is_rejected_at_trigger(stack):
 def test_scheduler_runs_the_dag_to_a_registered_model(stack, s3_server, digits_csv):
     # The debug recipe as it is (the form's fields left at their defaults set nothing): 3 epochs
     # at a constant rate, no dropout.
+    # Sharded in 2 mapped parts (byte ranges of the one CSV file), each its own task process.
     conf = {"dataset_uri": _dataset(s3_server.bucket, digits_csv), "recipe": "debug",
-            "registered_model_name": "digits-stack-test"}
+            "registered_model_name": "digits-stack-test", "shard_parts": 2}
     run_id = trigger_dag_run(stack.airflow_url, DAG_ID, conf)
     state = wait_for_dag_run(stack.airflow_url, DAG_ID, run_id, timeout_s=600, poll_s=3)
     with AirflowClient(stack.airflow_url) as client:
@@ -45,6 +46,7 @@ def test_scheduler_runs_the_dag_to_a_registered_model(stack, s3_server, digits_c
         registered = client.request("GET", path, params={"deserialize": "true"}).json()["value"]
     assert states.pop("reuse") == "skipped"  # the branch not taken: this run trains
     assert set(states.values()) == {"success"}
+    assert {"shard_count[0]", "shard_count[1]", "shard_part[0]", "shard_part[1]", "shard_merge"} <= set(states)
     assert registered["registered_model_name"] == "digits-stack-test"
     assert registered["test_accuracy"] > 0.85
 

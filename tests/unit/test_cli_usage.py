@@ -99,3 +99,22 @@ def test_the_validation_log_tells_only_the_pipeline_story(tmp_path):
     assert "Skipping registering function" not in out.stderr
     assert all(re.match(r"(INFO|WARNING) data_checks\.", line) for line in out.stderr.splitlines()), out.stderr
     assert json.loads(out.stdout)["success"] is True
+
+
+def test_shard_in_parts_from_the_command_line_gives_the_shards_of_one_pass(tmp_path):
+    rows = ["f0,f1,label"] + [f"{i % 7}.5,{i % 5},{i % 3}" for i in range(120)]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    cfg = {"data": {"source_uri": str(tmp_path / "t.csv"), "label_column": "label"},
+           "cluster": {"num_workers": 1, "num_servers": 1}}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    args = ("-m", "data_checks", "shard", "--config", str(tmp_path / "cfg.json"), "--under", str(tmp_path / "s"))
+    parted = _run(*args, "--parts", "2")
+    assert parted.returncode == 0, parted.stderr
+    assert "in 2 part(s)" in parted.stderr
+    again = _run(*args)  # one pass finds the shards of the parts: same fingerprint, same prefix
+    assert again.returncode == 0, again.stderr
+    first, second = json.loads(parted.stdout), json.loads(again.stdout)
+    assert not first["reused"] and second["reused"] and second["shards"] == first["shards"]
+    refused = _run("-m", "data_checks", "shard", "--config", str(tmp_path / "cfg.json"), "--out", str(tmp_path / "o"),
+                   "--parts", "2")
+    assert refused.returncode == 2 and "--parts needs --under" in refused.stderr

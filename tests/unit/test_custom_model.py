@@ -231,7 +231,7 @@ def _params(dataset_uri: str, **model) -> dict:
 
 
 def test_the_shard_task_stages_the_code_and_checks_the_network(tasks, digits_uri, code_dir, tmp_path):
-    config, shards = tasks.shard(_params(digits_uri, name="mynet.arch:build", code_uri=code_dir), "dag", "run-ok")
+    config, shards = tasks.shard_in_process(_params(digits_uri, name="mynet.arch:build", code_uri=code_dir), "dag", "run-ok")
     staged = shards["model_code"]
     assert staged["uri"] == str(tmp_path / "artifacts" / "dag" / "run-ok" / "code" / "model_code.tar.gz")
     assert staged["sha256"] == storage.sha256_bytes(model_code.pack(code_dir))
@@ -249,7 +249,7 @@ def test_the_shard_task_refuses_a_broken_network_without_retry(tasks, digits_uri
     from airflow.sdk.exceptions import AirflowFailException
 
     with pytest.raises(AirflowFailException, match=rf"invalid model: .*{message}"):
-        tasks.shard(_params(digits_uri, **{"code_uri": code_dir, **model}), "dag", "run-bad")
+        tasks.shard_in_process(_params(digits_uri, **{"code_uri": code_dir, **model}), "dag", "run-bad")
     # A bad import path or code location fails before the source is read; a factory only after
     # the shards tell it its number of classes and features.
     assert os.path.isdir(tmp_path / "artifacts" / "datasets") == sharded

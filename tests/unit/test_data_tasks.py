@@ -46,7 +46,7 @@ def test_runs_reuse_unchanged_shards_and_compare_with_the_last_validated_manifes
     digits_frame().to_csv(source, index=False)
     p = params(str(source))
 
-    config, first = tasks.shard(p, "dag", "run-1")
+    config, first = tasks.shard_in_process(p, "dag", "run-1")
     assert not first["reused"] and first["previous_manifest_uri"] is None
     assert first["shards_prefix"].endswith("/shards/" + first["fingerprint"][:16])
     assert first["shard_names"] == ["train-00000", "train-00001", "val", "test"]
@@ -56,7 +56,7 @@ def test_runs_reuse_unchanged_shards_and_compare_with_the_last_validated_manifes
     pointer = json.loads(open(first["dataset_root"] + "/latest_validated.json").read())
     assert pointer["manifest_uri"] == first["manifest_uri"] and pointer["run_id"] == "run-1"
 
-    config, second = tasks.shard(p, "dag", "run-2")  # unchanged data: nothing is resharded
+    config, second = tasks.shard_in_process(p, "dag", "run-2")  # unchanged data: nothing is resharded
     assert second["reused"] and second["shards_prefix"] == first["shards_prefix"]
     assert second["previous_manifest_uri"] == first["manifest_uri"]
     assert run_validation(tasks, config, second, "run-2")["drift"]["distance"] == 0.0
@@ -65,7 +65,7 @@ def test_runs_reuse_unchanged_shards_and_compare_with_the_last_validated_manifes
     frame = frame[(frame["label"] >= 5) | (frame.index % 5 == 0)]  # most of classes 0-4 gone
     frame.to_csv(source, index=False)
     p_fail = params(str(source), drift_action="fail")
-    config_fail, third = tasks.shard(p_fail, "dag", "run-3")
+    config_fail, third = tasks.shard_in_process(p_fail, "dag", "run-3")
     assert not third["reused"] and third["shards_prefix"] != first["shards_prefix"]
     from airflow.sdk.exceptions import AirflowFailException
 
@@ -82,7 +82,7 @@ def test_a_bad_shard_fails_its_task_and_the_final_task_lists_everything(tasks, t
     frame.loc[[4, 5, 6], "pixel_20"] = np.inf
     frame.to_csv(tmp_path / "bad.csv", index=False)
     p = params(str(tmp_path / "bad.csv"))
-    config, shards = tasks.shard(p, "dag", "run-bad")
+    config, shards = tasks.shard_in_process(p, "dag", "run-bad")
     failed = []
     for name in shards["shard_names"]:
         try:
@@ -102,6 +102,6 @@ def test_bad_source_fails_the_shard_task_without_retry(tasks, tmp_path):
 
     (tmp_path / "empty.csv").write_bytes(b"")
     with pytest.raises(AirflowFailException, match=r"shard: source dataset is empty"):
-        tasks.shard(params(str(tmp_path / "empty.csv")), "dag", "run-x")
+        tasks.shard_in_process(params(str(tmp_path / "empty.csv")), "dag", "run-x")
     with pytest.raises(AirflowFailException, match=r"invalid configuration: .*drift_action"):
-        tasks.shard(params(str(tmp_path / "empty.csv"), drift_action="maybe"), "dag", "run-x")
+        tasks.shard_in_process(params(str(tmp_path / "empty.csv"), drift_action="maybe"), "dag", "run-x")

@@ -97,3 +97,18 @@ def test_a_file_listed_twice_is_a_duplicate_id(tmp_path):
     with pytest.raises(DataValidationError, match=r"ids_unique_across_shards: 1 ids of column 'file' appear more "
                                                   r"than once .*source rows \[0, 30\]"):
         validate_shards(str(tmp_path / "shards"), cfg)
+
+
+def test_an_image_folder_is_one_part_of_mapped_sharding(tmp_path):
+    """Mapped sharding plans no parts for an image folder (the merge shards it in one pass),
+    whatever number of parts is asked for, and the shards are the one-pass sharder's."""
+    from data_checks.parts import plan, shard_in_parts
+    from data_checks.shard import shard_content_addressed
+
+    make_folder(tmp_path / "imgs")
+    cfg = config(tmp_path / "imgs")
+    planned = plan(cfg, str(tmp_path / "mapped"), 3)
+    assert planned["parts"] == [] and not planned["reused"]
+    _, mapped, _ = shard_in_parts(cfg, str(tmp_path / "mapped"), 3)
+    _, one_pass, _ = shard_content_addressed(cfg, str(tmp_path / "one-pass"))
+    assert [s["files"] for s in mapped["shards"]] == [s["files"] for s in one_pass["shards"]]

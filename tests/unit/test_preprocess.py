@@ -121,7 +121,7 @@ def test_preprocessing_settings_are_part_of_the_cache_key(tmp_path):
     raw, manifest, _ = shard_content_addressed(cfg.replace(data={"standardize": False}), str(tmp_path / "root"))
     assert again == first and reused and raw != first
     assert manifest["preprocessing"]["standardize"] is False
-    assert manifest["sharding"]["preprocessing"] == {"version": 1, "standardize": False, "missing_values": "impute"}
+    assert manifest["sharding"]["preprocessing"] == {"version": 2, "standardize": False, "missing_values": "impute"}
 
 
 def test_nothing_to_do_keeps_the_values_as_read(tmp_path):
