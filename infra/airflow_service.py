@@ -92,8 +92,8 @@ def remote_logging_conf(folder: str) -> dict[tuple[str, str], str]:
     with the stack's S3 connection, whose ``endpoint_url`` extra points the provider's S3 hook
     at the stack's SeaweedFS: each task's log (the task's own lines and its trigger's) is
     uploaded when the task (or the trigger) ends, and the API server reads it from there, so the
-    UI shows it from any host. The local copy is kept: the API server shows a running task's log
-    from it (a LocalExecutor's worker is this host)."""
+    UI shows it from any host. ``delete_local_logs`` stays off: while a task runs, the API server
+    shows its log from the local file (a LocalExecutor's worker is this host)."""
     return {("logging", "remote_logging"): "True", ("logging", "remote_base_log_folder"): folder,
             ("logging", "remote_log_conn_id"): AWS_CONN_ID, ("logging", "delete_local_logs"): "False"}
 
