@@ -7,6 +7,7 @@ Nothing here imports Airflow, MXNet, MLflow or Great Expectations, so any layer 
 - ``errors``: error kinds shared across layers, and ``DeterministicError``: what a retry cannot help.
 - ``events``: the role exit codes and the typed events a role logs for its supervisor's readers.
 - ``fpmode``: flush denormal floats to zero in a role process (x86-64 FTZ and DAZ).
+- ``job_log``: the training job's log shipped to storage in chunks, read back from there by any host.
 - ``job_states``: the states of a job's status record, shared by the supervisor and role watchdogs.
 - ``manifest``: the shard manifest, the one file that says which shard files exist.
 - ``model_code``: a custom network's code travelling with its run: packed, staged, verified.

@@ -81,12 +81,16 @@ class Progress(_Event):
 
 
 class EpochDone(_Event):
-    """An epoch ended; ``record`` is its history record (rank 0's holds the validation metrics)."""
+    """An epoch ended; ``record`` is its history record (rank 0's holds the validation metrics).
+    ``epochs``: the job's epochs; ``eta_s``: the time the remaining epochs' steps take at this
+    epoch's step time (both None on lines written before they were added)."""
 
     kind: Literal["epoch_done"] = "epoch_done"
     epoch: int
     global_step: int
     record: dict[str, Any]
+    epochs: int | None = None
+    eta_s: float | None = None
 
 
 class CheckpointCommitted(_Event):

@@ -162,6 +162,15 @@ class AirflowClient:
                             params={"map_index": map_index})
         return resp.json()["extra_links"]
 
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1,
+                 map_index: int = -1) -> list[dict[str, Any]]:
+        """A task try's log as the UI shows it (the task's own entries and its trigger's): one
+        dict per entry (``event``: the message; ``timestamp``, ``level``, ``logger`` where it has
+        them)."""
+        resp = self.request("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}",
+                            params={"full_content": "true", "map_index": map_index})
+        return [e if isinstance(e, dict) else {"event": str(e)} for e in resp.json().get("content") or []]
+
     def _paged(self, path: str, key: str) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
         while True:

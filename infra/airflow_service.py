@@ -7,7 +7,9 @@ standalone``: standalone runs the same four as threads-with-subprocesses of one 
 no per-component logs or pid files, binds the API to 0.0.0.0 and starts the log servers (ports
 8793/8794 on all interfaces, which collide between two stacks). Here the scheduler and
 triggerer run with ``--skip-serve-logs`` (the LocalExecutor writes task logs to local disk,
-which the API server reads directly). ``AIRFLOW_HOME`` is ``<home>/airflow/`` (SQLite metadata
+which the API server reads directly; with the artifact root in S3 they are uploaded to
+``s3://<bucket>/airflow-logs/`` as well, Airflow's remote logging, and read back from there:
+``remote_logging_conf``). ``AIRFLOW_HOME`` is ``<home>/airflow/`` (SQLite metadata
 DB, task logs).
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from infra.stack_config import (
     BIN_DIR,
     HOST,
     REPO_ROOT,
+    AWS_CONN_ID,
     ServiceError,
     StackConfig,
     airflow_task_env,
@@ -36,13 +39,17 @@ from infra.stack_config import (
 )
 
 AIRFLOW_COMPONENTS = ("dag-processor", "scheduler", "triggerer", "api-server")
+# Where in the artifact root's bucket the task logs go (``remote_logging_conf``).
+AIRFLOW_LOGS_PREFIX = "airflow-logs"
 
 
 def airflow_env(home: str | os.PathLike[str], *, api_port: int = 8080,
                 dags_folder: str | os.PathLike[str] | None = None,
                 plugins_folder: str | os.PathLike[str] | None = None,
-                parallelism: int = 4) -> dict[str, str]:
-    """Everything Airflow needs, as ``AIRFLOW_HOME`` + ``AIRFLOW__SECTION__KEY`` variables."""
+                parallelism: int = 4, remote_log_folder: str = "") -> dict[str, str]:
+    """Everything Airflow needs, as ``AIRFLOW_HOME`` + ``AIRFLOW__SECTION__KEY`` variables.
+    ``remote_log_folder`` (``s3://bucket/prefix``): the task logs go there too, through the Amazon
+    provider's remote logging with the ``aws_default`` connection (``remote_logging_conf``)."""
     root = mxpipe_home(home)
     af_home = root / "airflow"
     creds = load_credentials(root)
@@ -73,19 +80,41 @@ def airflow_env(home: str | os.PathLike[str], *, api_port: int = 8080,
         ("dag_processor", "min_file_process_interval"): "30",
         ("dag_processor", "parsing_processes"): "1",
         ("logging", "colored_console_log"): "False",
+        **(remote_logging_conf(remote_log_folder) if remote_log_folder else {}),
     }
     env = {f"AIRFLOW__{s.upper()}__{k.upper()}": v for (s, k), v in conf.items()}
     env.update({"AIRFLOW_HOME": str(af_home), "PYTHONPATH": os.pathsep.join(pythonpath)})
     return env
 
 
+def remote_logging_conf(folder: str) -> dict[tuple[str, str], str]:
+    """Airflow's remote task logging to ``folder`` on S3 (the Amazon provider's ``S3RemoteLogIO``)
+    with the stack's S3 connection, whose ``endpoint_url`` extra points the provider's S3 hook
+    at the stack's SeaweedFS: each task's log (the task's own lines and its trigger's) is
+    uploaded when the task (or the trigger) ends, and the API server reads it from there, so the
+    UI shows it from any host. ``delete_local_logs`` stays off: while a task runs, the API server
+    shows its log from the local file (a LocalExecutor's worker is this host)."""
+    return {("logging", "remote_logging"): "True", ("logging", "remote_base_log_folder"): folder,
+            ("logging", "remote_log_conn_id"): AWS_CONN_ID, ("logging", "delete_local_logs"): "False"}
+
+
+def remote_log_folder(client_env: Mapping[str, str]) -> str:
+    """``s3://<the artifact root's bucket>/airflow-logs``, or "" (no remote logging) when the
+    artifact root is not in S3 or the tasks get no S3 connection."""
+    root = client_env.get("MXPIPE_ARTIFACT_ROOT", "")
+    if not root.startswith("s3://") or f"AIRFLOW_CONN_{AWS_CONN_ID.upper()}" not in client_env:
+        return ""
+    return f"s3://{root[len('s3://'):].split('/', 1)[0]}/{AIRFLOW_LOGS_PREFIX}"
+
+
 def airflow_process_env(cfg: StackConfig, client_env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of every Airflow component: the ambient one cleaned (``service_env``),
     ``client_env`` for the tasks (default: the stack's connections, ``airflow_task_env``; no
-    component needs S3 or MLflow itself) and Airflow's configuration."""
+    component needs S3 or MLflow itself, except for the task logs: ``remote_logging_conf``) and
+    Airflow's configuration."""
     extra = dict(airflow_task_env(cfg.home) if client_env is None else client_env)
     extra.update(airflow_env(cfg.home, api_port=cfg.airflow_port, dags_folder=cfg.dags_folder,
-                             plugins_folder=cfg.plugins_folder))
+                             plugins_folder=cfg.plugins_folder, remote_log_folder=remote_log_folder(extra)))
     return service_env(extra)
 
 

@@ -121,7 +121,10 @@ class LocalCluster(Cluster):
             proc = GroupSpawner(os.path.join(self.jobs_dir, "procs")).spawn(
                 job_id, supervise_argv(self.python, job_uri, job_id, attempt),
                 {**env, "MXPIPE_CLUSTER": self.cluster_id}, cwd=REPO_ROOT, stdout=out)
-        log.info("started supervisor of job %s: pid %d, log %s", job_id, proc.pid, log_path)
+        # No path at INFO: this line reaches the train task's log, whose readers (on other hosts)
+        # read the job's log from storage (common.job_log); the file is this host's copy.
+        log.info("started supervisor of job %s: pid %d on %s", job_id, proc.pid, self.host)
+        log.debug("supervisor of job %s: its output on this host in %s", job_id, log_path)
         return {"job_id": job_id, "host": self.host, "pid": proc.pid, "log": log_path}
 
     def _stop_roles_recorded(self, grace_s: float, wait_s: float = 0.0) -> list[str]:

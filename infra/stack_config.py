@@ -159,6 +159,10 @@ def stack_env(home: str | os.PathLike[str] | None = None) -> dict[str, str]:
     }
 
 
+# The stack's S3 connection (Airflow's and the Amazon provider's default id).
+AWS_CONN_ID = "aws_default"
+
+
 def connections_env(*, s3_endpoint: str, access_key: str, secret_key: str, mlflow_uri: str,
                     region: str = REGION) -> dict[str, str]:
     """The Airflow connections ``aws_default`` (S3: key pair, endpoint, region) and

@@ -8,7 +8,9 @@ mode:
   (job id, status URI, …) are the external id the mixin keeps in ``task_state_store``, so a
   retry, or an attempt after the worker died, finds the job again.
 - ``poll_until_complete`` defers to ``TrainJobTrigger`` (``plugins.train_trigger``): while
-  training runs the task is ``deferred`` and holds no worker slot. With ``deferrable=False`` (a
+  training runs the task is ``deferred`` and holds no worker slot. The trigger relays the job's
+  log (shipped to storage by its supervisor: ``common.job_log``) into this task's log as it
+  grows, each epoch as one line (loss, validation metrics, throughput, ETA). With ``deferrable=False`` (a
   deployment without a triggerer: ``MXPIPE_TRAIN_DEFERRABLE=0``) the task polls the same record
   itself, with the trigger's rules, and holds its slot for the whole training; the mixin still
   makes it durable: a retry after the worker died reconnects to the job.
@@ -108,6 +110,7 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
             return self.execute_resumable(context)
 
     def submit_job(self, context: Context) -> dict[str, Any]:
+        from common.job_log import log_prefix
         from plugins.connections import supervisor_env
         from plugins.pipeline_tasks import LIVE_RUN_XCOM_KEY, open_live_run, prepare_job
         from infra.cluster import attach
@@ -131,7 +134,10 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
             context["ti"].xcom_push(key=LIVE_RUN_XCOM_KEY, value=url)
         where = attach(job["cluster"]).start_supervisor(job["job_uri"], job_id=job_id, attempt=try_number,
                                                         env=supervisor_env(os.environ))
-        self.log.info("started training job %s (supervisor on %s, log %s)", job_id, where["host"], where["log"])
+        # The job's log is read from storage (shipped by its supervisor), never from a file on the
+        # supervisor's host, which a reader of this task's log cannot reach.
+        self.log.info("started training job %s (supervisor on %s); its log: %s/ (relayed here as it grows)",
+                      job_id, where["host"], log_prefix(job["status_uri"], job_id))
         self._job = job
         return job
 
@@ -159,7 +165,7 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
 
         return TrainJobTrigger(job=job, cluster=job["cluster"], aws_conn_id=aws_conn_id(context["params"]),
                                poll_s=self.poll_s, stale_after_s=self._stale_after_s(),
-                               stop_grace_s=self._stop_grace_s())
+                               stop_grace_s=self._stop_grace_s(), relay_try=getattr(context.get("ti"), "try_number", 0) or 0)
 
     def poll_until_complete(self, external_id: Any, context: Context) -> Any:
         self._job = external_id
@@ -175,17 +181,17 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
     def _poll_here(self, trigger: Any) -> dict[str, Any]:
         """The trigger's event, polled in this task process (it holds its worker slot meanwhile);
         the task's ``execution_timeout`` is Airflow's own here, and ``on_kill`` stops the job."""
-        from plugins.train_trigger import read_job_status
+        from plugins.train_trigger import JobStorage
 
+        store = JobStorage(trigger.aws_conn_id)  # one client (one credential lookup) for the whole poll
         while True:
             try:
-                status = read_job_status(trigger.job["status_uri"], trigger.aws_conn_id)
+                read = trigger.read(store)
             except Exception as exc:  # noqa: BLE001 - storage trouble: the next read decides, as in the trigger
                 self.log.warning("could not read %s: %s", trigger.job["status_uri"], exc)
             else:
-                if (event := trigger.judge(status, time.time())) is not None:
+                if (event := trigger.step(read, self.log)) is not None:
                     return event.payload
-                trigger.report(status, self.log)
             time.sleep(self.poll_s)
 
     def get_job_result(self, external_id: Any, context: Context) -> dict[str, Any]:

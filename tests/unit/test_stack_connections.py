@@ -48,3 +48,14 @@ def test_the_env_command_prints_plain_variables_for_a_shell(stack, capsys):
     assert "AWS_SECRET_ACCESS_KEY=" in out and "AIRFLOW_CONN_" not in out
     assert services_main(["--home", str(stack.home), "env", "--airflow"]) == 0
     assert "export AIRFLOW_CONN_AWS_DEFAULT=" in capsys.readouterr().out
+
+
+def test_task_logs_go_to_the_artifact_buckets_s3_through_the_aws_connection(stack):
+    """Airflow's remote logging is on for a stack whose artifacts are in S3 (its task logs are
+    readable from any host), with the connection the tasks use; off without an S3 root."""
+    env = airflow_process_env(stack)
+    assert env["AIRFLOW__LOGGING__REMOTE_LOGGING"] == "True"
+    assert env["AIRFLOW__LOGGING__REMOTE_BASE_LOG_FOLDER"] == f"s3://{stack.bucket}/airflow-logs"
+    assert env["AIRFLOW__LOGGING__REMOTE_LOG_CONN_ID"] == "aws_default"
+    local = airflow_process_env(stack, client_env={"MXPIPE_ARTIFACT_ROOT": "/data/runs"})
+    assert "AIRFLOW__LOGGING__REMOTE_LOGGING" not in local

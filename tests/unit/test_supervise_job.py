@@ -210,7 +210,7 @@ def test_run_detached_raises_the_roles_failure_from_the_record(tmp_path, nothing
     err = failed.value
     assert err.role == "worker-0" and err.host == "127.0.0.1" and err.exit_code == 7 and not err.deterministic
     assert "boom: out of memory" in str(err) and "last lines of worker-0" in str(err)
-    assert "(supervisor log: " in str(err)  # where the whole story is
+    assert "(the job's log: " in str(err)  # where the whole story is: in storage, not on a host
     nothing_left.check("the detached job")
 
 

@@ -209,3 +209,100 @@ def test_a_poll_interval_that_is_not_positive_is_refused(poll_s):
     with pytest.raises(ValueError, match=f"poll_s must be a number of seconds > 0, got {poll_s!r}"):
         _operator(poll_s=poll_s)
 
+
+
+def _ship(status_uri: str, job_id: str, *messages: str) -> None:
+    """Lines of a job's log as its supervisor ships them (one chunk per call)."""
+    import logging
+
+    from common.job_log import LogShipper, log_prefix, read_new
+
+    prefix = log_prefix(status_uri, job_id)
+    shipper = LogShipper(prefix, flush_s=3600)
+    shipper.seq = read_new(prefix, 0, max_chunks=10**6)[1]  # after the chunks already there
+    logger = logging.getLogger("training.launch.launcher")
+    logger.addHandler(shipper)
+    try:
+        for message in messages:
+            logger.warning("%s", message)
+    finally:
+        logger.removeHandler(shipper)
+        shipper.close()
+
+
+class _Lines:
+    """A task log's lines (Airflow's logging setup takes caplog's handler off once it is imported)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info(self, msg: str, *args: object) -> None:
+        self.lines.append(msg % args)
+
+    warning = info
+
+
+def test_the_trigger_relays_the_jobs_log_and_a_restarted_trigger_goes_on_where_it_stopped(tmp_path):
+    from common.events import EpochDone, Progress, event_line
+    from plugins.train_trigger import JobStorage
+
+    log = _Lines()
+    status_uri = str(tmp_path / "status.json")
+    _write(tmp_path, state=RUNNING, global_step=3, epoch=0)
+    epoch = EpochDone(epoch=0, global_step=38, epochs=3, eta_s=20.0,
+                      record={"train_loss": 0.5, "val_accuracy": 0.8, "samples_per_s_total": 1000.0})
+    _ship(status_uri, "1-a", "[worker-0@h] started", "[worker-0@h] INFO events: " + event_line(epoch),
+          "[worker-0@h] INFO events: " + event_line(Progress(epoch=1, step=1, steps=38, global_step=39)))
+    first, store = _trigger(tmp_path, relay_try=2), JobStorage("aws_default")
+    assert first.step(first.read(store), log) is None
+    _ship(status_uri, "1-a", "[worker-0@h] after the restart")
+    # The triggerer restarts: a trigger built again from the same kwargs.
+    path, kwargs = first.serialize()
+    again = _trigger(tmp_path, relay_try=kwargs["relay_try"])
+    _write(tmp_path, state=SUCCEEDED, global_step=114, epoch=2)
+    assert again.step(again.read(store), log).payload["state"] == SUCCEEDED
+    relayed = [line.split("launcher: ", 1)[-1] for line in log.lines]
+    assert relayed == ["[worker-0@h] started",
+                       "[worker-0@h] INFO events: epoch 1/3 done at global step 38, loss 0.5000, "
+                       "val_accuracy 0.8000, 1000 samples/s, ETA 0m20s",
+                       "job 1-a running: epoch 0, global step 3",
+                       "[worker-0@h] after the restart"]
+    # Another try of the task starts its own log from the job's first line.
+    other = _trigger(tmp_path, relay_try=3)
+    assert len(other.read(store)[1]) == 3
+
+
+def test_a_poll_resolves_the_s3_connection_once_per_trigger_run(tmp_path, monkeypatch):
+    """Resolving the connection is what logs "AWS Connection ... credentials retrieved": once per
+    run, not once per poll."""
+    import io
+
+    from botocore.exceptions import ClientError
+
+    from plugins import train_trigger
+
+    built = []
+
+    class FakeS3:
+        def get_object(self, Bucket, Key):
+            if Key.endswith("status.json"):
+                record = JobStatus(job_id="1-a", state=SUCCEEDED if len(reads) > 4 else RUNNING,
+                                   heartbeat=time.time())
+                reads.append(Key)
+                return {"Body": io.BytesIO(record.to_json())}
+            raise ClientError({"Error": {"Code": "NoSuchKey"}}, "GetObject")
+
+        def put_object(self, **kw):
+            raise AssertionError("nothing to relay, nothing to write")
+
+    reads: list[str] = []
+    monkeypatch.setattr(train_trigger.JobStorage, "_build", lambda self: built.append(1) or FakeS3())
+    job = {"job_id": "1-a", "status_uri": "s3://b/run/config/status.json", "submitted_at": time.time()}
+    t = train_trigger.TrainJobTrigger(job=job, cluster={}, aws_conn_id="aws_default", poll_s=0.01,
+                                      stale_after_s=60, stop_grace_s=5)
+
+    async def first_event():
+        return await asyncio.wait_for(t.run().__anext__(), 30)
+
+    assert asyncio.run(first_event()).payload["state"] == SUCCEEDED
+    assert len(reads) > 4 and len(built) == 1

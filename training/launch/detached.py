@@ -9,14 +9,15 @@ remote one whose heartbeat is stale past ``STALE_AFTER_S`` is stopped as a stall
 sure nothing is left (``Cluster.stop_job``; a local supervisor, a child of this process, is
 also reaped). It returns the final record of a job that succeeded and raises ``JobFailed``
 (the supervisor's one error, role, its host, exit code and whether it is deterministic, from the
-record, and where its log is) or ``JobStopped``. When the record cannot say why (the supervisor
-exited without a final record, or the job was stopped from here), the error carries the tail of
-the supervisor's log instead, where this machine can read it.
+record, and where its log is: the job log's storage URI) or ``JobStopped``. When the record
+cannot say why (the supervisor exited without a final record, or the job was stopped from here),
+the error carries the last lines of the job's log instead.
 
-While it waits, the lines of a supervisor log this machine can read (the local backend's, a
-shared folder's) are relayed into this process's log under the supervisor's own logger
-(``training.launch.launcher``), as they appeared when the supervisor ran in this process: a user
-of ``python -m training run`` sees the training, a test asserts on its lines. A job past
+While it waits, the lines of the job's log (the supervisor's and every role's, shipped to storage
+beside the status record: ``common.job_log``; never a file on the supervisor's host) are relayed
+into this process's log under the supervisor's own logger (``training.launch.launcher``), as they
+appeared when the supervisor ran in this process: a user of ``python -m training run`` sees the
+training, a test asserts on its lines. They arrive within the shipper's ``FLUSH_S``. A job past
 ``timeout_s``, or any exception here (Ctrl-C), stops the job in order first: SIGTERM to the
 supervisor, rank 0's emergency checkpoint, then every role.
 
@@ -35,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from common import storage
+from common.job_log import log_prefix, read_new
 from common.config import TrainConfig
 from training.launch.job import JobSpec
 from training.launch.launcher import JobFailed, JobStopped, RoleCluster
@@ -104,7 +106,7 @@ def run_detached(job_uri: str, *, env: Mapping[str, str], timeout_s: float, job_
         _stop_leftovers(current, cluster, [_attach(c) for c in replaced_clusters if c], grace_s)
     where = cluster.start_supervisor(job_uri, job_id=job_id, attempt=attempt, env=dict(env))
     pid = int(where.get("pid") or 0)  # the local backend's: a child of this process
-    relay = _LogRelay(str(where.get("log") or ""))
+    relay = _LogRelay(log_prefix(job.status_uri, job_id))
     try:
         status = _wait(job.status_uri, job_id, pid, timeout_s, poll_s, relay)
     except BaseException as exc:
@@ -113,7 +115,7 @@ def run_detached(job_uri: str, *, env: Mapping[str, str], timeout_s: float, job_
         _reap(pid)
         relay()
         if isinstance(exc, TimeoutError):
-            raise JobFailed(f"job {job_id} {exc}; it was stopped{_tail(where)}", role="job", exit_code=None,
+            raise JobFailed(f"job {job_id} {exc}; it was stopped{relay.tail_text()}", role="job", exit_code=None,
                             deterministic=False) from None
         raise
     _wait_exit(pid)
@@ -121,10 +123,10 @@ def run_detached(job_uri: str, *, env: Mapping[str, str], timeout_s: float, job_
     _reap(pid)
     relay()
     if status is None:
-        raise JobFailed(f"the supervisor of job {job_id} exited without a final status record{_tail(where)}",
+        raise JobFailed(f"the supervisor of job {job_id} exited without a final status record{relay.tail_text()}",
                         role="job", exit_code=None, deterministic=False)
     if status.state == FAILED:
-        raise JobFailed(status.error + _where_log(where), role=status.role or "job", host=status.role_host,
+        raise JobFailed(status.error + relay.where(), role=status.role or "job", host=status.role_host,
                         exit_code=status.exit_code, deterministic=status.deterministic)
     if status.state == STOPPED:
         raise JobStopped(status.error or f"job {job_id} was stopped")
@@ -208,36 +210,34 @@ def _reap(pid: int) -> None:
         pass  # not a child of this process, or reaped already
 
 
-def _where_log(where: Mapping[str, Any]) -> str:
-    path = str(where.get("log") or "")
-    return f"\n(supervisor log: {path} on {where.get('host', '?')})" if path else ""
-
-
-def _tail(where: Mapping[str, Any]) -> str:
-    path = str(where.get("log") or "")
-    if not os.path.isfile(path):
-        return _where_log(where)
-    with open(path, errors="replace") as fh:
-        lines = deque(fh, maxlen=LOG_TAIL_LINES)
-    return f"\nlast lines of the supervisor's log {path}:\n" + "".join(lines).rstrip("\n")
-
-
 class _LogRelay:
-    """Relays the new complete lines of the supervisor's log file at each call (none if this
-    machine cannot read it)."""
+    """Relays the new lines of the job's shipped log at each call (``common.job_log``: whole
+    chunks, so a line is relayed once), keeping the last ones for an error message."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.offset = 0
-        self.partial = ""
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.seq = 0
+        self.tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self.unreadable = False
 
     def __call__(self) -> None:
-        if not self.path or not os.path.isfile(self.path):
+        try:
+            with storage.fail_fast():  # as the status read: the next poll reads again
+                lines, self.seq = read_new(self.prefix, self.seq)
+        except Exception as exc:  # noqa: BLE001 - storage trouble: the same chunks are read next poll
+            if not self.unreadable:
+                log.warning("could not read the job's log %s: %s", self.prefix, exc)
+            self.unreadable = True
             return
-        with open(self.path, errors="replace") as fh:
-            fh.seek(self.offset)
-            text = fh.read()
-            self.offset = fh.tell()
-        *lines, self.partial = (self.partial + text).split("\n")
+        self.unreadable = False
         for line in lines:
+            self.tail.append(line)
             supervisor_log.info("%s", line)
+
+    def where(self) -> str:
+        return f"\n(the job's log: {self.prefix}/)"
+
+    def tail_text(self) -> str:
+        if not self.tail:
+            return self.where()
+        return f"\nlast lines of the job's log {self.prefix}/:\n" + "\n".join(self.tail)

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from common.errors import DeterministicError
+from common.job_log import LogShipper, log_prefix
 from common.events import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from common.procs.identity import ProcessIdentity
 from training.launch.job import JobSpec
@@ -79,10 +80,32 @@ def supervise(job_uri: str, *, job_id: str, attempt: int = 0, base_env: Mapping[
               install_signals: bool = True,
               observer_for: Callable[[JobSpec, RoleCluster], JobObserver | None] | None = None) -> int:
     """Run the job at ``job_uri`` to its end under one supervisor; the exit code says how it ended.
-    ``observer_for(job, cluster)`` may give the supervisor an observer (the live MLflow run)."""
+    ``observer_for(job, cluster)`` may give the supervisor an observer (the live MLflow run).
+
+    Every line this process logs (its own, and each role's under its prefix) is shipped to
+    storage beside the status record while the job runs (``common.job_log``), and the rest when it
+    ends, however it ends: a reader on any host reads the job's log from there."""
     job = JobSpec.load(job_uri)
     if not job.status_uri:
         raise SuperviseError(f"{job_uri} has no status_uri: a supervised job needs a status record")
+    shipper = LogShipper(log_prefix(job.status_uri, job_id))
+    root = logging.getLogger()
+    root.addHandler(shipper)
+    try:
+        return _supervise(job, job_uri, job_id=job_id, attempt=attempt, base_env=base_env,
+                          install_signals=install_signals, shipper=shipper, observer_for=observer_for)
+    except BaseException:
+        # The traceback goes to the shipped log too: a reader on another host has no other.
+        log.exception("the supervisor of job %s failed", job_id)
+        raise
+    finally:
+        root.removeHandler(shipper)
+        shipper.close()
+
+
+def _supervise(job: JobSpec, job_uri: str, *, job_id: str, attempt: int, base_env: Mapping[str, str] | None,
+               install_signals: bool, shipper: LogShipper,
+               observer_for: Callable[[JobSpec, RoleCluster], JobObserver | None] | None) -> int:
     previous = read_status(job.status_uri)
     if previous is not None and previous.live() and previous.job_id != job_id:
         log.error("refusing to start job %s: job %s on %s (pid %d) is %s, heartbeat %.0fs ago, on the same "
@@ -95,10 +118,18 @@ def supervise(job_uri: str, *, job_id: str, attempt: int = 0, base_env: Mapping[
         process_table=me.table, pid_started=me.started),
         on_error=lambda exc: log.warning("could not write the status record %s: %s", job.status_uri, exc))
     status.update()
+
+    def finish(state: str, **fields: Any) -> None:
+        # The log's lines so far are in storage before the record says the job ended: a reader
+        # that stops at the final record (the train task's trigger) has read them all.
+        shipper.ship()
+        status.finish(state, **fields)
+
     try:
         cluster = cluster_of(job)
     except Exception as exc:  # the record says why, so the operator does not wait for a heartbeat
-        status.finish(FAILED, error=f"{type(exc).__name__}: {exc}"[-4000:],
+        log.error("job %s: cannot build its cluster: %s: %s", job_id, type(exc).__name__, exc)
+        finish(FAILED, error=f"{type(exc).__name__}: {exc}"[-4000:],
                       deterministic=isinstance(exc, SuperviseError))
         raise
     environ = os.environ if base_env is None else base_env
@@ -115,16 +146,16 @@ def supervise(job_uri: str, *, job_id: str, attempt: int = 0, base_env: Mapping[
     try:
         sup.run(job_uri)
     except JobStopped as exc:
-        status.finish(STOPPED, error=str(exc))
+        finish(STOPPED, error=str(exc))
         return EXIT_STOPPED
     except JobFailed as exc:
-        status.finish(FAILED, error=str(exc)[-4000:], deterministic=exc.deterministic, role=exc.role,
+        finish(FAILED, error=str(exc)[-4000:], deterministic=exc.deterministic, role=exc.role,
                       role_host=exc.host, exit_code=exc.exit_code)
         return EXIT_DETERMINISTIC if exc.deterministic else EXIT_FAILED
     except Exception as exc:  # a cluster or storage error starting the roles: retryable
         log.exception("job %s failed", job_id)
-        status.finish(FAILED, error=f"{type(exc).__name__}: {exc}"[-4000:], deterministic=False)
+        finish(FAILED, error=f"{type(exc).__name__}: {exc}"[-4000:], deterministic=False)
         return EXIT_FAILED
-    status.finish(SUCCEEDED)
     log.info("job %s succeeded", job_id)
+    finish(SUCCEEDED)
     return EXIT_SUCCEEDED

@@ -371,10 +371,12 @@ def end_epoch(loop: Loop, losses: LossCheck) -> None:
                                                            targets=feed_data.target_scale(loop.data.manifest)).items()})
     state.history.append(record)
     remaining = (cfg.optim.epochs - state.epoch - 1) * steps
+    eta_s = remaining * record["step_time_s"]
     log.info("epoch %d done: step=%d loss=%.4f samples/s=%.0f (all workers %.0f) eta=%.0fs %s", state.epoch,
              state.global_step, record["train_loss"], record["samples_per_s_worker"],
-             record["samples_per_s_total"], remaining * record["step_time_s"], json.dumps(record))
-    emit(EpochDone(epoch=state.epoch, global_step=state.global_step, record=record))
+             record["samples_per_s_total"], eta_s, json.dumps(record))
+    emit(EpochDone(epoch=state.epoch, global_step=state.global_step, record=record, epochs=cfg.optim.epochs,
+                   eta_s=eta_s))
     if state.best is not None:
         track_best(loop, record)
     state.epoch, state.step_in_epoch = state.epoch + 1, 0
