@@ -5,12 +5,13 @@
 
 **Events**: a worker writes one event line per fact a reader needs: a worker started (its kvstore
 rank), the first step of a fresh start, progress, an epoch done (with its record), a checkpoint
-committed, a resume, the first step after a resume; and any role on a spot instance, the interruption notice of its instance
-(``common.procs.spot``). An event line is ``EVENT_MARK`` followed by one JSON object (a model below,
-``kind`` naming it, ``v`` the format's version), written by ``emit`` through logging, so it
-carries the logging prefix like any line. Readers (the status record, live MLflow tracking, the
-recovery timeline and goodput) get events from lines with ``parse_event`` only: rewording a human
-log line changes nothing they compute, and the human lines stay free to say things for people.
+committed, a resume, the first step after a resume; and any role on a spot instance, the
+interruption notice of its instance (``common.procs.spot``). An event line is ``EVENT_MARK``
+followed by one JSON object (a model below, ``kind`` naming it, ``v`` the format's version),
+written by ``emit`` through logging, so it carries the logging prefix like any line. Readers (the
+status record, live MLflow tracking, the recovery timeline and goodput) get events from lines with
+``parse_event`` only: rewording a human log line changes nothing they compute, and the human
+lines stay free to say things for people.
 
 Why the event lines stay in the one log stream (and so in the job log a user reads) rather than a
 channel of their own: a role's stdout is the only channel from a role on any host (local, SSH,
