@@ -26,7 +26,8 @@ reads the role lines through ``common.events.parse_event`` only) and the job's m
 - ``first_step_s``: job A's ``job_start`` → worker-0's ``first_step`` event (``common.events.FirstStep``);
 - ``supervisor_cpu_s`` (user + system, job A's whole run), ``supervisor_peak_rss_mb`` (the
   kernel's high-water mark, ``VmHWM``), ``supervisor_peak_threads``, ``supervisor_peak_fds``,
-  ``roles_peak_rss_mb`` (the largest sum of every role's RSS in one sample);
+  ``roles_peak_rss_mb`` (the largest sum of every role's RSS in one sample), ``role_peak_fds``
+  (the most file descriptors one role held: ps-lite connects every role to every other one);
 - ``worker_kill_detect_s`` / ``server_kill_detect_s``: kill → the supervisor's ``role_failed``;
   ``…_restart_s``: ``role_failed`` → worker-0's first step after the resume (teardown, restart in
   place, rendezvous, restore, first step: ``testkit.timeline.failure_timeline``'s terms);
@@ -79,13 +80,15 @@ KILL_AFTER_STEPS = 20  # a committed checkpoint this far into an attempt trigger
 # stop at ≥ resume + 20), job B trains the rest with fewer workers.
 TARGET_STEPS = 160
 FIGURES = ("first_step_s", "supervisor_cpu_s", "supervisor_peak_rss_mb", "supervisor_peak_threads",
-           "supervisor_peak_fds", "roles_peak_rss_mb", "worker_kill_detect_s", "worker_kill_restart_s",
+           "supervisor_peak_fds", "roles_peak_rss_mb", "role_peak_fds", "worker_kill_detect_s", "worker_kill_restart_s",
            "server_kill_detect_s", "server_kill_restart_s", "restore_s", "checkpoint_save_s",
            "checkpoint_blocked_s", "elastic_resume_s")
 # The plots: (file stem, title, y label, figures on it).
 PLOTS = (("first_step", "Time to the first step", "seconds", ("first_step_s", "elastic_resume_s")),
          ("supervisor", "Supervisor CPU time (whole job A)", "CPU seconds", ("supervisor_cpu_s",)),
          ("memory", "Peak memory", "MB", ("supervisor_peak_rss_mb", "roles_peak_rss_mb")),
+         ("descriptors", "Peak file descriptors and threads", "count",
+          ("supervisor_peak_fds", "supervisor_peak_threads", "role_peak_fds")),
          ("failure", "Failure detection and restart in place", "seconds",
           ("worker_kill_detect_s", "server_kill_detect_s", "worker_kill_restart_s", "server_kill_restart_s")),
          ("checkpoint", "Checkpoint save and restore", "seconds",
@@ -216,7 +219,7 @@ class Sampler(threading.Thread):
         proc = self._supervisor()
         if proc is None:
             return
-        peak = {"rss": 0.0, "hwm": 0.0, "threads": 0, "fds": 0, "roles_rss": 0.0}
+        peak = {"rss": 0.0, "hwm": 0.0, "threads": 0, "fds": 0, "roles_rss": 0.0, "role_fds": 0}
         cpu = 0.0
         while True:
             try:
@@ -233,6 +236,8 @@ class Sampler(threading.Thread):
                 for child in proc.children(recursive=True):
                     try:
                         roles += child.memory_info().rss
+                        # ps-lite connects every role to every other one (common.procs.limits).
+                        peak["role_fds"] = max(peak["role_fds"], child.num_fds())
                     except psutil.NoSuchProcess:
                         continue
                 peak["roles_rss"] = max(peak["roles_rss"], roles)
@@ -243,7 +248,7 @@ class Sampler(threading.Thread):
         mb = 1024.0 * 1024.0
         self.result = {"supervisor_cpu_s": cpu, "supervisor_peak_rss_mb": max(peak["hwm"], peak["rss"]) / mb,
                        "supervisor_peak_threads": peak["threads"], "supervisor_peak_fds": peak["fds"],
-                       "roles_peak_rss_mb": peak["roles_rss"] / mb}
+                       "roles_peak_rss_mb": peak["roles_rss"] / mb, "role_peak_fds": peak["role_fds"]}
 
 
 def shard(root: Path, workers: int, copies: int) -> tuple[Any, str, int]:
