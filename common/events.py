@@ -4,13 +4,14 @@
 (``DETERMINISTIC_EXIT_CODES`` cannot). ``training.launch.job`` re-exports them beside the job spec.
 
 **Events**: a worker writes one event line per fact a reader needs: a worker started (its kvstore
-rank), progress, an epoch done (with its record), a checkpoint committed, a resume, the first step
-after a resume; and any role on a spot instance, the interruption notice of its instance
-(``common.procs.spot``). An event line is ``EVENT_MARK`` followed by one JSON object (a model below,
-``kind`` naming it, ``v`` the format's version), written by ``emit`` through logging, so it
-carries the logging prefix like any line. Readers (the status record, live MLflow tracking, the
-recovery timeline and goodput) get events from lines with ``parse_event`` only: rewording a human
-log line changes nothing they compute, and the human lines stay free to say things for people.
+rank), the first step of a fresh start, progress, an epoch done (with its record), a checkpoint
+committed, a resume, the first step after a resume; and any role on a spot instance, the
+interruption notice of its instance (``common.procs.spot``). An event line is ``EVENT_MARK``
+followed by one JSON object (a model below, ``kind`` naming it, ``v`` the format's version),
+written by ``emit`` through logging, so it carries the logging prefix like any line. Readers (the
+status record, live MLflow tracking, the recovery timeline and goodput) get events from lines with
+``parse_event`` only: rewording a human log line changes nothing they compute, and the human
+lines stay free to say things for people.
 
 Why the event lines stay in the one log stream (and so in the job log a user reads) rather than a
 channel of their own: a role's stdout is the only channel from a role on any host (local, SSH,
@@ -30,8 +31,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 __all__ = ["DETERMINISTIC_EXIT_CODES", "EVENT_MARK", "EXIT_BAD_INPUT", "EXIT_NAN_LOSS", "EXIT_OK", "EXIT_PREEMPTED",
-           "CheckpointCommitted", "EpochDone", "Event", "EventError", "FirstStepAfterResume", "Progress", "Resumed",
-           "SpotInterruption", "WorkerStarted", "emit", "event_line", "parse_event"]
+           "CheckpointCommitted", "EpochDone", "Event", "EventError", "FirstStep", "FirstStepAfterResume", "Progress",
+           "Resumed", "SpotInterruption", "WorkerStarted", "emit", "event_line", "parse_event"]
 
 # -- exit codes -----------------------------------------------------------------------------------
 
@@ -68,6 +69,15 @@ class WorkerStarted(_Event):
     kind: Literal["worker_started"] = "worker_started"
     rank: int
     num_workers: int
+
+
+class FirstStep(_Event):
+    """A fresh start's first step is computed (not only queued): the time to the first step
+    (``benchmarks/many_roles.py``) is measured to it. A resumed start writes
+    ``FirstStepAfterResume`` instead."""
+
+    kind: Literal["first_step"] = "first_step"
+    global_step: int
 
 
 class Progress(_Event):
@@ -130,8 +140,8 @@ class SpotInterruption(_Event):
     host: str  # the role's node host (DMLC_NODE_HOST: what the supervisor's handle calls it)
 
 
-Event = Annotated[WorkerStarted | Progress | EpochDone | CheckpointCommitted | Resumed | FirstStepAfterResume
-                  | SpotInterruption, Field(discriminator="kind")]
+Event = Annotated[WorkerStarted | FirstStep | Progress | EpochDone | CheckpointCommitted | Resumed
+                  | FirstStepAfterResume | SpotInterruption, Field(discriminator="kind")]
 _EVENT: TypeAdapter[Event] = TypeAdapter(Event)
 
 

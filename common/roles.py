@@ -112,8 +112,10 @@ def role_argv(kind: str, job_uri: str, python: str = sys.executable) -> list[str
     # A scheduler or server is mxnet itself: importing it with DMLC_ROLE set runs the role; its
     # floating-point mode must be set before that import (common.fpmode).
     # Its supervisor watch (common.procs.watchdog) and spot watch (common.procs.spot) start
-    # first: the import blocks for the role's life.
-    return [python, "-c", "from common.procs.watchdog import watch_supervisor; watch_supervisor(); "
+    # first: the import blocks for the role's life. Before them, the open-files limit is raised
+    # (common.procs.limits): ps-lite connects every role to every other one.
+    return [python, "-c", "from common.procs.limits import raise_open_files_limit; raise_open_files_limit(); "
+                          "from common.procs.watchdog import watch_supervisor; watch_supervisor(); "
                           "from common.procs.spot import watch_spot; watch_spot(); "
                           "from common.fpmode import apply_from_env; apply_from_env(); "
                           "from common.mx import import_mxnet; import_mxnet()"]

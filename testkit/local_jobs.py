@@ -22,12 +22,14 @@ def make_job(cfg, shards_prefix, prefix, **overrides):
                    model_prefix=storage.join(prefix, "model"), metrics_uri=storage.join(prefix, "metrics.json"))
 
 
-def run_local(job, job_uri, home, env=None, worker_argv=(), timeout_s=JOB_TIMEOUT_S):
+def run_local(job, job_uri, home, env=None, worker_argv=(), timeout_s=JOB_TIMEOUT_S, python=""):
     """Save ``job`` at ``job_uri`` with its status record beside it and a local cluster under
-    ``home``, run it detached and wait; the names of the roles it started (every attempt's)."""
+    ``home``, run it detached and wait; the names of the roles it started (every attempt's).
+    ``python``: the interpreter of the supervisor and the roles (``local_cluster``)."""
     cluster_id = f"job-{uuid.uuid4().hex[:10]}"
     job = dataclasses.replace(job, status_uri=storage.join(job_uri.rsplit("/", 1)[0], "job_status.json"),
-                              cluster=local_cluster(cluster_id, job.config, home=home, worker_argv=worker_argv))
+                              cluster=local_cluster(cluster_id, job.config, home=home, worker_argv=worker_argv,
+                                                    python=python))
     job.save(job_uri)
     tag = (TAG, uuid.uuid4().hex)
     try:

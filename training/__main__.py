@@ -174,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         return _print_config(args)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A role, and the supervisor (a pipe per role), hold descriptors in proportion to the job's
+    # roles (ps-lite connects every role to every other one): common.procs.limits.
+    if args.cmd in ("worker", "supervise", "run"):
+        from common.procs.limits import raise_open_files_limit
+
+        raise_open_files_limit()
     if args.cmd == "worker":
         from common.procs.spot import watch_spot
         from common.procs.watchdog import watch_supervisor

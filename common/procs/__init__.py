@@ -17,6 +17,8 @@ fork helpers that would outlive a plain ``kill pid``).
 - ``spot``: a role's watch for its spot instance's interruption notice (``watch_spot``, on when
   ``MXPIPE_SPOT_WATCH`` is set): one ``SpotInterruption`` event line on the role's output.
 - ``ports``: ``free_port``.
+- ``limits``: ``raise_open_files_limit``, which every role and the supervisor call as they start
+  (ps-lite connects every role to every other one).
 - ``usage``: what process trees consume (core-seconds, CPU %, resident memory), per named tree.
 - ``__main__``: ``python -m common.procs``, the host-side helpers below.
 

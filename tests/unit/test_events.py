@@ -4,12 +4,12 @@ import math
 
 import pytest
 
-from common.events import (EVENT_MARK, CheckpointCommitted, EpochDone, EventError, FirstStepAfterResume, Progress,
-                           Resumed, SpotInterruption, WorkerStarted, emit, event_line, parse_event)
+from common.events import (EVENT_MARK, CheckpointCommitted, EpochDone, EventError, FirstStep, FirstStepAfterResume,
+                           Progress, Resumed, SpotInterruption, WorkerStarted, emit, event_line, parse_event)
 
 pytestmark = pytest.mark.unit
 
-EVENTS = [WorkerStarted(rank=1, num_workers=2), Progress(epoch=0, step=5, steps=19, global_step=5),
+EVENTS = [WorkerStarted(rank=1, num_workers=2), FirstStep(global_step=1), Progress(epoch=0, step=5, steps=19, global_step=5),
           EpochDone(epoch=1, global_step=38, record={"epoch": 1, "train_loss": 0.25, "val_accuracy": 0.9}),
           CheckpointCommitted(step=28, uri="s3://b/ckpt/step-00000028/abc"),
           Resumed(step=28, epoch=1, step_in_epoch=9), FirstStepAfterResume(global_step=29, resumed_from=28),

@@ -212,3 +212,25 @@ def test_usage_keeps_the_last_live_memory_of_a_role_that_is_exiting(monkeypatch)
     finally:
         proc.stdin.close()  # type: ignore[union-attr]
         proc.wait(timeout=30)
+
+
+def test_a_scheduler_or_server_raises_its_soft_open_files_limit_to_the_hard_one_before_it_starts():
+    """ps-lite connects every role to every other one (common.procs.limits): a role started under
+    a low soft limit raises it before it imports mxnet (the part of its command before that runs here)."""
+    import resource
+
+    from common.roles import SERVER, role_argv
+
+    code = role_argv(SERVER, "j")[-1]
+    before_mxnet = code[:code.index("from common.mx import")]
+    probe = before_mxnet + "import resource; print(*resource.getrlimit(resource.RLIMIT_NOFILE))"
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    low = min(64, hard)
+
+    def low_soft_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         preexec_fn=low_soft_limit, check=True)
+    soft, got_hard = map(int, out.stdout.split())
+    assert got_hard == hard and soft > low and (soft == hard or hard == resource.RLIM_INFINITY)

@@ -68,14 +68,16 @@ class JobCluster(RoleCluster, Protocol):
 
 
 def local_cluster(cluster_id: str, cfg: TrainConfig, *, home: str = "",
-                  worker_argv: Sequence[str] = ()) -> dict[str, Any]:
+                  worker_argv: Sequence[str] = (), python: str = "") -> dict[str, Any]:
     """A job document's cluster on the local backend (every role a process of this machine, the
     supervisor a session of its own). ``home``: where its records and the supervisor's log go
     (default ``$MXPIPE_HOME``); ``worker_argv``: a command the workers run instead of
-    ``python -m training worker JOB_URI`` (probes and benchmarks)."""
+    ``python -m training worker JOB_URI`` (probes and benchmarks); ``python``: the interpreter
+    the supervisor and the roles run under (default this one; a test's wrapper of it)."""
     c = cfg.cluster
     spec = {"run_tag": cluster_id, "workers": max(1, c.num_workers), "servers": max(1, c.num_servers),
-            "options": {"worker_argv": list(worker_argv)} if worker_argv else {}}
+            "options": {"worker_argv": list(worker_argv)} if worker_argv else {},
+            **({"image": python} if python else {})}
     description = {"backend": "local", "cluster_id": cluster_id, "spec": spec, **({"home": home} if home else {})}
     return {"factory": INFRA_FACTORY, "description": description}
 

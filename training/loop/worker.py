@@ -57,7 +57,7 @@ import numpy as np
 
 from common import fpmode, model_code, storage
 from common.config import TrainConfig
-from common.events import EpochDone, FirstStepAfterResume, Progress, WorkerStarted, emit
+from common.events import EpochDone, FirstStep, FirstStepAfterResume, Progress, WorkerStarted, emit
 from common.manifest import load_manifest, num_outputs
 from common.model_code import StagedCode
 from common.mx import import_mxnet
@@ -313,6 +313,8 @@ def train_epoch(loop: Loop) -> LossCheck:
     ckpts, faults, preemption = loop.ckpts, loop.faults, loop.preemption
     seed, reseed_mxnet, epoch = cfg.seed, loop.model.reseed_mxnet, state.epoch
     first_after_resume = loop.resumed_from + 1 if loop.resumed_from is not None else None
+    # A fresh start's first step: the mark the time to the first step is measured to (benchmarks/many_roles.py).
+    first_fresh = 1 if loop.resumed_from is None else None
     # Losses are read back at most LOSS_CHECK_EVERY steps at a time (each read drains the
     # engine: training.loop.step), and before anything that needs them or must not see a
     # diverged model (checkpoint, progress line, epoch end).
@@ -336,6 +338,9 @@ def train_epoch(loop: Loop) -> LossCheck:
             log.info("first step after resume done: global_step=%d (resumed from step %d)", global_step,
                      loop.resumed_from)
             emit(FirstStepAfterResume(global_step=global_step, resumed_from=loop.resumed_from))
+        elif global_step == first_fresh:
+            _checked(epoch, losses.flush)  # done means computed, not queued
+            emit(FirstStep(global_step=global_step))
         faults.at_step(global_step, rank)
         if preemption.requested and step + 1 < steps:  # at the epoch's last step: after its checkpoint
             _checked(epoch, losses.flush)

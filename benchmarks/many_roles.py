@@ -1,0 +1,429 @@
+"""Many roles: what a job of 4 to 32+ roles costs on the ``local`` backend, against role count.
+
+Each size (``--sizes``, workers+servers; the job also has one scheduler) runs the digits MLP
+(``debug`` recipe, batch 8 per worker, the table jittered once per worker (``--copies``) so an
+epoch has about 157 steps at every size) through the detached job runner the tests use
+(``testkit/local_jobs.run_local``: ``python -m training supervise`` detached, the local cluster
+backend), with local storage under a temp folder, ``--runs`` times; the report gives the median
+of each figure. Per run:
+
+1. **Job A** (``W`` workers, ``S`` servers, ``dist_sync``, a checkpoint every 10 steps, every step
+   slowed by ``MXPIPE_FAULT_STEP_DELAY_S`` so the kills land mid-training at any size). A thread
+   here reads the supervisor's event log (``MXPIPE_EVENTS_FILE``) and, once a checkpoint of step
+   ≥ 20 is committed, kills a random worker (``kill -9`` from outside, found through the cluster's
+   records: ``testkit.killer.live_roles``); after the restart in place and a checkpoint 20 steps
+   past the resume, a random server; after the next restart and 20 steps more, it stops the job
+   (SIGTERM to the supervisor: rank 0's emergency checkpoint, as a preemption). Another thread
+   samples the supervisor (its pid from the job's status record) and its roles (the supervisor's
+   child processes) with psutil every ``SAMPLE_S``.
+2. **Job B** (elastic resume): the same job with ``W - max(1, W // 6)`` workers (24 → 20) on job
+   A's checkpoints (``checkpoint.elastic``: true in both; the worker count is the only change),
+   trained to the end.
+
+Figures (seconds unless named otherwise), all from the event log (``testkit.timeline``, which
+reads the role lines through ``common.events.parse_event`` only) and the job's metrics record:
+
+- ``first_step_s``: job A's ``job_start`` → worker-0's ``first_step`` event (``common.events.FirstStep``);
+- ``supervisor_cpu_s`` (user + system, job A's whole run), ``supervisor_peak_rss_mb`` (the
+  kernel's high-water mark, ``VmHWM``), ``supervisor_peak_threads``, ``supervisor_peak_fds``,
+  ``roles_peak_rss_mb`` (the largest sum of every role's RSS in one sample), ``role_peak_fds``
+  (the most file descriptors one role held: ps-lite connects every role to every other one);
+- ``worker_kill_detect_s`` / ``server_kill_detect_s``: kill → the supervisor's ``role_failed``;
+  ``…_restart_s``: ``role_failed`` → worker-0's first step after the resume (teardown, restart in
+  place, rendezvous, restore, first step: ``testkit.timeline.failure_timeline``'s terms);
+- ``restore_s``: the restarted worker-0's ``worker_started`` → the first ``resumed`` event (shards
+  fetched, model built, checkpoint verified and loaded; the median of the two restarts);
+- ``checkpoint_save_s``: rank 0's mean serialise + write time in job B (``upload_s / committed`` of
+  the metrics record's checkpoint statistics; job A, stopped, writes no metrics record);
+  ``checkpoint_blocked_s``: what each cost the training loop;
+- ``elastic_resume_s``: job B's ``job_start`` → worker-0's ``first_step_after_resume``.
+
+Each figure is also plotted against the role count (workers + servers) into ``--plots`` (PNG).
+Before sizes of 16 roles and more run, the script waits (polling every minute, at most
+``--wait-idle-s``) while the lead's test suite (``pytest -n 2``) runs, and records whether it did.
+
+    nice -n 5 .venv/bin/python benchmarks/many_roles.py [--sizes 3+1,6+2,12+4,24+8] [--runs 2] \\
+        [--plots benchmarks] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+# The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import storage  # noqa: E402
+from common.events import CheckpointCommitted, FirstStep, FirstStepAfterResume, Resumed, WorkerStarted  # noqa: E402
+from testkit.killer import live_roles  # noqa: E402
+from testkit.result_file import write_json  # noqa: E402
+from training.launch.launcher import JobStopped  # noqa: E402
+from testkit.timeline import LEAD, Event, failure_timeline, first_event, role_event, role_event_of  # noqa: E402
+
+SAMPLE_S = 0.5
+BATCH = 8  # per worker
+CKPT_EVERY = 10
+KILL_AFTER_STEPS = 20  # a committed checkpoint this far into an attempt triggers its kill
+# Steps of the whole job: job A is stopped around step 60-80 (kills at ≥ 20 and ≥ resume + 20, the
+# stop at ≥ resume + 20), job B trains the rest with fewer workers.
+TARGET_STEPS = 160
+FIGURES = ("first_step_s", "supervisor_cpu_s", "supervisor_peak_rss_mb", "supervisor_peak_threads",
+           "supervisor_peak_fds", "roles_peak_rss_mb", "role_peak_fds", "worker_kill_detect_s", "worker_kill_restart_s",
+           "server_kill_detect_s", "server_kill_restart_s", "restore_s", "checkpoint_save_s",
+           "checkpoint_blocked_s", "elastic_resume_s")
+# The plots: (file stem, title, y label, figures on it).
+PLOTS = (("first_step", "Time to the first step", "seconds", ("first_step_s", "elastic_resume_s")),
+         ("supervisor", "Supervisor CPU time (whole job A)", "CPU seconds", ("supervisor_cpu_s",)),
+         ("memory", "Peak memory", "MB", ("supervisor_peak_rss_mb", "roles_peak_rss_mb")),
+         ("descriptors", "Peak file descriptors and threads", "count",
+          ("supervisor_peak_fds", "supervisor_peak_threads", "role_peak_fds")),
+         ("failure", "Failure detection and restart in place", "seconds",
+          ("worker_kill_detect_s", "server_kill_detect_s", "worker_kill_restart_s", "server_kill_restart_s")),
+         ("checkpoint", "Checkpoint save and restore", "seconds",
+          ("checkpoint_save_s", "checkpoint_blocked_s", "restore_s")))
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    workers, _, servers = text.partition("+")
+    try:
+        w, s = int(workers), int(servers)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size is WORKERS+SERVERS, got {text!r}") from None
+    if w < 2 or s < 1:
+        raise argparse.ArgumentTypeError(f"a size needs at least 2 workers and 1 server, got {text!r}")
+    return w, s
+
+
+def read_events(path: Path) -> list[Event]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # the supervisor's line being written
+            continue
+    return out
+
+
+class KillOneWorkerThenOneServer(threading.Thread):
+    """``kill -9`` of a random worker once attempt 1 committed a checkpoint of step ≥ 20, then of a
+    random server once attempt 2 committed one 20 steps past its resume; once attempt 3 did too,
+    SIGTERM to the supervisor (an orderly stop: rank 0's emergency checkpoint, job B's start)."""
+
+    def __init__(self, home: str, events_file: Path, status_uri: str, seed: int) -> None:
+        super().__init__(name="many-roles-killer", daemon=True)
+        self.home, self.events_file, self.status_uri = home, events_file, status_uri
+        self.rng = random.Random(seed)
+        self.kills: list[dict[str, Any]] = []
+        self.stopped_at: float | None = None
+        self.stopping = threading.Event()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(timeout=10)
+
+    def _due(self, attempt: int) -> bool:
+        """Whether attempt ``attempt`` (1: the first round of roles) committed a checkpoint
+        ``KILL_AFTER_STEPS`` past where it started."""
+        events = read_events(self.events_file)
+        starts = [i for i, e in enumerate(events) if e["event"] in ("job_start", "roles_restarting")]
+        if len(starts) != attempt:
+            return False
+        resumed = 0
+        for ev in events[starts[-1]:]:
+            got = role_event_of(ev)
+            if isinstance(got, Resumed):
+                resumed = max(resumed, got.step)
+            if isinstance(got, CheckpointCommitted) and got.step >= resumed + KILL_AFTER_STEPS:
+                return True
+        return False
+
+    def _wait_due(self, attempt: int) -> bool:
+        while not self.stopping.wait(0.2):
+            if self._due(attempt):
+                return True
+        return False
+
+    def run(self) -> None:
+        for attempt, kind in ((1, "worker"), (2, "server")):
+            if not self._wait_due(attempt):
+                return
+            while not self.stopping.is_set():
+                victims = [r for r in live_roles(self.home) if r.kind == kind]
+                if victims:
+                    victim = self.rng.choice(sorted(victims))
+                    t = time.time()
+                    try:
+                        os.kill(victim.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        continue
+                    self.kills.append({"t": t, "role": victim.name, "kind": kind})
+                    break
+                self.stopping.wait(0.2)
+        if self._wait_due(3):
+            from training.launch.status import read_status
+
+            status = read_status(self.status_uri)
+            if status is not None and status.pid:
+                self.stopped_at = time.time()
+                os.kill(status.pid, signal.SIGTERM)
+
+
+class Sampler(threading.Thread):
+    """Samples the supervisor (its pid from the status record) and its child processes (the
+    roles) with psutil until stopped: CPU time, RSS, threads, file descriptors."""
+
+    def __init__(self, status_uri: str) -> None:
+        super().__init__(name="many-roles-sampler", daemon=True)
+        self.status_uri = status_uri
+        self.stopping = threading.Event()
+        self.result: dict[str, float] = {}
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(timeout=10)
+
+    def _supervisor(self) -> Any:
+        import psutil
+
+        from training.launch.status import read_status
+
+        while not self.stopping.wait(0.1):
+            try:
+                status = read_status(self.status_uri)
+            except Exception:  # noqa: BLE001 - half written: read again
+                continue
+            if status is not None and status.pid:
+                try:
+                    return psutil.Process(status.pid)
+                except psutil.NoSuchProcess:
+                    return None
+        return None
+
+    def run(self) -> None:
+        import psutil
+
+        proc = self._supervisor()
+        if proc is None:
+            return
+        peak = {"rss": 0.0, "hwm": 0.0, "threads": 0, "fds": 0, "roles_rss": 0.0, "role_fds": 0}
+        cpu = 0.0
+        while True:
+            try:
+                with proc.oneshot():
+                    times = proc.cpu_times()
+                    cpu = times.user + times.system
+                    peak["rss"] = max(peak["rss"], proc.memory_info().rss)
+                    peak["threads"] = max(peak["threads"], proc.num_threads())
+                    peak["fds"] = max(peak["fds"], proc.num_fds())
+                with open(f"/proc/{proc.pid}/status") as fh:
+                    hwm = next(int(ln.split()[1]) * 1024 for ln in fh if ln.startswith("VmHWM:"))
+                peak["hwm"] = max(peak["hwm"], hwm)
+                roles = 0.0
+                for child in proc.children(recursive=True):
+                    try:
+                        roles += child.memory_info().rss
+                        # ps-lite connects every role to every other one (common.procs.limits).
+                        peak["role_fds"] = max(peak["role_fds"], child.num_fds())
+                    except psutil.NoSuchProcess:
+                        continue
+                peak["roles_rss"] = max(peak["roles_rss"], roles)
+            except (psutil.NoSuchProcess, psutil.ZombieProcess, FileNotFoundError, ProcessLookupError, StopIteration):
+                break
+            if self.stopping.wait(SAMPLE_S):
+                break
+        mb = 1024.0 * 1024.0
+        self.result = {"supervisor_cpu_s": cpu, "supervisor_peak_rss_mb": max(peak["hwm"], peak["rss"]) / mb,
+                       "supervisor_peak_threads": peak["threads"], "supervisor_peak_fds": peak["fds"],
+                       "roles_peak_rss_mb": peak["roles_rss"] / mb, "role_peak_fds": peak["role_fds"]}
+
+
+def shard(root: Path, workers: int, copies: int) -> tuple[Any, str, int]:
+    """The jittered digits table sharded for ``workers``: (config, shards prefix, train rows)."""
+    from common.config import recipe
+    from data_checks.shard import shard_dataset
+    from testkit.digits import digits_csv
+
+    prefix = str(root / f"data-{workers}")
+    source = storage.join(prefix, "digits.csv")
+    storage.put_bytes(source, digits_csv(copies))
+    cfg = recipe("debug", source).replace(cluster={"num_workers": workers})
+    manifest = shard_dataset(cfg, storage.join(prefix, "shards"))
+    return cfg, storage.join(prefix, "shards"), int(manifest["splits"]["train"]["count"])
+
+
+def job_config(cfg: Any, workers: int, servers: int, epochs: int) -> Any:
+    return cfg.replace(optim={"epochs": epochs, "batch_size": BATCH},
+                       checkpoint={"every_n_steps": CKPT_EVERY, "elastic": True},
+                       cluster={"num_workers": workers, "num_servers": servers, "kvstore": "dist_sync",
+                                "job_timeout_s": 1500, "start_timeout_s": 600, "stall_timeout_s": 300,
+                                "max_restarts_without_progress": 3})
+
+
+def measure(root: Path, cfg: Any, shards: str, workers: int, servers: int, epochs: int, seed: int,
+            step_delay_s: float) -> dict[str, Any]:
+    from testkit.local_jobs import make_job, run_local
+
+    prefix = str(root / "job")
+    home = str(root / "home")
+    events_a, events_b = root / "events-a.jsonl", root / "events-b.jsonl"
+    env = {"MXPIPE_EVENTS_FILE": str(events_a), "MXPIPE_FAULT_STEP_DELAY_S": str(step_delay_s),
+           "MXPIPE_FAULT_KILL_RANK": "0"}
+    job_a = make_job(job_config(cfg, workers, servers, epochs), shards, prefix)
+    status_uri = storage.join(prefix, "job_status.json")
+    killer = KillOneWorkerThenOneServer(home, events_a, status_uri, seed)
+    sampler = Sampler(status_uri)
+    killer.start()
+    sampler.start()
+    started = time.monotonic()
+    try:
+        run_local(job_a, storage.join(prefix, "job.json"), home, env, timeout_s=1800)
+        raise RuntimeError(f"{workers}+{servers}: job A ended before it was stopped: more epochs")
+    except JobStopped:
+        pass  # the killer's SIGTERM: what job B resumes from
+    finally:
+        killer.stop()
+        sampler.stop()
+    wall_a = time.monotonic() - started
+    events = read_events(events_a)
+    if len(killer.kills) != 2:
+        raise RuntimeError(f"{workers}+{servers}: expected a worker and a server killed, got {killer.kills}")
+    out: dict[str, Any] = {"workers": workers, "servers": servers, "roles": workers + servers,
+                           "job_a_wall_s": wall_a, "kills": killer.kills, **sampler.result}
+    job_start = first_event(events, lambda e: e["event"] == "job_start", 0.0)["t"]
+    out["first_step_s"] = first_event(events, role_event(FirstStep, LEAD), job_start)["t"] - job_start
+    restores = []
+    for kill in killer.kills:
+        timeline = failure_timeline(events, kill["t"])
+        out[f"{kill['kind']}_kill_detect_s"] = timeline["detect"]
+        out[f"{kill['kind']}_kill_restart_s"] = timeline["total"] - timeline["detect"]
+        out[f"{kill['kind']}_kill_timeline"] = timeline
+        restores.append(timeline["restore"])
+    out["restore_s"] = statistics.median(restores)
+
+    # Job B: fewer workers on job A's checkpoints (its emergency one), trained to the end.
+    fewer = workers - max(1, workers // 6)
+    job_b = make_job(job_config(cfg, fewer, servers, epochs), shards, prefix)
+    run_local(job_b, storage.join(prefix, "job.json"), home, {**env, "MXPIPE_EVENTS_FILE": str(events_b)},
+              timeout_s=1800)
+    # Rank 0's checkpoint statistics of job B (job A was stopped: no metrics record).
+    stats = json.loads(storage.get_bytes(job_b.metrics_uri))["checkpoint"]
+    out["checkpoint_save_s"] = stats["upload_s"] / max(1, stats["committed"])
+    out["checkpoint_blocked_s"] = stats["blocked_s"] / max(1, stats["committed"])
+    out["checkpoint_stats"] = stats
+    events = read_events(events_b)
+    job_start = first_event(events, lambda e: e["event"] == "job_start", 0.0)["t"]
+    first = first_event(events, role_event(FirstStepAfterResume, LEAD), job_start)
+    out["elastic_workers"] = fewer
+    out["elastic_resume_s"] = first["t"] - job_start
+    joined = first_event(events, role_event(WorkerStarted, LEAD), job_start)
+    out["elastic_restore_s"] = first_event(events, role_event(Resumed), joined["t"])["t"] - joined["t"]
+    return out
+
+
+def suite_running() -> bool:
+    """Whether the lead's test suite (``pytest -n 2``) runs on this machine now."""
+    return subprocess.run(["pgrep", "-f", "pytest -n 2"], capture_output=True).returncode == 0
+
+
+def wait_idle(limit_s: float) -> bool:
+    """Wait while the suite runs, polling every minute, at most ``limit_s``; whether it still runs."""
+    deadline = time.monotonic() + limit_s
+    while suite_running() and time.monotonic() < deadline:
+        print("the test suite is running: waiting", flush=True)
+        time.sleep(min(60.0, max(0.0, deadline - time.monotonic())))
+    return suite_running()
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, float]:
+    return {name: statistics.median(r[name] for r in rows) for name in FIGURES if all(name in r for r in rows)}
+
+
+def plot(sizes: list[dict[str, Any]], folder: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    written = []
+    roles = [s["roles"] for s in sizes]
+    for stem, title, ylabel, names in PLOTS:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name in names:
+            ax.plot(roles, [s["median"].get(name, math.nan) for s in sizes], marker="o", label=name)
+        ax.set_xlabel("roles (workers + servers; plus one scheduler)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title} (median of runs)")
+        ax.set_xticks(roles)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        path = os.path.join(folder, f"many_roles_{stem}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="3+1,6+2,12+4,24+8",
+                        type=lambda v: [parse_size(s.strip()) for s in v.split(",") if s.strip()],
+                        help="WORKERS+SERVERS, comma-separated")
+    parser.add_argument("--runs", type=int, default=2, help="runs per size (the median is reported)")
+    parser.add_argument("--copies", type=int, default=1, help="jittered copies of the digits table per worker")
+    parser.add_argument("--step-delay-s", type=float, default=0.1, help="MXPIPE_FAULT_STEP_DELAY_S of job A")
+    parser.add_argument("--seed", type=int, default=28)
+    parser.add_argument("--plots", default=os.path.dirname(os.path.abspath(__file__)), help="folder of the PNGs")
+    parser.add_argument("--wait-idle-s", type=float, default=1800.0,
+                        help="how long to wait for the test suite to end before sizes of 16 roles and more")
+    parser.add_argument("--keep", help="a folder for the runs (default: a temp folder)")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+
+    report: dict[str, Any] = {"runs": args.runs, "copies": args.copies, "step_delay_s": args.step_delay_s,
+                              "checkpoint_every_n_steps": CKPT_EVERY, "cpus": os.cpu_count(), "sizes": []}
+    with tempfile.TemporaryDirectory(prefix="mxpipe-roles-") as tmp:
+        root = Path(args.keep) if args.keep else Path(tmp)
+        for workers, servers in args.sizes:
+            loaded = wait_idle(args.wait_idle_s) if workers + servers >= 16 else suite_running()
+            # As many jittered copies of the table as workers: about the same steps at every size.
+            cfg, shards, train_rows = shard(root, workers, workers * args.copies)
+            steps_per_epoch = max(1, train_rows // (BATCH * workers))
+            epochs = max(1, math.ceil(TARGET_STEPS / steps_per_epoch))
+            rows = []
+            for run in range(args.runs):
+                work = root / f"{workers}+{servers}-{run}"
+                work.mkdir(parents=True)
+                row = measure(work, cfg, shards, workers, servers, epochs, args.seed + run, args.step_delay_s)
+                row["suite_running"] = loaded or suite_running()
+                rows.append(row)
+                print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()
+                                  if k in FIGURES or k in ("workers", "servers", "suite_running")}), flush=True)
+            report["sizes"].append({"workers": workers, "servers": servers, "roles": workers + servers,
+                                    "epochs": epochs, "steps_per_epoch": steps_per_epoch, "runs": rows,
+                                    "median": summarise(rows)})
+    report["plots"] = plot(report["sizes"], args.plots)
+    print("\nroles " + " ".join(f"{n:>12.12}" for n in FIGURES))
+    for size in report["sizes"]:
+        print(f"{size['roles']:>5} " + " ".join(f"{size['median'].get(n, math.nan):12.2f}" for n in FIGURES))
+    write_json(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
