@@ -211,20 +211,19 @@ def start_postgres(root: Path, settings: TopologySettings, creds: Mapping[str, s
                      port=settings.postgres_port)
     os.chown(handle.log_path or "", user.pw_uid, user.pw_gid)
 
-    def ready() -> bool:
-        import psycopg2
+    # psql, not a Python driver: infra needs none of its own (Airflow's and MLflow's come with
+    # the airflow-image group), and the client ships with the server's Debian packages.
+    env = {"PGPASSWORD": creds["postgres_password"], "PGCONNECT_TIMEOUT": "3", "PATH": os.environ.get("PATH", "")}
+    conninfo = f"host={settings.address('db')} port={settings.postgres_port} user={settings.postgres_user} dbname=postgres"
 
-        conn = psycopg2.connect(host=settings.address("db"), port=settings.postgres_port, dbname="postgres",
-                                user=settings.postgres_user, password=creds["postgres_password"], connect_timeout=3)
-        try:
-            conn.autocommit = True
-            with conn.cursor() as cur:
-                for db in (settings.airflow_db, settings.mlflow_db):
-                    cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (db,))
-                    if cur.fetchone() is None:
-                        cur.execute(f'CREATE DATABASE "{db}"')
-        finally:
-            conn.close()
+    def psql(sql: str) -> str:
+        return subprocess.run([_pg_bin("psql"), conninfo, "-tAc", sql], env=env, capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+
+    def ready() -> bool:
+        for db in (settings.airflow_db, settings.mlflow_db):
+            if psql(f"SELECT 1 FROM pg_database WHERE datname = '{db}'") != "1":
+                psql(f'CREATE DATABASE "{db}"')
         return True
 
     wait_until(ready, START_TIMEOUT_S["postgres"], "PostgreSQL", handle=handle)
@@ -252,11 +251,13 @@ def start_redis(root: Path, settings: TopologySettings, creds: Mapping[str, str]
     handle = _launch(root, settings, "broker", "redis", cmd, _host_env(root, settings, "broker", {}),
                      port=settings.redis_port)
 
-    def ready() -> bool:
-        import redis
+    cli = shutil.which("redis-cli") or "redis-cli"
 
-        return bool(redis.Redis(host=address, port=settings.redis_port, password=creds["redis_password"],
-                                socket_timeout=3).ping())
+    def ready() -> bool:
+        # The password through the environment (REDISCLI_AUTH), not the command line.
+        out = subprocess.run([cli, "-h", address, "-p", str(settings.redis_port), "ping"], capture_output=True,
+                             text=True, timeout=10, env={"REDISCLI_AUTH": creds["redis_password"]})
+        return out.stdout.strip() == "PONG"
 
     wait_until(ready, START_TIMEOUT_S["redis"], "Redis", handle=handle)
     return handle
@@ -492,6 +493,9 @@ def down(root: Path, echo: Callable[[str], None] = print) -> bool:
     state = root / "topology.json"
     settings = TopologySettings.model_validate_json(state.read_text()) if state.exists() else TopologySettings()
     records = _records(root)
+    if not (state.exists() or records or netns.namespaces(f"{settings.prefix}-") or netns.link_exists(settings.uplink)):
+        echo(f"no topology under {root}")
+        return True
     order = ["airflow", "triggerer", "worker1", "worker2", "train1", "train2", "train3", "mlflow", "s3", "broker", "db"]
     ok = True
     for host in order:
