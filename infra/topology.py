@@ -199,9 +199,12 @@ def start_postgres(root: Path, settings: TopologySettings, creds: Mapping[str, s
         pwfile.write_text(creds["postgres_password"] + "\n")
         for path in (home, data, pwfile):
             os.chown(path, user.pw_uid, user.pw_gid)
-        subprocess.run(_as_postgres(_pg_bin("initdb"), "-D", str(data), "-U", settings.postgres_user,
-                                    "--auth=scram-sha-256", f"--pwfile={pwfile}", "-E", "UTF8"),
-                       check=True, capture_output=True, timeout=120)
+        out = subprocess.run(_as_postgres(_pg_bin("initdb"), "-D", str(data), "-U", settings.postgres_user,
+                                          "--auth=scram-sha-256", f"--pwfile={pwfile}", "-E", "UTF8"),
+                             capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            # Typically a parent folder the postgres user cannot enter (a mode-0700 temp folder).
+            raise ServiceError(f"initdb as the postgres user failed in {data}: {out.stderr.strip()[-500:]}")
         pwfile.unlink()
         with open(data / "pg_hba.conf", "a") as fh:
             fh.write(f"host all all {settings.subnet}.0/24 scram-sha-256\n")

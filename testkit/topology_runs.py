@@ -49,8 +49,14 @@ def run_training_dag(root: Path, csv: bytes, *, backend: str = "hosts", timeout_
             path = f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/register/xcomEntries/return_value"
             registered = client.request("GET", path, params={"deserialize": "true"}).json()["value"]
         hosts = {ti["task_id"]: ti.get("hostname") for ti in client.task_instances(DAG_ID, run_id)}
+        # The train task's log as the UI shows it: the API server (on its own host) reads it from
+        # the log server of the worker that ran it, named by its address (hostname_callable).
+        log = client.request("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/train/logs/1",
+                             params={"full_content": "true"}).json()
+    train_log = json.dumps(log.get("content", ""))
     return {"run_id": run_id, "state": state, "states": states, "seconds": round(seconds, 1),
-            "registered": registered, "hostnames": hosts}
+            "registered": registered, "hostnames": hosts, "train_log_chars": len(train_log),
+            "train_log_names_the_job": "started training job" in train_log}
 
 
 def leftovers(settings: TopologySettings) -> dict[str, Any]:

@@ -7,6 +7,7 @@ Its own tier (``-m topology``, ``make test-topology``): several minutes and most
 machine, so not part of ``make test``."""
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,14 +29,17 @@ def _missing() -> str:
 
 
 @pytest.mark.skipif(bool(_missing()), reason=_missing() or "ok")
-def test_training_dag_runs_on_the_topology_and_down_leaves_nothing(tmp_path, digits_csv):
+def test_training_dag_runs_on_the_topology_and_down_leaves_nothing(digits_csv):
     settings = TopologySettings()
-    root = tmp_path / "topology"
+    # Not pytest's tmp_path: its mode-0700 parents keep out PostgreSQL's own user.
+    root = Path(tempfile.mkdtemp(prefix="mxpipe-topology-"))
+    root.chmod(0o755)
     try:
         up(root, settings)
         result = run_training_dag(root, digits_csv, backend="hosts", timeout_s=900)
     finally:
         stopped = down(root)
+        shutil.rmtree(root, ignore_errors=True)
     assert result["state"] == "success", result
     assert set(result["states"].values()) == {"success"}
     assert result["registered"]["test_accuracy"] > 0.85
