@@ -499,19 +499,22 @@ def down(root: Path, echo: Callable[[str], None] = print) -> bool:
     if not (state.exists() or records or netns.namespaces(f"{settings.prefix}-") or netns.link_exists(settings.uplink)):
         echo(f"no topology under {root}")
         return True
-    order = ["airflow", "triggerer", "worker1", "worker2", "train1", "train2", "train3", "mlflow", "s3", "broker", "db"]
+    # The Airflow and training hosts together (their servers stop in parallel: the triggerer and
+    # a Celery worker each take seconds to wind down), then the stores they used, one by one.
+    tiers = [("airflow", "triggerer", *WORKERS, *TRAINING_HOSTS), ("mlflow",), ("s3",), ("broker",), ("db",)]
     ok = True
-    for host in order:
-        handles = [h for hh, h in records if hh == host]
-        if host == "db":
+    for tier in tiers:
+        handles = [h for host, h in records if host in tier]
+        if tier == ("db",):
             stopped = all(stop_postgres(root, h) for h in handles)
-        elif host == "s3":
+        elif tier == ("s3",):
             stopped = all(stop_s3(h) for h in handles)
         else:
             stopped = stop_all(handles)
         ok &= stopped
         if handles:
-            echo(f"{host:<9} {'stopped' if stopped else 'FAILED to stop'}: {', '.join(h.name for h in handles)}")
+            echo(f"{'/'.join(tier):<9} {'stopped' if stopped else 'FAILED to stop'}: "
+                 f"{', '.join(sorted({h.name for h in handles}))}")
     names = [settings.switch, *[settings.namespace(h) for h in HOSTS]]
     stuck = netns.delete_namespaces([n for n in names if n in netns.namespaces(f"{settings.prefix}-")],
                                     settings.uplink)
