@@ -17,8 +17,9 @@ import signal
 import subprocess
 from pathlib import Path
 
-# sshd, nft and tc live in /usr/sbin, which a non-login root shell may not have on PATH.
-SBIN_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+# Where sshd, nft, tc and redis-server are looked for (``shutil.which(tool, path=SBIN_PATH)``):
+# /usr/sbin is not on a non-login root shell's PATH.
+SBIN_PATH = os.pathsep.join(["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
 IP_TIMEOUT_S = 30.0
 
 
@@ -107,4 +108,9 @@ def host_address() -> str:
     """This host's address (``MXPIPE_HOST_ADDRESS``, set for every server of
     ``infra.topology``): Airflow's ``[core] hostname_callable`` there, since every namespace
     shares this machine's hostname and a task log must name the worker it is on."""
-    return os.environ["MXPIPE_HOST_ADDRESS"]
+    from common.settings import settings
+
+    address = settings().host_address
+    if not address:
+        raise RuntimeError("MXPIPE_HOST_ADDRESS is not set: infra.netns.host_address is the topology's hostname_callable")
+    return address

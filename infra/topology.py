@@ -216,7 +216,7 @@ def start_postgres(root: Path, settings: TopologySettings, creds: Mapping[str, s
 
     # psql, not a Python driver: infra needs none of its own (Airflow's and MLflow's come with
     # the airflow-image group), and the client ships with the server's Debian packages.
-    env = {"PGPASSWORD": creds["postgres_password"], "PGCONNECT_TIMEOUT": "3", "PATH": os.environ.get("PATH", "")}
+    env = {"PGPASSWORD": creds["postgres_password"], "PGCONNECT_TIMEOUT": "3"}
     conninfo = f"host={settings.address('db')} port={settings.postgres_port} user={settings.postgres_user} dbname=postgres"
 
     def psql(sql: str) -> str:
