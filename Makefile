@@ -2,7 +2,7 @@
 # stack; `make test` runs the test suite. Both install what they need first.
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-fast down status benchmark trainer-requirements
+.PHONY: setup demo test test-fast down status benchmark trainer-requirements topology topology-status test-topology
 
 setup:
 	@scripts/bootstrap.sh
@@ -19,8 +19,21 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -m "unit or dag"
 
+# Stops the embedded stack and, if one is up, the namespace topology (infra/topology.py).
 down:
 	$(PY) -m infra.services down
+	$(PY) -m infra.topology down
+
+# The scaled-out deployment on network-namespace hosts of this machine (root; minutes to start).
+topology: setup
+	$(PY) -m infra.topology up
+
+topology-status:
+	$(PY) -m infra.topology status
+
+# Its test tier: up, the training DAG through the REST API, down (not part of `make test`).
+test-topology: setup
+	$(PY) -m pytest -m topology tests/integration/test_topology.py
 
 status:
 	$(PY) -m infra.services status

@@ -49,6 +49,9 @@ class Settings(BaseSettings):
                                "processes; default `.local/pycache`", group="stack")
     pythonpath: str = _var("", "PYTHONPATH", "Kept after the checkout on the Airflow processes' "
                            "`PYTHONPATH`", group="stack")
+    host_address: str | None = _var(None, "MXPIPE_HOST_ADDRESS", "This host's address in the namespace "
+                                     "topology (`infra.topology` sets it on every server; the Airflow "
+                                     "hosts' `hostname_callable`)", group="stack")
 
     # --- storage and tracking --------------------------------------------------------------
     artifact_root: str = _var(DEFAULT_ARTIFACT_ROOT, "MXPIPE_ARTIFACT_ROOT", "Root of every run's "

@@ -12,6 +12,8 @@
 - ``ec2_cluster``: the ``ec2`` backend: instances launched through boto3, roles through SSM.
 - ``cluster_settings``: where a backend's machines are: the deployment's settings.
 - ``strict_settings``: the deployment settings' strict base and their error (``ClusterSettingsError``).
+- ``topology``: the scaled-out deployment on network-namespace hosts of this machine: up, down, status.
+- ``netns``: hosts made of network namespaces: the bridge, veth links, an uplink, sshd's configuration.
 - ``transport``: how a command reaches a host of the ``hosts`` backend (SSH, ``ip netns exec``).
 - ``planning``: hardware planning: memory per device for a model, and which cluster to ask for.
 - ``catalogue``: the GPU instance types the planner chooses from, as data.

@@ -11,13 +11,16 @@ fi
 # on a fresh machine): iproute2 for the network-namespace hosts of the hosts-backend tests (and
 # tc for their constrained links), openssh-server and its client for the SSH transport between
 # those hosts, nftables for packet loss on their links, and a Compose client to validate
-# docker/compose.yaml without a Docker engine. Without them those tests skip and say why.
+# docker/compose.yaml without a Docker engine; Redis and PostgreSQL for the namespace topology
+# (`make topology`, infra/topology.py). Without them those tests skip and say why.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   missing=()
   command -v ip >/dev/null 2>&1 || missing+=(iproute2)
   [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
   command -v ssh >/dev/null 2>&1 || missing+=(openssh-client)
   [ -x /usr/sbin/nft ] || missing+=(nftables)
+  command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+  command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
   if ! command -v docker-compose >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1; then
     missing+=(docker-compose)
   fi
@@ -34,8 +37,8 @@ fi
 echo "==> installing the locked environment into .venv (first time: a few minutes)"
 # Bytecode is compiled up front: the environment may set PYTHONDONTWRITEBYTECODE, and without
 # .pyc files every role process would compile mxnet/airflow/mlflow from source at each start.
-# Groups: `dev` (default: the test tools) and `local` (the embedded S3 server, the demo data);
-# `trainer` is a subset of the project's dependencies and `airflow-image` serves only the
-# scaled-out image (see pyproject.toml).
-uv sync --frozen --python 3.11 --compile-bytecode --group local
+# Groups: `dev` (default: the test tools), `local` (the embedded S3 server, the demo data) and
+# `airflow-image` (CeleryExecutor and PostgreSQL: the scaled-out image and the namespace
+# topology); `trainer` is a subset of the project's dependencies (see pyproject.toml).
+uv sync --frozen --python 3.11 --compile-bytecode --group local --group airflow-image
 touch "$stamp"

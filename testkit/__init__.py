@@ -14,6 +14,8 @@ import every package of the project. What it holds:
 - ``local_jobs`` / ``ps_cluster``: a JobSpec run as every run is (local backend, detached
   supervisor), or a worker script run as a ps-lite job, with nothing left behind;
 - ``netns_hosts``: throwaway hosts in network namespaces for the ``hosts`` backend;
+- ``topology_runs``: the training DAG run through the namespace topology (``infra.topology``), and
+  what of the topology is left on the machine after ``down``;
 - ``chaos`` / ``chaos_outage`` / ``chaos_net``: the chaos harness (R1–R4) that
   ``benchmarks/chaos.py`` runs and the chaos tests share; ``constrained_links``: jobs on
   namespace hosts behind rate-limited links (``benchmarks/constrained_links.py``);

@@ -32,16 +32,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from infra.netns import SBIN_PATH as _SBIN_PATH
+from infra.netns import add_host, add_switch, add_uplink, delete_namespaces, netns_pids
+from infra.netns import ip as _ip
+from infra.netns import keygen as _keygen
+from infra.netns import sshd_config as _sshd_config
 from testkit import REPO
 
 SUBNET = "10.213.0"
 CONTROLLER_NET = "10.214"
 CONTROLLER_HOST = 254
 SSHD_READY_S = 30.0
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
 
 
 def _tc(*args: str) -> None:
@@ -68,14 +69,6 @@ def sshd_available() -> str:
         return why
     missing = [tool for tool in ("sshd", "ssh", "ssh-keygen") if not shutil.which(tool, path=_SBIN_PATH)]
     return f"OpenSSH not installed (missing {', '.join(missing)}; Debian: openssh-server)" if missing else ""
-
-
-_SBIN_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
-
-
-def netns_pids(name: str) -> list[int]:
-    out = _ip("netns", "pids", name, check=False)
-    return [int(p) for p in out.stdout.split()]
 
 
 def hosts_pids(hosts: list[dict]) -> list[int]:
@@ -110,41 +103,20 @@ def namespace_hosts(count: int, prefix: str | None = None, *, controller: bool =
     made: list[str] = []
     uplink = f"{prefix}c"
     try:
-        _ip("netns", "add", switch)
+        add_switch(switch)
         made.append(switch)
-        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", switch, "link", "set", "br0", "up")
         hosts = []
         for i in range(count):
             ns = f"{prefix}h{i}"
-            _ip("netns", "add", ns)
-            made.append(ns)
-            _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"p{i}", "netns", switch)
-            _ip("-n", switch, "link", "set", f"p{i}", "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+            made.append(ns)  # before it exists: a half-made host is deleted too
+            add_host(switch, ns, f"p{i}", f"{subnet}.{i + 1}")
             hosts.append({"name": ns, "address": f"{subnet}.{i + 1}", "transport": "netns", "netns": ns,
                           "python": sys.executable, "workdir": REPO, "interface": "eth0"})
         if controller:
-            _ip("link", "add", uplink, "type", "veth", "peer", "name", "pc", "netns", switch)
-            _ip("-n", switch, "link", "set", "pc", "master", "br0", "up")
-            _ip("addr", "add", f"{subnet}.{CONTROLLER_HOST}/24", "dev", uplink)
-            _ip("link", "set", uplink, "up")
+            add_uplink(switch, uplink, f"{subnet}.{CONTROLLER_HOST}")
         yield hosts
     finally:
-        if controller:
-            _ip("link", "del", uplink, check=False)  # gone with the switch too; never leave it here
-        leftovers = {ns: netns_pids(ns) for ns in made}
-        for pids in leftovers.values():  # never leave a test's process running in a deleted namespace
-            for pid in pids:
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
-        for ns in reversed(made):
-            _ip("netns", "del", ns, check=False)
-        stuck = {ns: pids for ns, pids in leftovers.items() if pids}
+        stuck = delete_namespaces(made, uplink if controller else None)
         if stuck:
             raise AssertionError(f"processes were still running in test namespaces: {stuck}")
 
@@ -261,22 +233,6 @@ def ssh_hosts(hosts: list[dict], root: Path) -> Iterator[list[dict]]:
     finally:
         for proc in procs:
             _stop_group(proc)
-
-
-def _keygen(path: Path, comment: str) -> None:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
-                   check=True, capture_output=True, timeout=30)
-
-
-def _sshd_config(address: str, host_key: Path, authorized: Path, folder: Path) -> str:
-    return "\n".join([
-        f"ListenAddress {address}:22", f"HostKey {host_key}", f"PidFile {folder / 'sshd.pid'}",
-        f"AuthorizedKeysFile {authorized}", "PubkeyAuthentication yes", "PasswordAuthentication no",
-        "KbdInteractiveAuthentication no", "PermitRootLogin prohibit-password", "UsePAM no",
-        # The key files live in the test's temporary folder, not in a home sshd would vet.
-        "StrictModes no",
-        # A job opens several sessions per host at once (roles, the env file, kill-records).
-        "MaxStartups 64", "MaxSessions 64", "LogLevel ERROR", ""])
 
 
 def _wait_for_sshd(host: object, run_on: object, procs: list[subprocess.Popen], root: Path) -> None:

@@ -1,7 +1,8 @@
 """Shared test setup: tier markers, and the real servers integration tests run against.
 
-Every test carries one tier marker (unit, dag, integration, benchmark); an unmarked test fails
-collection. ``benchmark`` tests are skipped unless selected with ``-m benchmark``.
+Every test carries one tier marker (unit, dag, integration, benchmark, topology); an unmarked test
+fails collection. ``benchmark`` and ``topology`` tests are skipped unless selected with ``-m
+benchmark`` / ``-m topology``.
 
 Servers (SeaweedFS, MLflow) are started by session fixtures on free 127.0.0.1 ports in a temp
 folder with fresh random credentials, and stopped (whole process group) at the end
@@ -22,7 +23,9 @@ if TYPE_CHECKING:
     from common.procs import Watch
     from testkit.servers import MLflowServer, S3Server
 
-TIERS = ("unit", "dag", "integration", "benchmark")
+TIERS = ("unit", "dag", "integration", "benchmark", "topology")
+# Tiers that run only when selected by name: minutes each, and the topology takes the machine.
+OPT_IN_TIERS = ("benchmark", "topology")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -35,11 +38,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if unmarked:
         raise pytest.UsageError(
             f"every test needs one of the markers {TIERS}; unmarked:\n  " + "\n  ".join(unmarked))
-    if "benchmark" not in (config.option.markexpr or ""):
-        skip = pytest.mark.skip(reason="benchmark: run with -m benchmark")
-        for item in items:
-            if item.get_closest_marker("benchmark"):
-                item.add_marker(skip)
+    for tier in OPT_IN_TIERS:
+        if tier not in (config.option.markexpr or ""):
+            skip = pytest.mark.skip(reason=f"{tier}: run with -m {tier}")
+            for item in items:
+                if item.get_closest_marker(tier):
+                    item.add_marker(skip)
 
 
 # ---------------------------------------------------------------------------------------------
