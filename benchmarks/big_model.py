@@ -32,7 +32,9 @@ Every timing comes from the supervisor's typed event log (``MXPIPE_EVENTS_FILE``
 Servers (``testkit.server_load``): the predicted share of the parameters from MXNet 1.9's key
 assignment (``MXNET_KVSTORE_BIGARRAY_BOUND``, ``--bound`` to change it), beside each server's
 measured TCP bytes received and sent (``ss``: psutil's I/O counters do not count socket I/O) and
-its RSS growth. Planner (``infra.planning``): it predicts no speed and no checkpoint time; what it
+its RSS growth from worker-0's join on. The prediction is per ps-lite server rank and the
+measurement per role (ps-lite ranks servers in the order they register), so they are compared,
+and plotted, largest first. Planner (``infra.planning``): it predicts no speed and no checkpoint time; what it
 does say for this model is the server count (``servers_for``: a step's ``workers · 2 · P · 4``
 bytes within ``COMM_BUDGET_S`` on the instance's link), an even share per server
 (``step_bytes / servers``), and so a communication time ``workers · 2 · P · 4 / (servers ·
@@ -63,7 +65,7 @@ from testkit.digits import digits_csv  # noqa: E402
 from testkit.local_jobs import make_job, run_local  # noqa: E402
 from testkit.result_file import write_json  # noqa: E402
 from testkit.server_load import (DEFAULT_BIGARRAY_BOUND, ServerSampler, imbalance, mlp_keys,  # noqa: E402
-                                 server_elements, shares)
+                                 ranked, server_elements, shares)
 from testkit.timeline import LEAD, attempts, failure_timeline, first_event, role_event, role_event_of  # noqa: E402
 
 FEATURES, CLASSES = 64, 10
@@ -118,26 +120,35 @@ def blocked_share(events: list[dict[str, Any]]) -> dict[str, Any]:
             "saves": saves}
 
 
+def ranked_shares(result: dict[str, Any]) -> dict[str, list[float]]:
+    """Each series' shares largest first: the prediction is per ps-lite server rank, the
+    measurement per role, and the two are not the same numbering (``testkit.server_load``)."""
+    servers = result["servers"]
+    predicted = result.get("predicted_params_by_rank") or [s["predicted_params"] for s in servers]  # older files
+    return {"params (MXNet rule)": ranked(shares(predicted)),
+            "received (ss)": ranked(shares([s["received_bytes"] for s in servers])),
+            "sent (ss)": ranked(shares([s["sent_bytes"] for s in servers]))}
+
+
 def plot(path: str, result: dict[str, Any]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    servers = [s["server"] for s in result["servers"]]
-    series = [("params (MXNet rule)", "predicted_param_share"), ("received (ss)", "received_share"),
-              ("sent (ss)", "sent_share")]
+    series = ranked_shares(result)
+    n = len(result["servers"])
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(series)
-    for i, (label, key) in enumerate(series):
-        ax.bar([x + i * width for x in range(len(servers))], [s[key] for s in result["servers"]], width, label=label)
-    mean = 1 / len(servers)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(n)], values, width, label=label)
+    mean = 1 / n
     ax.axhline(mean, color="grey", lw=1, ls=":", label="mean")
     ax.axhline(1.5 * mean, color="red", lw=1, ls="--", label="goal: ≤ 1.5 × mean")
-    ax.set_xticks([x + width for x in range(len(servers))], servers)
+    ax.set_xticks([x + width for x in range(n)], [f"server #{i + 1}" for i in range(n)])
+    ax.set_xlabel("servers, largest share first")
     ax.set_ylabel("share")
-    ax.set_title(f"{result['params'] / 1e6:.1f} M parameters over {len(servers)} servers, "
-                 f"{result['workers']} workers")
+    ax.set_title(f"{result['params'] / 1e6:.1f} M parameters over {n} servers, {result['workers']} workers")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -154,9 +165,18 @@ def main() -> int:
     ap.add_argument("--kill-step", type=int, default=25, help="worker 1 is killed once after this global step")
     ap.add_argument("--bound", type=int, default=0, help="MXNET_KVSTORE_BIGARRAY_BOUND for the roles (0: MXNet's)")
     ap.add_argument("--timeout-s", type=float, default=3000.0)
+    # The loop runs ahead of MXNet's engine between loss read-backs (training.loop.step), so a
+    # worker can be silent for several steps; at ~30 s a step (100 M parameters on 2 shared
+    # cores) that outlasted the default 120 s and the supervisor restarted a healthy job.
+    ap.add_argument("--stall-timeout-s", type=float, default=1800.0, help="cluster.stall_timeout_s")
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--plot", help="write the per-server share plot (PNG) to this file")
+    ap.add_argument("--replot", help="only redraw --plot from this result file")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.replot) as fh:
+            plot(args.plot, json.load(fh))
+        return 0
     hidden = tuple(int(h) for h in args.hidden.split(","))
 
     from common.config import recipe
@@ -188,7 +208,8 @@ def main() -> int:
                 optim={"epochs": args.epochs, "optimizer": "sgd", "learning_rate": 0.01, "momentum": 0.9,
                        "batch_size": args.batch_size},
                 cluster={"num_workers": args.workers, "num_servers": args.servers, "kvstore": "dist_sync",
-                         "optimizer_on": "workers", "job_timeout_s": args.timeout_s},
+                         "optimizer_on": "workers", "job_timeout_s": args.timeout_s,
+                         "stall_timeout_s": args.stall_timeout_s},
                 checkpoint={"every_n_steps": args.every, "keep": 2})
             shards = storage.join(prefix, "shards")
             shard_dataset(cfg, shards)
@@ -223,14 +244,14 @@ def main() -> int:
     loads = [sampler.load.get(n) for n in names]
     received = [ld.received if ld else 0 for ld in loads]
     sent = [ld.sent if ld else 0 for ld in loads]
-    servers = [{"server": n, "predicted_params": p, "predicted_param_share": ps, "received_bytes": rx,
-                "received_share": rs, "sent_bytes": tx, "sent_share": ts,
+    servers = [{"server": n, "received_bytes": rx, "sent_bytes": tx,
                 "rss_at_join_mb": ld.rss_before(joined) / 1e6 if ld else None,
                 "rss_peak_mb": ld.rss_peak / 1e6 if ld else None,
                 "rss_growth_mb": (ld.rss_peak - ld.rss_before(joined)) / 1e6 if ld else None}
-               for n, p, ps, rx, rs, tx, ts, ld in zip(names, predicted, shares(predicted), received, shares(received),
-                                                      sent, shares(sent), loads)]
+               for n, rx, tx, ld in zip(names, received, sent, loads)]
     steps = int(metrics["global_step"])
+    # Steps the servers served: every attempt's, those recomputed after the resume included.
+    executed = sum(a.points[-1][1] - a.resumed_from for a in runs if a.points)
     planner_servers = servers_for(params, args.workers, rate * 8 / 1e9)
     planned_comm_s = args.workers * 2 * params * WIRE_BYTES / (args.servers * rate)
     result = {
@@ -247,16 +268,20 @@ def main() -> int:
             "planner": "none: infra.planning predicts no checkpoint time (the auto cadence measures it)"},
         "restore": {k: recovery[k] for k in ("detect", "teardown", "retry", "cluster_start", "restore",
                                              "first_step", "total", "resumed_from_step")},
-        "servers": servers,
+        "servers": servers,  # per role
+        "predicted_params_by_rank": predicted,  # per ps-lite server rank
         "param_imbalance_predicted": imbalance(predicted), "received_imbalance": imbalance(received),
         "sent_imbalance": imbalance(sent), "imbalance_goal": 1.5,
         "planner": {"loopback_bytes_per_s": rate, "servers_for": planner_servers, "comm_budget_s": COMM_BUDGET_S,
                     "share_per_server": 1 / args.servers,
                     "step_bytes_per_server": args.workers * 2 * params * WIRE_BYTES / args.servers,
-                    "measured_bytes_per_server_per_step": [(rx + tx) / max(steps, 1) for rx, tx in zip(received, sent)],
+                    "measured_bytes_per_server_per_step": [(rx + tx) / max(executed, 1)
+                                                           for rx, tx in zip(received, sent)],
+                    "steps_executed": executed,
                     "comm_s_per_step": planned_comm_s, "measured_step_s": step_s},
         "sampler_errors": sampler.errors,
     }
+    result["ranked_shares"] = ranked_shares(result)  # compared largest first
     print(json.dumps({k: v for k, v in result.items() if k != "checkpoint"} | {"checkpoint": {
         k: v for k, v in result["checkpoint"].items() if k != "saves"}}, indent=2))
     write_json(args.json, result)

@@ -9,7 +9,10 @@ part ``i`` on server ``i``. gluon's Trainer numbers the keys ``0, 1, …`` in th
 parameters (``training.loop.kvstore_sync.make_trainer`` gets ``net.collect_params()``, whose
 order is the network's: for the ``mlp``, each Dense layer's weight then bias). In ``dist_sync``
 every worker pushes every key's gradient and pulls it back each step, so a server's share of the
-traffic is its share of the values.
+traffic is its share of the values. "Server ``i``" is ps-lite's server rank, which the scheduler
+gives in the order the servers register, not the role's name: the role ``server-0`` may hold rank
+3's keys (seen in a 4-server job), so predicted and measured shares are compared as sorted lists
+(``ranked``), largest first.
 
 **Measurement** (``ServerSampler``). A thread that, while a local job runs, finds the servers'
 processes from the local cluster's process records (``home/clusters/*/procs/*/``; a restart in
@@ -74,6 +77,11 @@ def imbalance(values: Sequence[float]) -> float:
     """Largest ÷ mean (1.0 is even; the project's goal is ≤ 1.5)."""
     mean = sum(values) / len(values)
     return max(values) / mean if mean else float("inf")
+
+
+def ranked(values: Sequence[float]) -> list[float]:
+    """Largest first: how a prediction per ps-lite rank is compared with a measurement per role."""
+    return sorted(values, reverse=True)
 
 
 def shares(values: Sequence[float]) -> list[float]:

@@ -13,7 +13,7 @@ would hold 3.1 times the mean (the unit tests show the rule).
 import pytest
 
 from testkit.local_jobs import make_job, run_job, shard_digits
-from testkit.server_load import ServerSampler, imbalance, mlp_keys, server_elements, shares
+from testkit.server_load import ServerSampler, imbalance, mlp_keys, ranked, server_elements, shares
 
 pytestmark = pytest.mark.integration
 
@@ -36,8 +36,9 @@ def test_four_servers_each_carry_their_predicted_share_of_a_split_model(s3_serve
     predicted = shares(server_elements([size for _, size in mlp_keys(64, HIDDEN, 10)], SERVERS, BOUND))
     received = [sampler.load[f"server-{i}"].received for i in range(SERVERS)]
     sent = [sampler.load[f"server-{i}"].sent for i in range(SERVERS)]
-    # Pushes in, pulls out: every server's byte share within 3 points of its share of the values
-    # (message headers and the scheduler's control traffic are the rest).
+    # Pushes in, pulls out: the servers' byte shares within 2 points of their shares of the values
+    # (message headers and the scheduler's control traffic are the rest), compared largest first:
+    # the role server-i need not be ps-lite's server rank i.
     for got in (shares(received), shares(sent)):
-        assert max(abs(g - p) for g, p in zip(got, predicted)) < 0.03, (got, predicted)
+        assert max(abs(g - p) for g, p in zip(ranked(got), ranked(predicted))) < 0.02, (got, predicted)
     assert imbalance(received) <= 1.5 and imbalance(sent) <= 1.5
