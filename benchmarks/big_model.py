@@ -39,7 +39,8 @@ does say for this model is the server count (``servers_for``: a step's ``workers
 bytes within ``COMM_BUDGET_S`` on the instance's link), an even share per server
 (``step_bytes / servers``), and so a communication time ``workers · 2 · P · 4 / (servers ·
 link)``; that time is given here on the loopback rate measured on this machine (one 200 MB
-transfer), beside the measured step time.
+transfer), beside the measured communication: the job's step time minus the same MLP's compute
+step timed in this process without a kvstore (``--compute-only`` prints that alone).
 """
 from __future__ import annotations
 
@@ -96,6 +97,37 @@ def loopback_rate_bps(nbytes: int = 200_000_000) -> float:
         elapsed = time.monotonic() - started
     srv.close()
     return nbytes / elapsed
+
+
+def compute_step_s(hidden: tuple[int, ...], batch: int, steps: int = 5) -> float:
+    """Seconds per step of the same MLP in this process with no kvstore (forward, backward, SGD
+    update, one thread as a role has): the step's compute, so that the job's step time minus it
+    is the communication the planner's figure stands beside."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MXNET_CPU_WORKER_NTHREADS", "1")
+    from common.mx import import_mxnet
+
+    mx = import_mxnet()
+    net = mx.gluon.nn.HybridSequential()
+    for width in hidden:
+        net.add(mx.gluon.nn.Dense(width, activation="relu"))
+    net.add(mx.gluon.nn.Dense(CLASSES))
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    trainer = mx.gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9}, kvstore=None)
+    loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+    x = mx.nd.random.uniform(shape=(batch, FEATURES))
+    y = mx.nd.array([i % CLASSES for i in range(batch)])
+    times = []
+    for _ in range(steps + 1):  # the first builds the graph
+        t0 = time.monotonic()
+        with mx.autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        trainer.step(batch)
+        loss.mean().asscalar()
+        times.append(time.monotonic() - t0)
+    return statistics.median(times[1:])
 
 
 def blocked_share(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -172,12 +204,16 @@ def main() -> int:
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--plot", help="write the per-server share plot (PNG) to this file")
     ap.add_argument("--replot", help="only redraw --plot from this result file")
+    ap.add_argument("--compute-only", action="store_true", help="only time the model's compute per step")
     args = ap.parse_args()
+    hidden = tuple(int(h) for h in args.hidden.split(","))
+    if args.compute_only:
+        print(json.dumps({"compute_step_s": compute_step_s(hidden, args.batch_size), "load_avg": os.getloadavg()}))
+        return 0
     if args.replot:
         with open(args.replot) as fh:
             plot(args.plot, json.load(fh))
         return 0
-    hidden = tuple(int(h) for h in args.hidden.split(","))
 
     from common.config import recipe
     from data_checks.shard import shard_dataset
@@ -190,6 +226,7 @@ def main() -> int:
     bound = args.bound or DEFAULT_BIGARRAY_BOUND
     predicted = server_elements([size for _, size in keys], args.servers, bound)
     rate = loopback_rate_bps()
+    compute_s = compute_step_s(hidden, args.batch_size)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="mxpipe-bigmodel-") as tmp:
         cfg_stack = StackConfig.with_free_ports(tmp)
@@ -237,21 +274,36 @@ def main() -> int:
     saves = p2.pop("saves")
     runs = attempts(events)
     step_s = statistics.median([r for a in runs if (r := a.seconds_per_step()) is not None])
-    # Server memory from the moment worker-0 joined ps-lite (the servers have imported mxnet by
-    # then: their rendezvous runs inside that import), so the growth is the keys and buffers.
-    joined = first_event(events, role_event(WorkerStarted, LEAD), 0.0)["t"]
+    # Per attempt: a restart in place starts new servers, which ps-lite ranks anew (in one
+    # 100 M run the role holding rank 0's keys changed between attempts), so shares are taken
+    # over one attempt's servers: the one that moved the most bytes.
     names = [f"server-{i}" for i in range(args.servers)]
-    loads = [sampler.load.get(n) for n in names]
-    received = [ld.received if ld else 0 for ld in loads]
-    sent = [ld.sent if ld else 0 for ld in loads]
-    servers = [{"server": n, "received_bytes": rx, "sent_bytes": tx,
-                "rss_at_join_mb": ld.rss_before(joined) / 1e6 if ld else None,
-                "rss_peak_mb": ld.rss_peak / 1e6 if ld else None,
-                "rss_growth_mb": (ld.rss_peak - ld.rss_before(joined)) / 1e6 if ld else None}
-               for n, rx, tx, ld in zip(names, received, sent, loads)]
+    per_attempt = []
+    for att in sampler.attempts():
+        rx = [att[n].received if n in att else 0 for n in names]
+        tx = [att[n].sent if n in att else 0 for n in names]
+        per_attempt.append({"received_bytes": rx, "sent_bytes": tx, "received_imbalance": imbalance(rx),
+                            "sent_imbalance": imbalance(tx), "ranked_received_share": ranked(shares(rx)),
+                            "ranked_sent_share": ranked(shares(tx))})
+    main_i = max(range(len(per_attempt)), key=lambda i: sum(per_attempt[i]["received_bytes"]))
+    att = sampler.attempts()[main_i]
+    servers = []
+    for n in names:
+        ld = att.get(n)
+        # Memory from the moment worker-0 joined ps-lite in that attempt (the servers have
+        # imported mxnet by then: their rendezvous runs inside that import): keys and buffers.
+        joined = first_event(events, role_event(WorkerStarted, LEAD), ld.rss[0][0])["t"] if ld and ld.rss else None
+        servers.append({"server": n, "received_bytes": ld.received if ld else 0, "sent_bytes": ld.sent if ld else 0,
+                        "rss_at_join_mb": ld.rss_before(joined) / 1e6 if joined else None,
+                        "rss_peak_mb": ld.rss_peak / 1e6 if ld else None,
+                        "rss_growth_mb": (ld.rss_peak - ld.rss_before(joined)) / 1e6 if joined else None})
+    received = [x["received_bytes"] for x in servers]
+    sent = [x["sent_bytes"] for x in servers]
     steps = int(metrics["global_step"])
-    # Steps the servers served: every attempt's, those recomputed after the resume included.
-    executed = sum(a.points[-1][1] - a.resumed_from for a in runs if a.points)
+    # Steps the main attempt's servers served (the sampler's attempts and the timeline's are
+    # the same rounds in the same order).
+    executed = (runs[main_i].points[-1][1] - runs[main_i].resumed_from
+                if len(runs) == len(per_attempt) and runs[main_i].points else None)
     planner_servers = servers_for(params, args.workers, rate * 8 / 1e9)
     planned_comm_s = args.workers * 2 * params * WIRE_BYTES / (args.servers * rate)
     result = {
@@ -268,17 +320,20 @@ def main() -> int:
             "planner": "none: infra.planning predicts no checkpoint time (the auto cadence measures it)"},
         "restore": {k: recovery[k] for k in ("detect", "teardown", "retry", "cluster_start", "restore",
                                              "first_step", "total", "resumed_from_step")},
-        "servers": servers,  # per role
+        "servers": servers,  # per role, in the attempt that moved the most bytes
+        "traffic_attempt": main_i, "attempts_traffic": per_attempt,
         "predicted_params_by_rank": predicted,  # per ps-lite server rank
         "param_imbalance_predicted": imbalance(predicted), "received_imbalance": imbalance(received),
         "sent_imbalance": imbalance(sent), "imbalance_goal": 1.5,
         "planner": {"loopback_bytes_per_s": rate, "servers_for": planner_servers, "comm_budget_s": COMM_BUDGET_S,
                     "share_per_server": 1 / args.servers,
                     "step_bytes_per_server": args.workers * 2 * params * WIRE_BYTES / args.servers,
-                    "measured_bytes_per_server_per_step": [(rx + tx) / max(executed, 1)
-                                                           for rx, tx in zip(received, sent)],
+                    "measured_bytes_per_server_per_step": [(rx + tx) / executed for rx, tx in zip(received, sent)]
+                    if executed else None,
                     "steps_executed": executed,
-                    "comm_s_per_step": planned_comm_s, "measured_step_s": step_s},
+                    "comm_s_per_step": planned_comm_s, "measured_step_s": step_s,
+                    "compute_step_s": compute_s, "measured_comm_s_per_step": step_s - compute_s,
+                    "measured_over_planned_comm": (step_s - compute_s) / planned_comm_s},
         "sampler_errors": sampler.errors,
     }
     result["ranked_shares"] = ranked_shares(result)  # compared largest first

@@ -142,7 +142,10 @@ class ServerSampler:
 
     def __init__(self, home: str, every_s: float = 1.0) -> None:
         self.home, self.every_s = home, every_s
-        self.load: dict[str, ServerLoad] = {}
+        # (attempt, role name) → its load: a restart in place starts new servers, which ps-lite
+        # ranks anew (the role holding rank 0's keys changed between attempts in the 100 M run),
+        # so shares are per attempt.
+        self.load: dict[tuple[str, str], ServerLoad] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="server-sampler", daemon=True)
         self.errors: list[str] = []
@@ -155,23 +158,23 @@ class ServerSampler:
         self._stop.set()
         self._thread.join(60)
 
-    def servers(self) -> dict[int, str]:
-        """pid → role name of every server process (leaders and their group) running now."""
-        out: dict[int, str] = {}
+    def servers(self) -> dict[int, tuple[str, str]]:
+        """pid → (attempt, role name) of every server process (leaders and their group) running now."""
+        out: dict[int, tuple[str, str]] = {}
         clusters = os.path.join(self.home, "clusters")
         for cluster in os.listdir(clusters) if os.path.isdir(clusters) else []:
             procs = os.path.join(clusters, cluster, "procs")
             for attempt in os.listdir(procs) if os.path.isdir(procs) else []:
                 for rec in load_records(os.path.join(procs, attempt)):
                     if rec.name.startswith("server-") and rec.is_running():
-                        out.update({pid: rec.name for pid in [rec.pid, *rec.processes()]})
+                        out.update({pid: (attempt, rec.name) for pid in [rec.pid, *rec.processes()]})
         return out
 
     def sample(self) -> None:
         servers = self.servers()
         if not servers:
             return
-        rss: dict[str, int] = {}
+        rss: dict[tuple[str, str], int] = {}
         for pid, name in servers.items():
             try:
                 rss[name] = rss.get(name, 0) + psutil.Process(pid).memory_info().rss
@@ -185,6 +188,13 @@ class ServerSampler:
             load = self.load.setdefault(servers[pid], ServerLoad())
             old = load.sockets.get((pid, local, peer), (0, 0))
             load.sockets[(pid, local, peer)] = (max(old[0], rx), max(old[1], tx))
+
+    def attempts(self) -> list[dict[str, ServerLoad]]:
+        """Each attempt's servers (role name → load), in the order the attempts started."""
+        out: dict[str, dict[str, ServerLoad]] = {}
+        for (attempt, name), load in self.load.items():
+            out.setdefault(attempt, {})[name] = load
+        return [out[a] for a in sorted(out)]
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):

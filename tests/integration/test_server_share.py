@@ -34,8 +34,9 @@ def test_four_servers_each_carry_their_predicted_share_of_a_split_model(s3_serve
     assert sorted(r for r in roles if r.startswith("server-")) == [f"server-{i}" for i in range(SERVERS)]
     assert not sampler.errors
     predicted = shares(server_elements([size for _, size in mlp_keys(64, HIDDEN, 10)], SERVERS, BOUND))
-    received = [sampler.load[f"server-{i}"].received for i in range(SERVERS)]
-    sent = [sampler.load[f"server-{i}"].sent for i in range(SERVERS)]
+    (servers,) = sampler.attempts()  # one attempt: no failure
+    received = [servers[f"server-{i}"].received for i in range(SERVERS)]
+    sent = [servers[f"server-{i}"].sent for i in range(SERVERS)]
     # Pushes in, pulls out: the servers' byte shares within 2 points of their shares of the values
     # (message headers and the scheduler's control traffic are the rest), compared largest first:
     # the role server-i need not be ps-lite's server rank i.
