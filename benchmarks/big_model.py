@@ -25,7 +25,7 @@ Every timing comes from the supervisor's typed event log (``MXPIPE_EVENTS_FILE``
   recovery (kill → first step after the resume);
 - P2, the share of the loop blocked by checkpointing: the sum of the commits' ``blocked_s`` (the
   snapshot, any wait for the upload in flight) over the loop's wall time, per attempt from
-  worker-0's first step mark to its last step mark or commit (as ``checkpoint_overhead.py``
+  worker-0's first step mark to its last step mark or rank 0's last commit (as ``checkpoint_overhead.py``
   defines it: steady state; the one-off wait for the last upload at the job's end is not an event
   and is left out, as there).
 
@@ -140,7 +140,8 @@ def blocked_share(events: list[dict[str, Any]]) -> dict[str, Any]:
         start = a.points[0][0]
         end = a.points[-1][0]
         for ev in events:
-            if a.start <= ev["t"] <= a.end and ev.get("role") == LEAD:
+            # Any worker's: only kvstore rank 0 writes, and ps-lite may give rank 0 to worker-1.
+            if a.start <= ev["t"] <= a.end and str(ev.get("role", "")).startswith("worker-"):
                 got = role_event_of(ev)
                 if isinstance(got, CheckpointCommitted) and ev["t"] >= start:
                     end = max(end, ev["t"])
