@@ -109,6 +109,15 @@ class CheckpointCommitted(_Event):
     kind: Literal["checkpoint_committed"] = "checkpoint_committed"
     step: int
     uri: str
+    # What the save cost, as its writer measured it (None from a writer that does not say: an
+    # older role's line, a store used outside the training loop). ``bytes``: the files committed.
+    # ``upload_s``: serialising, hashing, putting and committing them (in the background when
+    # the upload is asynchronous). ``blocked_s``: the training loop's time on this save (the
+    # snapshot, a wait for the previous upload, and the whole upload when it is synchronous):
+    # what P2 divides by the loop's wall time.
+    bytes: int | None = None
+    upload_s: float | None = None
+    blocked_s: float | None = None
 
 
 class Resumed(_Event):

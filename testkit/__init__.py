@@ -28,6 +28,8 @@ import every package of the project. What it holds:
 - ``result_file``: the ``--json`` result file of a benchmark script;
 - ``metadata_server`` / ``spot_runs``: a fake EC2 instance metadata service (IMDSv2) whose spot
   interruption notice a test switches on, and a real job that gets the notice mid-training;
+- ``server_load``: each parameter server's share of a model by MXNet's key assignment, and its
+  measured traffic (``ss``) and memory while a local job runs (``benchmarks/big_model.py``);
 - ``waits``: waiting on a condition with a bound (never a fixed sleep and one read);
 - ``tiny_model``: a tiny Gluon MLP trained in seconds and exported as the trainer exports (registry,
   review and scoring tests, the batch-scoring benchmark).

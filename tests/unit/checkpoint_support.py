@@ -22,9 +22,9 @@ def hold_uploads(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> thr
     gate = threading.Event()
     real_save = store.save
 
-    def slow_save(step, files, state):
+    def slow_save(step, files, state, **timing):
         gate.wait(10)
-        return real_save(step, files, state)
+        return real_save(step, files, state, **timing)
 
     monkeypatch.setattr(store, "save", slow_save)
     return gate

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from common.config import CheckpointConfig
+from common.events import CheckpointCommitted, parse_event
 from tests.unit.checkpoint_support import hold_uploads, snapshot_at
 from training.checkpoint.manager import CheckpointManager
 from training.checkpoint.state import Snapshot
@@ -115,3 +116,39 @@ def test_other_ranks_save_nothing_but_keep_the_cadence(tmp_path, caplog):
     assert "SIGTERM on worker 1 at step 6: exiting (only rank 0 writes checkpoints)" in caplog.text
     assert m.finish(6) is None and m.stats is None
     assert snapshots.taken == [] and CheckpointStore(str(tmp_path)).steps() == []
+
+
+def _commits(caplog) -> dict[int, CheckpointCommitted]:
+    events = [parse_event(r.getMessage()) for r in caplog.records if r.name == "events"]
+    return {e.step: e for e in events if isinstance(e, CheckpointCommitted)}
+
+
+def test_each_commit_event_says_what_the_save_blocked_the_loop_and_how_long_it_uploaded(tmp_path, monkeypatch,
+                                                                                       caplog):
+    """A reader of the event log (benchmarks/big_model.py) gets the loop's blocked time per save
+    from the typed event: in the background an upload held 0.3 s is upload time, not blocked time;
+    the next save that must wait for it is blocked that long."""
+    caplog.set_level(logging.INFO, logger="events")
+    store = CheckpointStore(str(tmp_path), keep=5)
+    gate = hold_uploads(store, monkeypatch)
+    m = CheckpointManager(store, CheckpointConfig(every_n_steps=10), 100, Snapshots())
+    assert m.save(10, must=False)
+    threading.Timer(0.3, gate.set).start()
+    assert m.save(30, must=True)  # waits for step 10's upload
+    m.finish(30)
+    got = _commits(caplog)
+    assert got[10].upload_s >= 0.25 and got[10].blocked_s < 0.2 and got[10].bytes > 0
+    assert got[30].blocked_s >= 0.2 and got[30].upload_s < 0.25
+    # Together they account for the loop's steady-state blocked time (finish's own wait apart).
+    assert got[10].blocked_s + got[30].blocked_s <= m.stats.blocked_s
+
+
+def test_a_synchronous_commit_event_counts_the_upload_as_blocked(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="events")
+    store = CheckpointStore(str(tmp_path))
+    gate = hold_uploads(store, monkeypatch)
+    m = CheckpointManager(store, CheckpointConfig(async_upload=False), 100, Snapshots())
+    threading.Timer(0.2, gate.set).start()
+    assert m.save(5, must=False)
+    got = _commits(caplog)[5]
+    assert got.upload_s >= 0.15 and got.blocked_s >= got.upload_s

@@ -245,6 +245,7 @@ CHECKOUT_FORBIDDEN: dict[str, frozenset[str]] = {
 BENCHMARK_TESTS: dict[str, frozenset[str]] = {
     "tests/unit/test_benchmark_report.py": frozenset({"benchmarks.run"}),
     "tests/unit/test_goodput.py": frozenset({"benchmarks.goodput"}),
+    "tests/unit/test_big_model_bench.py": frozenset({"benchmarks.big_model"}),
 }
 
 

@@ -91,7 +91,7 @@ class CheckpointManager:
         step_s = None
         if not must and self._last_save_step is not None and global_step > self._last_save_step:
             step_s = (started - self._last_save) / (global_step - self._last_save_step)
-        self._uploader.submit(self._snapshot(global_step), deadline=deadline)
+        self._uploader.submit(self._snapshot(global_step), deadline=deadline, blocked_since=started)
         self._last_save = time.monotonic()
         self._last_save_step = global_step
         self.stats.blocked_s += self._last_save - started

@@ -49,7 +49,7 @@ from common.events import CheckpointCommitted, emit
 from training.checkpoint.crypto import CheckpointKeyError, Envelope
 
 __all__ = ["Checkpoint", "CheckpointKeyError", "CheckpointStore", "CommitTooLate", "CorruptCheckpoint", "KEEP_STEP",
-           "MANIFEST", "StepTaken", "store_for"]
+           "MANIFEST", "SaveTiming", "StepTaken", "store_for"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,24 @@ class StepTaken(DeterministicError, ValueError):
 
 
 @dataclass(frozen=True)
+class SaveTiming:
+    """When the writer's work on one save began (``time.monotonic``), for the durations its
+    ``CheckpointCommitted`` event reports (``training.checkpoint.uploader`` makes it).
+
+    ``began``: the upload began (serialising included). The loop's blocked time is either known
+    when the upload begins (``blocked_s``: in the background, the loop went on at that moment) or
+    still running (``blocked_since``: a synchronous write blocks the loop until it returns)."""
+
+    began: float
+    blocked_s: float | None = None
+    blocked_since: float | None = None
+
+    def costs(self, now: float) -> dict[str, float | None]:
+        blocked = self.blocked_s if self.blocked_since is None else now - self.blocked_since
+        return {"upload_s": now - self.began, "blocked_s": blocked}
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     step: int
     uri: str
@@ -107,9 +125,11 @@ class CheckpointStore:
     def step_uri(self, step: int) -> str:
         return storage.join(self.prefix, f"step-{step:08d}")
 
-    def save(self, step: int, files: dict[str, bytes], state: dict[str, Any]) -> str:
+    def save(self, step: int, files: dict[str, bytes], state: dict[str, Any], *,
+             timing: SaveTiming | None = None) -> str:
         """Write the files and the state under a new attempt folder, then commit them with the
-        manifest; prune old ones. If the step is already committed, that checkpoint stays."""
+        manifest; prune old ones. If the step is already committed, that checkpoint stays.
+        ``timing``: what the commit event reports the save cost (none without it)."""
         base = self.step_uri(step)
         attempt = uuid.uuid4().hex[:16]
         payload = dict(files)
@@ -150,7 +170,9 @@ class CheckpointStore:
             log.info("checkpoint step %d was already committed by another attempt; keeping it", step)
             return base
         log.info("checkpoint committed: step %d at %s/%s", step, base, attempt)
-        emit(CheckpointCommitted(step=step, uri=f"{base}/{attempt}"))
+        costs = timing.costs(time.monotonic()) if timing is not None else {}
+        emit(CheckpointCommitted(step=step, uri=f"{base}/{attempt}", bytes=sum(len(d) for d in payload.values()),
+                                 **costs))
         self.prune(pinned=state.get(KEEP_STEP))
         return base
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common import storage
-from training.checkpoint.store import CheckpointStore
+from training.checkpoint.store import CheckpointStore, SaveTiming
 from training.checkpoint.state import Snapshot
 
 log = logging.getLogger(__name__)
@@ -63,15 +63,20 @@ class CheckpointUploader:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, snap: Snapshot, *, deadline: float | None = None) -> None:
-        """Write ``snap`` (in the background when asynchronous), after the upload in flight if any."""
+    def submit(self, snap: Snapshot, *, deadline: float | None = None, blocked_since: float | None = None) -> None:
+        """Write ``snap`` (in the background when asynchronous), after the upload in flight if any.
+        ``blocked_since``: when the loop began this save (before its snapshot; default now), for
+        the blocked time its commit event reports."""
+        blocked_since = time.monotonic() if blocked_since is None else blocked_since
         if self.busy:
             self.stats.waited += 1
             self.wait(deadline)
         if not self.asynchronous:
-            self._write(snap, deadline)
+            self._write(snap, deadline, SaveTiming(began=time.monotonic(), blocked_since=blocked_since))
             return
-        self._thread = threading.Thread(target=self._write, args=(snap, deadline), name=f"ckpt-{snap.step}",
+        began = time.monotonic()  # the loop goes on from here
+        timing = SaveTiming(began=began, blocked_s=began - blocked_since)
+        self._thread = threading.Thread(target=self._write, args=(snap, deadline, timing), name=f"ckpt-{snap.step}",
                                         daemon=True)
         self._thread.start()
 
@@ -87,7 +92,7 @@ class CheckpointUploader:
         if not self.wait(deadline):
             log.error("checkpoint upload still running at exit; the newest committed checkpoint stands")
 
-    def _write(self, snap: Snapshot, deadline: float | None) -> None:
+    def _write(self, snap: Snapshot, deadline: float | None, timing: SaveTiming) -> None:
         started = time.monotonic()
         give_up = started + self.upload_timeout_s
         if deadline is not None:
@@ -102,7 +107,7 @@ class CheckpointUploader:
         while True:
             try:
                 with storage.fail_fast():
-                    self.store.save(snap.step, files, snap.state)
+                    self.store.save(snap.step, files, snap.state, timing=timing)
                 self.stats.committed += 1
                 self.stats.bytes += sum(len(d) for d in files.values())
                 self.stats.steps.append(snap.step)
