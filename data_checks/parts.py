@@ -419,87 +419,112 @@ def merge(cfg: TrainConfig, plan_uri: str) -> dict[str, Any]:
         storage.delete_prefix(doc["work"])
         return done
     state = _state(cfg, doc)
-    splan = _source(doc)
-    params = sharding_params(cfg)
-    progress = _Progress(splan.total_bytes)
-    progress.add_bytes(splan.total_bytes)
-    regression = cfg.model.task == "regression"
-    layout = Layout(**doc["layout"])
-    names, n_train = _names(cfg), cfg.num_train_shards
-    nf, width = len(layout.feature_columns), len(layout.feature_columns) + len(layout.target_columns)
-    n_parts = len(doc["parts"])
-    summaries = [_load(_uri(doc, f"part-{k:05d}.json")) for k in range(n_parts)]
     if state.rows == 0:
         raise DataError(f"source dataset has no rows (header only): {doc['spec']}")
-    carried = [_get_npz(_uri(doc, f"carried-{k:05d}.npz")) for k in range(n_parts)]
-    aside = {int(h): (z["payload"][i], int(z["classes"][i]), int(z["ids"][i]))
-             for z in carried for i, h in enumerate(z["handles"])}
-    # Classes of under 3 rows: all train, dealt after every other row, in row order (Assigner.finish).
-    tail_assigner = _assigner(cfg, state.values)
-    small = {c for c, n in state.totals.items() if n < 3}
-    tail_assigner.resume({}, {c: sorted(h for h, v in aside.items() if v[1] == c) for c in small},
-                         state.trained[-1])
-    tail, _, tail_shard = tail_assigner.finish()
+    splan = _source(doc)
+    layout = Layout(**doc["layout"])
+    regression = cfg.model.task == "regression"
+    names, n_train = _names(cfg), cfg.num_train_shards
+    summaries = [_load(_uri(doc, f"part-{k:05d}.json")) for k in range(len(doc["parts"]))]
+    aside = _carried(doc, len(summaries))
+    tail, tail_shard = _tail(cfg, state, aside)
     counts = [sum(s["pieces"][name]["emitted"] for s in summaries) + int((tail_shard == d).sum())
               for d, name in enumerate(names)]
     _check_counts(counts, [] if regression else state.values, doc["spec"], n_train, regression)
-    prep = None
-    if preprocess.needed(cfg.data, layout):
-        merged = preprocess.merge_partials([{**s["partial"], "values": _get_npz(_uri(doc, f"values-{k:05d}.npz"))}
-                                            for k, s in enumerate(summaries)])
-        prep = preprocess.fit_from_partial(merged, layout, state.codes, cfg.data)
-        if layout.target_columns and cfg.data.standardize:
-            moments: list[preprocess.Moments] = [(0, 0, 0, 0)] * len(layout.target_columns)
-            for s in summaries:
-                moments = [preprocess.add_moments(a, b) for a, b in zip(moments, s["targets"])]
-            prep["targets"] = preprocess.targets_record(moments, list(layout.target_columns))
-    slots = preprocess.category_slots(prep, state.codes) if prep else {}
+    prep = _fit_preprocessing(cfg, doc, layout, state, summaries)
     imputed: dict[str, dict[str, int]] = {}
-    entries = []
     with tempfile.TemporaryDirectory(prefix="merge-") as tmp:
-        for d, name in enumerate(names):
-            split = "train" if name.startswith("train") else name
-            idx, rec = os.path.join(tmp, f"{name}.idx"), os.path.join(tmp, f"{name}.rec")
-            hist: dict[int, int] = {}
-
-            def emit(X: np.ndarray, labels: np.ndarray, row_ids: np.ndarray, hashes: np.ndarray) -> None:
-                if prep is not None:
-                    Xt, got = preprocess.transform(prep, X[:, :nf], slots)
-                    for col, c in got.items():
-                        imputed.setdefault(split, {})[col] = imputed.get(split, {}).get(col, 0) + c
-                    X = np.hstack([Xt, X[:, nf:]]) if width > nf else Xt
-                for c, n in zip(*np.unique(labels, return_counts=True)):
-                    hist[int(c)] = hist.get(int(c), 0) + int(n)
-                writer.write_batch(X, labels, row_ids, hashes)
-
-            with record_codec.RecordWriter(idx, rec) as writer:
-                for k, s in enumerate(summaries):
-                    _assemble(doc, k, name, s["pieces"][name], aside, width, cfg.data.chunk_rows, tmp, emit)
-                mine = tail[tail_shard == d]
-                if len(mine):
-                    emit(np.stack([aside[int(h)][0] for h in mine]), np.array([aside[int(h)][1] for h in mine]),
-                         mine, np.array([aside[int(h)][2] for h in mine], np.uint64))
-            files = {}
-            for kind, path in (("rec", rec), ("idx", idx)):
-                storage.upload_file(path, storage.join(doc["prefix"], os.path.basename(path)))
-                files[kind] = {"name": os.path.basename(path), "bytes": os.path.getsize(path),
-                               "sha256": storage.sha256_file(path)}
-                os.unlink(path)
-            entries.append({"name": name, "split": split, "count": counts[d],
-                            "label_histogram": {str(c): hist[c] for c in sorted(hist)}, "files": files})
+        entries = [_write_shard(cfg, doc, layout, d, name, counts[d], summaries, aside, tail[tail_shard == d], prep,
+                                state, imputed, tmp)
+                   for d, name in enumerate(names)]
     if prep is not None:
         prep["imputed"] = imputed
         if imputed:
             log.info("imputed missing values (train medians / most frequent values): %s", imputed)
+    progress = _Progress(splan.total_bytes)
+    progress.add_bytes(splan.total_bytes)
     reader = SimpleNamespace(layout=layout, rows=state.rows, files_read=_files_read(splan, summaries),
                              id_column=layout.id_column)
     block = SplitBlock.from_fractions(cfg.data.val_fraction, cfg.data.test_fraction)
-    manifest = _manifest(splan, cfg, params, doc["fingerprint"], reader, prep, [] if regression else state.values,
-                         entries, block, progress)
-    manifest = json.loads(to_json_bytes(manifest))
-    committed = _commit(manifest, doc["prefix"])
+    manifest = _manifest(splan, cfg, sharding_params(cfg), doc["fingerprint"], reader, prep,
+                         [] if regression else state.values, entries, block, progress)
+    committed = _commit(json.loads(to_json_bytes(manifest)), doc["prefix"])
     storage.delete_prefix(doc["work"])
     return committed
+
+
+def _carried(doc: dict[str, Any], n_parts: int) -> dict[int, tuple[np.ndarray, int, int]]:
+    """The rows every part set aside (their place was decided by a later part), by handle:
+    ``(payload, class id, id hash)``."""
+    carried = [_get_npz(_uri(doc, f"carried-{k:05d}.npz")) for k in range(n_parts)]
+    return {int(h): (z["payload"][i], int(z["classes"][i]), int(z["ids"][i]))
+            for z in carried for i, h in enumerate(z["handles"])}
+
+
+def _tail(cfg: TrainConfig, state: _State, aside: dict[int, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Classes of under 3 rows: all train, dealt after every other row, in row order
+    (``Assigner.finish``); their handles and the shard each goes to."""
+    assigner = _assigner(cfg, state.values)
+    small = {c for c, n in state.totals.items() if n < 3}
+    assigner.resume({}, {c: sorted(h for h, v in aside.items() if v[1] == c) for c in small}, state.trained[-1])
+    tail, _, tail_shard = assigner.finish()
+    return tail, tail_shard
+
+
+def _fit_preprocessing(cfg: TrainConfig, doc: dict[str, Any], layout: Layout, state: _State,
+                       summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The preprocessing record fitted from the parts' partial statistics (exact sums, so the
+    record does not depend on how the source was cut), or None when the data needs none."""
+    if not preprocess.needed(cfg.data, layout):
+        return None
+    merged = preprocess.merge_partials([{**s["partial"], "values": _get_npz(_uri(doc, f"values-{k:05d}.npz"))}
+                                        for k, s in enumerate(summaries)])
+    prep = preprocess.fit_from_partial(merged, layout, state.codes, cfg.data)
+    if layout.target_columns and cfg.data.standardize:
+        moments: list[preprocess.Moments] = [(0, 0, 0, 0)] * len(layout.target_columns)
+        for s in summaries:
+            moments = [preprocess.add_moments(a, b) for a, b in zip(moments, s["targets"])]
+        prep["targets"] = preprocess.targets_record(moments, list(layout.target_columns))
+    return prep
+
+
+def _write_shard(cfg: TrainConfig, doc: dict[str, Any], layout: Layout, d: int, name: str, count: int,
+                 summaries: list[dict[str, Any]], aside: dict[int, Any], tail: np.ndarray, prep: dict[str, Any] | None,
+                 state: _State, imputed: dict[str, dict[str, int]], tmp: str) -> dict[str, Any]:
+    """Shard ``name``: every part's piece in part order, then its tail rows, preprocessed and
+    written as one record file, uploaded; its manifest entry. Counts of imputed values are added
+    to ``imputed`` by split."""
+    split = "train" if name.startswith("train") else name
+    nf = len(layout.feature_columns)
+    width = nf + len(layout.target_columns)
+    slots = preprocess.category_slots(prep, state.codes) if prep else {}
+    idx, rec = os.path.join(tmp, f"{name}.idx"), os.path.join(tmp, f"{name}.rec")
+    hist: dict[int, int] = {}
+
+    def emit(X: np.ndarray, labels: np.ndarray, row_ids: np.ndarray, hashes: np.ndarray) -> None:
+        if prep is not None:
+            Xt, got = preprocess.transform(prep, X[:, :nf], slots)
+            for col, c in got.items():
+                imputed.setdefault(split, {})[col] = imputed.get(split, {}).get(col, 0) + c
+            X = np.hstack([Xt, X[:, nf:]]) if width > nf else Xt
+        for c, n in zip(*np.unique(labels, return_counts=True)):
+            hist[int(c)] = hist.get(int(c), 0) + int(n)
+        writer.write_batch(X, labels, row_ids, hashes)
+
+    with record_codec.RecordWriter(idx, rec) as writer:
+        for k, s in enumerate(summaries):
+            _assemble(doc, k, name, s["pieces"][name], aside, width, cfg.data.chunk_rows, tmp, emit)
+        if len(tail):
+            emit(np.stack([aside[int(h)][0] for h in tail]), np.array([aside[int(h)][1] for h in tail]),
+                 tail, np.array([aside[int(h)][2] for h in tail], np.uint64))
+    files = {}
+    for kind, path in (("rec", rec), ("idx", idx)):
+        storage.upload_file(path, storage.join(doc["prefix"], os.path.basename(path)))
+        files[kind] = {"name": os.path.basename(path), "bytes": os.path.getsize(path),
+                       "sha256": storage.sha256_file(path)}
+        os.unlink(path)
+    return {"name": name, "split": split, "count": count,
+            "label_histogram": {str(c): hist[c] for c in sorted(hist)}, "files": files}
 
 
 def _assemble(doc: dict[str, Any], k: int, name: str, piece: dict[str, Any], aside: dict[int, Any], width: int,
