@@ -140,7 +140,12 @@ def _model_inputs(target: Mapping[str, Any]) -> list[Any]:
 
 
 def check(target: Mapping[str, Any]) -> dict[str, Any]:
-    """The drift check over the whole input, and the parts to map over (with their first row)."""
+    """The drift check over the whole input, and the parts to map over (with their first row).
+
+    This pass reads the whole input, and ``score_part`` reads it again: a mismatch must fail
+    before any part is scored, and drift in a part a sample skipped would go unseen. The pass
+    keeps only a one-row-per-column profile and the row counts, so the second read costs I/O,
+    not memory."""
     from data_checks.score_checks import check_drift, profile
     from data_checks.score_input import InputPlan, parts, read_rows
 
