@@ -79,3 +79,16 @@ def test_every_benchmark_script_imports():
         except Exception as exc:  # noqa: BLE001 - every failure is reported at once
             broken[path.name] = f"{type(exc).__name__}: {exc}"
     assert not broken, broken
+
+
+def test_the_report_renders_the_planners_predictions_beside_the_measurements():
+    # An N1 point at 50 Mbit/s measured at exactly the model's figure (worked out by hand in
+    # tests/unit/test_perf_model.py: 0.1935 s), one at 200 Mbit/s at twice it.
+    raw = {"workers": 2, "servers": 1, "hidden": [256, 256],
+           "sweep": [{"rate_mbit": 50.0, "measured_comm_s": 0.19347}, {"rate_mbit": 200.0, "measured_comm_s": 0.0847}]}
+    row = {"id": "N1", "measure": "m", "goal": "g", "figure": "f", "ratio": None, "met": None, "date": "d",
+           "command": "benchmarks/constrained_links.py --quick", "raw": raw}
+    block = run.table([row], "header")
+    assert "### Predicted vs measured" in block and block.index("Predicted") < block.index(run.END)
+    [line] = [ln for ln in block.splitlines() if "tbf at 50, 200 Mbit/s" in ln]
+    assert "| 1.00 / 2.00 |" in line and "**no**" in line
