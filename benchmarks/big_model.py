@@ -34,7 +34,8 @@ assignment (``MXNET_KVSTORE_BIGARRAY_BOUND``, ``--bound`` to change it), beside 
 measured TCP bytes received and sent (``ss``: psutil's I/O counters do not count socket I/O) and
 its RSS growth from worker-0's join on. The prediction is per ps-lite server rank and the
 measurement per role (ps-lite ranks servers in the order they register), so they are compared,
-and plotted, largest first. Planner (``infra.planning``): it predicts no speed and no checkpoint time; what it
+and plotted, largest first. The planner's time model (``infra.perf_model``: communication, save,
+restore) is put beside these figures by ``benchmarks/predicted.py``. Planner (``infra.planning``): what it
 does say for this model is the server count (``servers_for``: a step's ``workers · 2 · P · 4``
 bytes within ``COMM_BUDGET_S`` on the instance's link), an even share per server
 (``step_bytes / servers``), and so a communication time ``workers · 2 · P · 4 / (servers ·
@@ -318,7 +319,7 @@ def main() -> int:
             "save_upload_s_max": max(s["upload_s"] for s in saves) if saves else None,
             "blocked_s_per_save_median": statistics.median([s["blocked_s"] for s in saves]) if saves else None,
             **p2, "p2_goal": 0.01, "saves": saves,
-            "planner": "none: infra.planning predicts no checkpoint time (the auto cadence measures it)"},
+            "planner": "infra.perf_model.save_s / restore_s, beside these figures in benchmarks/predicted.py"},
         "restore": {k: recovery[k] for k in ("detect", "teardown", "retry", "cluster_start", "restore",
                                              "first_step", "total", "resumed_from_step")},
         "servers": servers,  # per role, in the attempt that moved the most bytes

@@ -99,11 +99,14 @@ RESTORE_LATENCY_S = 0.14
 # The data step (``data_checks.parts``), per MB of CSV source and per task, fitted on one part
 # of benchmarks/figures/mapped_shard-112mb.json (111.8 MB, 256 float32 columns): count 3.65 s,
 # shard 5.67 s, plan 1.25 s, merge 2.76 s of work; a task's start (interpreter, imports) is its
-# wall less its work, 1.0-1.2 s.
+# wall less its work, 1.0-1.2 s. Count and shard parse with pyarrow's CSV reader, which runs a
+# thread per core: the one part had the machine's SHARD_FIT_CORES cores, so a part with c cores
+# takes SHARD_FIT_CORES / c times as long per MB; the merge is taken as serial.
 SHARD_COUNT_S_PER_MB = 3.65 / 111.8
 SHARD_PART_S_PER_MB = 5.67 / 111.8
 SHARD_PLAN_S = 1.25
 SHARD_MERGE_S_PER_MB = 2.76 / 111.8
+SHARD_FIT_CORES = 2
 TASK_START_S = 1.1
 
 
@@ -222,9 +225,9 @@ def restore_s(nbytes: float, workers: int, cores: int, storage_procs: int = 0) -
     return max(RESTORE_LATENCY_S, cpu * fair_share(workers + storage_procs, cores))
 
 
-def shard_s(source_mb: float, parts: int, cores_per_part: float = 1.0) -> float:
-    """The data step with ``parts`` mapped parts, each a task with ``cores_per_part`` cores of its
-    own (on separate Airflow workers: 1; N parts on a C-core host: C / N): plan, the parts'
-    counts side by side, their shards side by side, then one merge over the whole source."""
-    per_part = source_mb / parts * (SHARD_COUNT_S_PER_MB + SHARD_PART_S_PER_MB) / min(1.0, cores_per_part)
-    return 4 * TASK_START_S + SHARD_PLAN_S + per_part + source_mb * SHARD_MERGE_S_PER_MB
+def shard_s(source_mb: float, parts: int, cores_per_part: float = SHARD_FIT_CORES) -> float:
+    """The data step with ``parts`` mapped parts, each a task with ``cores_per_part`` cores (its
+    own Airflow worker's; N parts side by side on a C-core host: C / N): plan, the parts' counts
+    side by side, their shards side by side, then one merge over the whole source."""
+    per_mb = (SHARD_COUNT_S_PER_MB + SHARD_PART_S_PER_MB) * SHARD_FIT_CORES / cores_per_part
+    return 4 * TASK_START_S + SHARD_PLAN_S + source_mb / parts * per_mb + source_mb * SHARD_MERGE_S_PER_MB

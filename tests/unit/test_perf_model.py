@@ -89,11 +89,13 @@ def test_checkpoint_size_save_and_restore():
 
 
 def test_sharding_time_with_mapped_parts():
-    # 111.8 MB: 4 task starts of 1.1 s, plan 1.25 s, count 3.65 s + shard 5.67 s split over the parts,
-    # merge 2.76 s.
+    # 111.8 MB: 4 task starts of 1.1 s, plan 1.25 s, count 3.65 s + shard 5.67 s on 2 cores split
+    # over the parts, merge 2.76 s.
     assert pm.shard_s(111.8, 1) == pytest.approx(4.4 + 1.25 + 9.32 + 2.76)
-    assert pm.shard_s(111.8, 2) == pytest.approx(4.4 + 1.25 + 9.32 / 2 + 2.76)
-    assert pm.shard_s(111.8, 2, cores_per_part=2 / 3) == pytest.approx(4.4 + 1.25 + 9.32 / 2 * 1.5 + 2.76)
+    assert pm.shard_s(111.8, 2) == pytest.approx(4.4 + 1.25 + 9.32 / 2 + 2.76)  # 2 workers of 2 cores
+    # Two parts side by side on one 2-core host: a core each, half the bytes each: no gain.
+    assert pm.shard_s(111.8, 2, cores_per_part=1) == pytest.approx(pm.shard_s(111.8, 1))
+    assert pm.shard_s(111.8, 4, cores_per_part=8) == pytest.approx(4.4 + 1.25 + 9.32 / 4 / 4 + 2.76)
 
 
 def test_bad_counts_are_refused():
