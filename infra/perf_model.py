@@ -213,16 +213,21 @@ def checkpoint_bytes(params: int, state_values: int, aux: int = 0) -> int:
 
 
 def save_s(nbytes: float, busy: float = 1.0, cores: int = 1) -> float:
-    """One checkpoint save (serialise, hash, put, commit) with ``busy`` processes on ``cores``."""
+    """One checkpoint save (serialise, hash, put, commit) with ``busy`` processes (or measured
+    runnable threads) wanting ``cores``."""
     return nbytes / SAVE_BYTES_PER_S * fair_share(busy, cores)
 
 
-def restore_s(nbytes: float, workers: int, cores: int, storage_procs: int = 0) -> float:
+def restore_s(nbytes: float, workers: int, cores: int, storage_procs: int = 0,
+              runnable: float | None = None) -> float:
     """Every worker reads, verifies and loads the checkpoint itself, at once: on one host of
     ``cores`` with ``storage_procs`` storage servers beside them (a local S3: 1) they share the
-    cores; alone (one worker per host: ``workers=1``) a restore is its own CPU or the latency."""
+    cores; alone (one worker per host: ``workers=1``) a restore is its own CPU or the latency.
+    ``runnable``: the threads measured wanting the cores meanwhile (others' work included), in
+    place of the job's own count."""
     cpu = RESTORE_CPU_S + nbytes / RESTORE_BYTES_PER_S
-    return max(RESTORE_LATENCY_S, cpu * fair_share(workers + storage_procs, cores))
+    busy = runnable if runnable is not None else workers + storage_procs
+    return max(RESTORE_LATENCY_S, cpu * fair_share(busy, cores))
 
 
 def shard_s(source_mb: float, parts: int, cores_per_part: float = SHARD_FIT_CORES) -> float:

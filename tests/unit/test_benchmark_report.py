@@ -92,3 +92,13 @@ def test_the_report_renders_the_planners_predictions_beside_the_measurements():
     assert "### Predicted vs measured" in block and block.index("Predicted") < block.index(run.END)
     [line] = [ln for ln in block.splitlines() if "tbf at 50, 200 Mbit/s" in ln]
     assert "| 1.00 / 2.00 |" in line and "**no**" in line
+
+
+def test_the_run_queue_mean_is_over_the_window_or_the_nearest_sample():
+    from testkit.run_queue import RunQueueSampler, procs_running
+
+    rq = RunQueueSampler()
+    rq.samples = [(10.0, 2), (10.5, 4), (11.0, 9), (20.0, 3)]
+    assert rq.mean(10.0, 11.0) == pytest.approx(5.0)  # (2 + 4 + 9) / 3
+    assert rq.mean(19.0, 19.2) == 3.0  # no sample inside: the nearest
+    assert (procs_running() or 1) >= 1  # this test's own thread is running
