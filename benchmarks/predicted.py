@@ -10,8 +10,8 @@ model's constants were fitted over these points (least squares over the sizes): 
 the model's shape; *fit*, a constant was solved on that very figure: it checks the arithmetic.
 
 Sources: ``benchmarks/many_roles.json`` (medians per size), ``benchmarks/figures/big_model-*.json``,
-``benchmarks/figures/mapped_shard-112mb.json`` and the N1 row's raw figures of the report
-(``benchmarks/results.json``).
+``benchmarks/figures/mapped_shard-112mb*.json``, ``benchmarks/figures/constrained_links-512x512.json``
+and the N1 row's raw figures of the report (``benchmarks/results.json``).
 """
 from __future__ import annotations
 
@@ -135,15 +135,17 @@ def big_model(d: dict[str, Any], name: str) -> list[Line]:
     return lines
 
 
-def constrained_links(r: dict[str, Any]) -> list[Line]:
+def constrained_links(r: dict[str, Any], source: str = "results.json N1") -> list[Line]:
     sweep = r["sweep"]
     workers, servers = r.get("workers", 2), r.get("servers", 1)  # the script's job (older files lack them)
     sizes = [size for _, size in mlp_keys(FEATURES, r.get("hidden", [256, 256]), CLASSES)]
     rates = [p["rate_mbit"] for p in sweep]
     pred = [pm.bandwidth_s(sizes, workers, servers, pm.Link(x * 1e6 / 8, tbf_burst_bytes(x))) for x in rates]
-    case = (f"{workers} workers, {servers} server, tbf at " + ", ".join(f"{x:g}" for x in rates) + " Mbit/s")
+    hidden = "×".join(str(h) for h in r.get("hidden", [256, 256]))
+    case = (f"MLP 64→{hidden}→10, {workers} workers, {servers} server, tbf at " + ", ".join(f"{x:g}" for x in rates)
+            + " Mbit/s")
     return [Line("communication per step (step − unconstrained step)", case, pred,
-                 [p["measured_comm_s"] for p in sweep], "s", "results.json N1")]
+                 [p["measured_comm_s"] for p in sweep], "s", source)]
 
 
 def mapped_shard(d: dict[str, Any], name: str) -> list[Line]:
@@ -183,6 +185,9 @@ def lines(report_rows: dict[str, dict[str, Any]] | None = None) -> list[Line]:
         n1 = next((row.get("raw") for row in res["rows"] if row["id"] == "N1"), None)
     if n1 and "sweep" in n1:
         out += constrained_links(n1)
+    for name in ("figures/constrained_links-512x512.json",):
+        if (d := _load(name)) is not None and "sweep" in d:
+            out += constrained_links(d, name)
     for name in ("figures/mapped_shard-112mb.json", "figures/mapped_shard-112mb-b.json",
                  "figures/mapped_shard-112mb-c.json"):
         if (d := _load(name)) is not None:

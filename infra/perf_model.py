@@ -51,7 +51,8 @@ DEFAULT_BIGARRAY_BOUND = 1_000_000  # MXNET_KVSTORE_BIGARRAY_BOUND's default in 
 
 # A TCP segment of 1448 payload bytes (MTU 1500, timestamps on) travels as a 1514-byte Ethernet
 # frame, and a link's rate (and tc tbf, which counts frames) is in frame bytes. N1's server host
-# counted 692-737 kB per step for 680 kB of arrays (benchmarks/results.json, N1 raw).
+# counted 692-737 kB per step for 680 kB of arrays (benchmarks/results.json, N1 raw), and 2.53 MB
+# for 2.41 MB, 1.05, with the 512×512 MLP (benchmarks/figures/constrained_links-512x512.json).
 FRAME_OVERHEAD = 1514 / 1448
 # Loopback: seconds of ps-lite + MXNet per byte ÷ a raw TCP stream's, on one shared host.
 # Fitted on the 100 M model over 4 servers (benchmarks/figures/big_model-100m.json: 1.451 s
