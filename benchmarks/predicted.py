@@ -73,8 +73,8 @@ def many_roles(d: dict[str, Any]) -> list[Line]:
         Line("time to the first step", case, [pm.first_step_s(n, CORES) for n in procs],
              [m["first_step_s"] for m in med], "s", src, "form"),
         Line("supervisor CPU over job A (its measured wall)", case,
-             [pm.supervisor_cpu_s(n, w) for n, w in zip(procs, wall)], [m["supervisor_cpu_s"] for m in med], "CPU-s", src,
-             "form"),
+             [pm.supervisor_cpu_s(n, w) for n, w in zip(procs, wall)], [m["supervisor_cpu_s"] for m in med], "CPU-s",
+             src, "form"),
         Line("supervisor peak RSS", case, [pm.supervisor_rss_mb(n) for n in procs],
              [m["supervisor_peak_rss_mb"] for m in med], "MB", src, "form"),
         Line("supervisor peak threads", case, [float(pm.supervisor_threads(n)) for n in procs],
@@ -82,8 +82,8 @@ def many_roles(d: dict[str, Any]) -> list[Line]:
         Line("failure detection (mean of the worker and server kills)", case, [pm.detect_s() for _ in procs],
              detect, "s", src, "form"),
         Line("restore, every worker at once (1.7 MB, local storage)", case,
-             [pm.restore_s(b, s["workers"], CORES) for b, s in zip(ckpt, sizes)], [m["restore_s"] for m in med], "s", src,
-             "form"),
+             [pm.restore_s(b, s["workers"], CORES) for b, s in zip(ckpt, sizes)], [m["restore_s"] for m in med], "s",
+             src, "form"),
         Line("checkpoint save (rank 0, the others mostly asleep)", case, [pm.save_s(b) for b in ckpt],
              [m["checkpoint_save_s"] for m in med], "s", src),
     ]
@@ -100,8 +100,8 @@ def _busy(runnable: float | None) -> str:
 def big_model(d: dict[str, Any], name: str) -> list[Line]:
     p, sizes, w, s = d["planner"], _sizes(d), d["workers"], d["servers_used"]
     load = max(d.get("load_avg_before", [0])[0], d.get("load_avg_after", [0])[0])
-    case = (f"{d['params'] / 1e6:.1f} M params, {w} workers, {s} servers, loopback {p['loopback_bytes_per_s'] / 1e9:.2f} "
-            f"GB/s, load average up to {load:.0f}")
+    case = (f"{d['params'] / 1e6:.1f} M params, {w} workers, {s} servers, loopback "
+            f"{p['loopback_bytes_per_s'] / 1e9:.2f} GB/s, load average up to {load:.0f}")
     comm = pm.comm_s(sizes, w, s, pm.Link(p["loopback_bytes_per_s"], shared=True), d.get("bigarray_bound") or
                      pm.DEFAULT_BIGARRAY_BOUND)
     # LOOPBACK_PS_COST is the mean of the two 100 M runs, PER_KEY_S solved on the (64, 64) MLP;
