@@ -29,12 +29,17 @@ Every timing comes from the supervisor's typed event log (``MXPIPE_EVENTS_FILE``
   defines it: steady state; the one-off wait for the last upload at the job's end is not an event
   and is left out, as there).
 
+The machine's run queue (``testkit.run_queue``: runnable threads, others' work included) is
+sampled throughout and its mean recorded for each save, the restore and the loop: the planner's
+fair share of the 2 cores takes it.
+
 Servers (``testkit.server_load``): the predicted share of the parameters from MXNet 1.9's key
 assignment (``MXNET_KVSTORE_BIGARRAY_BOUND``, ``--bound`` to change it), beside each server's
 measured TCP bytes received and sent (``ss``: psutil's I/O counters do not count socket I/O) and
 its RSS growth from worker-0's join on. The prediction is per ps-lite server rank and the
 measurement per role (ps-lite ranks servers in the order they register), so they are compared,
-and plotted, largest first. Planner (``infra.planning``): it predicts no speed and no checkpoint time; what it
+and plotted, largest first. The planner's time model (``infra.perf_model``: communication, save,
+restore) is put beside these figures by ``benchmarks/predicted.py``. Planner (``infra.planning``): what it
 does say for this model is the server count (``servers_for``: a step's ``workers · 2 · P · 4``
 bytes within ``COMM_BUDGET_S`` on the instance's link), an even share per server
 (``step_bytes / servers``), and so a communication time ``workers · 2 · P · 4 / (servers ·
@@ -65,6 +70,7 @@ from testkit.dag_stack import read_events  # noqa: E402
 from testkit.digits import digits_csv  # noqa: E402
 from testkit.local_jobs import make_job, run_local  # noqa: E402
 from testkit.result_file import write_json  # noqa: E402
+from testkit.run_queue import RunQueueSampler  # noqa: E402
 from testkit.server_load import (DEFAULT_BIGARRAY_BOUND, ServerSampler, imbalance, mlp_keys,  # noqa: E402
                                  ranked, server_elements, shares)
 from testkit.timeline import LEAD, attempts, failure_timeline, first_event, role_event, role_event_of  # noqa: E402
@@ -259,7 +265,7 @@ def main() -> int:
                 env["MXNET_KVSTORE_BIGARRAY_BOUND"] = str(args.bound)
             home = os.path.join(tmp, "home")
             started = time.monotonic()
-            with ServerSampler(home) as sampler:
+            with ServerSampler(home) as sampler, RunQueueSampler() as run_queue:
                 run_local(job, storage.join(prefix, "job.json"), home, env, timeout_s=args.timeout_s)
             wall = time.monotonic() - started
             metrics = json.loads(storage.get_bytes(job.metrics_uri))
@@ -268,11 +274,18 @@ def main() -> int:
         events = read_events(events_file)
         if not once.exists():
             raise RuntimeError("the fault did not fire: no restore to measure (is --kill-step within the run?)")
-        recovery = failure_timeline(events, once.stat().st_mtime)
+        kill_t = once.stat().st_mtime
+        recovery = failure_timeline(events, kill_t)
     load_after = os.getloadavg()
+    # The threads that wanted the 2 cores during each phase (the planner's fair share takes it):
+    # each save's upload, the restore (worker-0 joined → resumed), and the main attempt's loop.
+    resumed_t = kill_t + sum(recovery[k] for k in ("detect", "teardown", "retry", "cluster_start", "restore"))
+    restore_runnable = run_queue.mean(resumed_t - recovery["restore"], resumed_t)
 
     p2 = blocked_share(events)
     saves = p2.pop("saves")
+    for save in saves:
+        save["runnable"] = run_queue.mean(save["t"] - save["upload_s"], save["t"])
     runs = attempts(events)
     step_s = statistics.median([r for a in runs if (r := a.seconds_per_step()) is not None])
     # Per attempt: a restart in place starts new servers, which ps-lite ranks anew (in one
@@ -317,10 +330,15 @@ def main() -> int:
             "save_upload_s_median": statistics.median([s["upload_s"] for s in saves]) if saves else None,
             "save_upload_s_max": max(s["upload_s"] for s in saves) if saves else None,
             "blocked_s_per_save_median": statistics.median([s["blocked_s"] for s in saves]) if saves else None,
+            "runnable_median": statistics.median([s["runnable"] for s in saves if s["runnable"] is not None])
+            if any(s["runnable"] is not None for s in saves) else None,
             **p2, "p2_goal": 0.01, "saves": saves,
-            "planner": "none: infra.planning predicts no checkpoint time (the auto cadence measures it)"},
-        "restore": {k: recovery[k] for k in ("detect", "teardown", "retry", "cluster_start", "restore",
-                                             "first_step", "total", "resumed_from_step")},
+            "planner": "infra.perf_model.save_s / restore_s, beside these figures in benchmarks/predicted.py"},
+        "restore": {**{k: recovery[k] for k in ("detect", "teardown", "retry", "cluster_start", "restore",
+                                                "first_step", "total", "resumed_from_step")},
+                    "runnable": restore_runnable},
+        "loop_runnable": run_queue.mean(runs[main_i].points[0][0], runs[main_i].points[-1][0])
+        if len(runs) > main_i and runs[main_i].points else None,
         "servers": servers,  # per role, in the attempt that moved the most bytes
         "traffic_attempt": main_i, "attempts_traffic": per_attempt,
         "predicted_params_by_rank": predicted,  # per ps-lite server rank

@@ -9,7 +9,8 @@ parts' ``count`` children at once, then the parts' ``shard_part`` children at on
 ``merge``; each child's wall time (with the interpreter's start and imports, as a task pays them), the
 step's own time, and its peak RSS (its own ``wait4`` rusage) are printed. The two
 runs' shards must have the same sha256 (checked). The source is one CSV file, cut by byte ranges
-for 2 parts. The machine's cores are shared: 2 parts run side by side on what is free.
+for 2 parts. The machine's cores are shared: 2 parts run side by side on what is free, and the
+machine's runnable threads are sampled over each run (``testkit.run_queue``) for the planner.
 
 Prints a table and a JSON line (``RESULT {...}``). Not a timed test.
 """
@@ -28,6 +29,7 @@ from benchmarks.shard_throughput import generate_csv, with_s3  # noqa: E402
 
 from testkit import REPO  # noqa: E402
 from testkit.result_file import write_json  # noqa: E402
+from testkit.run_queue import RunQueueSampler  # noqa: E402
 
 CHILD = """
 import json, logging, sys, time
@@ -83,8 +85,8 @@ def run_children(argvs: list[list[str]], env: dict[str, str], log_dir: str, time
     return results
 
 
-def one_run(cfg_json: str, root: str, n: int, env: dict[str, str], log_dir: str) -> dict:
-    t = time.perf_counter()
+def one_run(cfg_json: str, root: str, n: int, env: dict[str, str], log_dir: str, rq: RunQueueSampler) -> dict:
+    t, wall0 = time.perf_counter(), time.time()
     [planned] = run_children([[cfg_json, "plan", root, str(n)]], env, log_dir, 600)
     plan_uri, indices = planned["out"]["plan_uri"], planned["out"]["parts"]
     counts = run_children([[cfg_json, "count", plan_uri, str(k)] for k in indices], env, log_dir, 3600)
@@ -92,7 +94,9 @@ def one_run(cfg_json: str, root: str, n: int, env: dict[str, str], log_dir: str)
     [merged] = run_children([[cfg_json, "merge", plan_uri, "0"]], env, log_dir, 3600)
     total = time.perf_counter() - t
     steps = {"plan": [planned], "count": counts, "shard_part": pieces, "merge": [merged]}
+    # Runnable threads on the machine over the run (the planner's fair share of the cores takes it).
     return {"parts": len(indices), "total_s": round(total, 2), "rows": merged["out"]["rows"],
+            "runnable": rq.mean(wall0, time.time()),
             "sha256": merged["out"]["sha256"],
             "steps": {name: [{"wall_s": r["wall_s"], "work_s": round(r["seconds"], 2), "peak_rss_mb": r["peak_rss_mb"]}
                              for r in runs]
@@ -127,12 +131,14 @@ def bench(bucket: str, home: str, args: argparse.Namespace, env: dict[str, str])
     cfg = TrainConfig(data=DataConfig(source_uri=source, chunk_rows=args.chunk_rows),
                       cluster=ClusterConfig(num_workers=args.workers))
     runs = []
-    for n in args.parts:
-        log_dir = os.path.join(home, f"logs-{n}")
-        os.makedirs(log_dir)
-        run = one_run(cfg.to_json(), f"s3://{bucket}/bench/parts-{n}", n, env, log_dir)
-        runs.append(run)
-        print(f"{n} part(s): {run['total_s']:.1f} s in all, {size / 1e6 / run['total_s']:.1f} MB/s", flush=True)
+    with RunQueueSampler() as rq:
+        for n in args.parts:
+            log_dir = os.path.join(home, f"logs-{n}")
+            os.makedirs(log_dir)
+            run = one_run(cfg.to_json(), f"s3://{bucket}/bench/parts-{n}", n, env, log_dir, rq)
+            runs.append(run)
+            print(f"{n} part(s): {run['total_s']:.1f} s in all, {size / 1e6 / run['total_s']:.1f} MB/s, "
+                  f"{run['runnable']:.1f} threads runnable on average", flush=True)
     identical = all(r["sha256"] == runs[0]["sha256"] for r in runs)
     print("\n| parts | step | task | wall s | of it, the step's own work s | peak RSS MB |\n|---|---|---|---|---|---|")
     for run in runs:

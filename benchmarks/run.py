@@ -1,12 +1,13 @@
 """One benchmark report: runs P1–P8 (with D1, C1, Q1–Q6, N1, C2, G1, G2, S1, O1–O3 and chaos R4) side by
 side on this machine and writes the table into benchmarks/README.md (between the report markers)
-and benchmarks/results.json.
+and benchmarks/results.json, with the planner's predictions beside the measurements (``benchmarks/predicted.py``).
 
     benchmarks/run                 # quick mode (about 25 minutes on 2 cores)
     benchmarks/run --full          # the long settings of every benchmark
     benchmarks/run --only P2,P7    # a subset (the other rows of the table are left out)
     benchmarks/run --only N1,C2 --merge                   # a subset; the other rows kept from results.json
     benchmarks/run --record G1=g1.json --merge            # a figure measured by hand (`goodput.py --json g1.json`)
+    benchmarks/run --rerender                             # the last report again, predictions recomputed
 
 Each benchmark is its own script (run on its own here, one after another, so that they do not
 compete for the cores), writes its figures as JSON, and is summarised in one row: the measure,
@@ -30,6 +31,7 @@ from typing import Any, Callable
 # The checkout on the path (run as ``python benchmarks/run.py``): testkit and the packages.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from testkit import REPO  # noqa: E402
+from benchmarks import predicted  # noqa: E402
 
 README = os.path.join(REPO, "benchmarks", "README.md")
 RESULTS = os.path.join(REPO, "benchmarks", "results.json")
@@ -364,7 +366,9 @@ def table(rows: list[dict[str, Any]], header: str) -> str:
         met = {True: "yes", False: "**no**", None: "—"}[r["met"]]
         lines.append(f"| {r['id']} | {r['measure']} | {r['goal']} | {r['figure']} | {ratio} | {met} | {r['date']} "
                      f"| `{r['command']}` |")
-    lines += ["", END]
+    # The planner's model beside the measurements: those of this report's rows (N1) and the
+    # figure files the longer benchmarks wrote (benchmarks/predicted.py names each).
+    lines += ["", predicted.render({r["id"]: r["raw"] for r in rows if "raw" in r}), "", END]
     return "\n".join(lines)
 
 
@@ -413,7 +417,18 @@ def main() -> int:
                         help="a benchmark's figure from a --json file its script wrote earlier (not run again)")
     parser.add_argument("--merge", action="store_true", help="keep the rows of results.json that are not run now")
     parser.add_argument("--no-write", action="store_true", help="print the table, leave README.md alone")
+    parser.add_argument("--rerender", action="store_true",
+                        help="run nothing: the rows of results.json rendered again (the predicted vs measured "
+                             "table recomputed from the figure files)")
     args = parser.parse_args()
+    if args.rerender:
+        with open(RESULTS) as fh:
+            last = json.load(fh)
+        block = table(last["rows"], last["header"])
+        print(block)
+        if not args.no_write:
+            write_readme(block)
+        return 0
     wanted = {x.strip() for x in args.only.split(",") if x.strip()}
     records = dict(item.split("=", 1) for item in args.record if "=" in item)
     if len(records) != len(args.record):

@@ -16,6 +16,7 @@
 - ``netns``: hosts made of network namespaces: the bridge, veth links, an uplink, sshd's configuration.
 - ``transport``: how a command reaches a host of the ``hosts`` backend (SSH, ``ip netns exec``).
 - ``planning``: hardware planning: memory per device for a model, and which cluster to ask for.
+- ``perf_model``: the planner's time model: communication, start, supervisor, checkpoints, sharding, fitted on measurements.
 - ``catalogue``: the GPU instance types the planner chooses from, as data.
 - ``billing``: what a cluster's machines have cost so far: instance-hours and their price.
 - ``__main__``: ``python -m infra`` is ``python -m infra.services``.

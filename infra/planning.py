@@ -28,7 +28,9 @@ the bytes each step moves through them (every worker pushes P gradients and pull
 fp32): enough servers that their share moves in ``COMM_BUDGET_S`` on the instance's network,
 at most one per worker instance (servers run beside the workers; beyond W servers the workers'
 own links are the limit). The instance type is the fitting one with the lowest price per peak
-TFLOP of the devices the plan uses (unused GPUs are still paid for). Speed is not predicted.
+TFLOP of the devices the plan uses (unused GPUs are still paid for). Times (communication per
+step, start, checkpoints, the data step) are ``infra.perf_model``'s: ``servers_for``'s bytes are
+its serial bound, what its pipelined model gives for a model of one array.
 
 No Airflow and no mxnet here: a model comes in as its counts (``ModelShape``). Counting a model of
 the zoo by name needs the trainer (``training.loop.model.count_model``, mxnet shape inference) and

@@ -30,6 +30,7 @@ import every package of the project. What it holds:
   interruption notice a test switches on, and a real job that gets the notice mid-training;
 - ``server_load``: each parameter server's share of a model by MXNet's key assignment, and its
   measured traffic (``ss``) and memory while a local job runs (``benchmarks/big_model.py``);
+- ``run_queue``: the machine's runnable threads sampled during a benchmark, for the planner's fair share;
 - ``waits``: waiting on a condition with a bound (never a fixed sleep and one read);
 - ``tiny_model``: a tiny Gluon MLP trained in seconds and exported as the trainer exports (registry,
   review and scoring tests, the batch-scoring benchmark).

@@ -10,11 +10,12 @@ links. Every host's link is limited to the same rate in both directions (``tbf``
 in a folder every host sees (storage is not what is measured here).
 
 - **N1, step time against bandwidth**: the job unconstrained and at each ``--rates`` (Mbit/s);
-  the step time is the job's last-epoch ``step_time_s`` (rank 0). Beside it, what the planner
-  (``infra.planning``) charges for the same bytes: ``servers_for`` sizes the servers so that
-  ``workers · 2 · params · WIRE_BYTES`` bytes per step move over the servers' links, i.e.
-  ``comm_s = workers · 2 · params · 4 / (servers · rate)``; the measured communication time is
-  the step time minus the unconstrained one.
+  the step time is the job's last-epoch ``step_time_s`` (rank 0). Beside it, what the planner's
+  time model (``infra.perf_model.bandwidth_s``: full-duplex links, ps-lite's pipelining by key,
+  frames, the links' ``tbf`` bucket) gives for the same arrays on links of that rate
+  (``predicted_comm_s``), and the serial bound the planner's ``servers_for`` sizes with
+  (``workers · 2 · params · 4 / (servers · rate)``, ``serial_comm_s``); the measured
+  communication time is the step time minus the unconstrained one.
 - **C2, 2-bit compression where the link is the bottleneck**: the job again at the lowest rate
   with ``gradient_compression: 2bit`` (threshold ``--threshold``): its wall time and step time ÷
   the plain job's at that rate, and the validation accuracy it costs (both jobs deterministic).
@@ -34,12 +35,16 @@ import uuid
 from typing import Any
 
 from testkit.netns_hosts import (clear_link, link_stats, namespace_hosts, netns_available, shape_link,
-                                 shaping_available)
+                                 shaping_available, tbf_burst_bytes)
+from testkit.server_load import mlp_keys
 from testkit import chaos_jobs as cj
 from testkit.digits import digits_csv
 from testkit.result_file import write_json
 from common import storage
+from infra.perf_model import Link, bandwidth_s
 from infra.planning import WIRE_BYTES
+
+FEATURES, CLASSES = 64, 10  # the digits
 
 
 def run_job(root: str, hosts: list[dict], cfg: Any, shards: str, name: str) -> dict[str, Any]:
@@ -71,9 +76,17 @@ def run_job(root: str, hosts: list[dict], cfg: Any, shards: str, name: str) -> d
             "server_host_tx_bytes_per_step": (after["tx_bytes"] - before["tx_bytes"]) / max(steps, 1)}
 
 
-def predicted_comm_s(params: int, workers: int, servers: int, rate_mbit: float) -> float:
-    """The planner's time for one step's traffic on the servers' links (``servers_for``'s model)."""
+def serial_comm_s(params: int, workers: int, servers: int, rate_mbit: float) -> float:
+    """The serial bound ``servers_for`` sizes with: pushes then pulls down one wire."""
     return workers * 2 * params * WIRE_BYTES / (servers * rate_mbit * 1e6 / 8)
+
+
+def predicted_comm_s(hidden: list[int], workers: int, servers: int, rate_mbit: float) -> float:
+    """The planner's time model for one step's bytes of the job's MLP on links shaped as
+    ``shape_link`` shapes them (its ``tbf`` bucket included)."""
+    sizes = [size for _, size in mlp_keys(FEATURES, hidden, CLASSES)]
+    link = Link(rate_mbit * 1e6 / 8, burst_bytes=tbf_burst_bytes(rate_mbit))
+    return bandwidth_s(sizes, workers, servers, link)
 
 
 def shape_all(hosts: list[dict], rate_mbit: float | None) -> None:
@@ -105,10 +118,11 @@ def measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
         for rate in rates:
             shape_all(hosts, rate)
             row = run_job(root, hosts, cfg, shards, f"rate-{rate:g}")
-            predicted = predicted_comm_s(row["params"], 2, 1, rate)
+            predicted = predicted_comm_s(args.hidden, 2, 1, rate)
             measured = row["step_time_s"] - base["step_time_s"]
             row.update(rate_mbit=rate, predicted_comm_s=predicted, measured_comm_s=measured,
-                       measured_over_predicted=measured / predicted)
+                       measured_over_predicted=measured / predicted,
+                       serial_comm_s=serial_comm_s(row["params"], 2, 1, rate))
             sweep.append(row)
             print(f"{rate:g} Mbit/s: step {row['step_time_s'] * 1000:.0f} ms, comm {measured * 1000:.0f} ms measured "
                   f"vs {predicted * 1000:.0f} ms planned (×{measured / predicted:.2f})", flush=True)

@@ -127,6 +127,12 @@ def _link_ends(host: dict) -> list[tuple[str, str]]:
     return [(host["netns"], "eth0"), (f"{prefix}sw", f"p{index}")]
 
 
+def tbf_burst_bytes(rate_mbit: float) -> int:
+    """``shape_link``'s tbf bucket: at least one jiffy's worth at the rate (and a few full
+    frames), else tbf cannot reach the rate. The planner's model of these links counts it."""
+    return max(int(rate_mbit * 1e6 / 8 / 250), 16 * 1514)
+
+
 def shape_link(host: dict, *, rate_mbit: float | None = None, loss_pct: float = 0.0) -> None:
     """Constrain ``host``'s link in both directions: ``tbf`` at ``rate_mbit`` on both ends, and
     ``loss_pct`` of the packets it sends or receives dropped at random.
@@ -139,9 +145,8 @@ def shape_link(host: dict, *, rate_mbit: float | None = None, loss_pct: float = 
         if _has_qdisc(ns, dev):
             _tc("-n", ns, "qdisc", "del", "dev", dev, "root")
         if rate_mbit:
-            # burst: at least one jiffy's worth at the rate (and a few full frames), else tbf
-            # cannot reach the rate; the queue holds 200 ms, then tbf drops as a router would.
-            burst = max(int(rate_mbit * 1e6 / 8 / 250), 16 * 1514)
+            # The queue holds 200 ms, then tbf drops as a router would.
+            burst = tbf_burst_bytes(rate_mbit)
             _tc("-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst),
                 "latency", "200ms")
     _nft(host, "delete table inet mxloss", check=False)

@@ -1,7 +1,7 @@
 """Each parameter server's share of a model and of a job's traffic: predicted from MXNet's key
 assignment, and measured on the running job's server processes.
 
-**Prediction** (``server_elements``). MXNet 1.9's dist kvstore (``src/kvstore/kvstore_dist.h``,
+**Prediction** (``server_elements``, from ``infra.perf_model``). MXNet 1.9's dist kvstore (``src/kvstore/kvstore_dist.h``,
 ``EncodeDefaultKey``) places a key of ``size`` values with ``size < MXNET_KVSTORE_BIGARRAY_BOUND``
 (default 1,000,000) whole on server ``(key * 9973) % num_servers``; a bigger array is cut into
 ``num_servers`` contiguous parts of ``round(size / n * (i + 1)) - round(size / n * i)`` values,
@@ -29,7 +29,6 @@ place starts new ones, counted under the same role name) and samples, about ever
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import subprocess
@@ -41,8 +40,9 @@ from dataclasses import dataclass, field
 import psutil
 
 from common.procs.records import load_records
+# The key rule is the planner's (its communication model needs it); re-exported for the benchmarks.
+from infra.perf_model import DEFAULT_BIGARRAY_BOUND, server_elements  # noqa: F401
 
-DEFAULT_BIGARRAY_BOUND = 1_000_000
 _SOCKET = re.compile(r"^\d+\s+\d+\s+(?P<local>\S+)\s+(?P<peer>\S+)\s+users:\((?P<users>.*)\)\s*$")
 _PID = re.compile(r"pid=(\d+)")
 
@@ -54,23 +54,6 @@ def mlp_keys(features: int, hidden: Sequence[int], classes: int) -> list[tuple[s
         out += [(f"dense{i}_weight", width * units), (f"dense{i}_bias", units)]
         width = units
     return out
-
-
-def server_elements(sizes: Sequence[int], num_servers: int, bound: int = DEFAULT_BIGARRAY_BOUND) -> list[int]:
-    """Values each server holds under MXNet 1.9's rule (module docstring), keys numbered 0, 1, …"""
-    per = [0] * num_servers
-    for key, size in enumerate(sizes):
-        if size < bound:
-            per[(key * 9973) % num_servers] += size
-        else:
-            for i in range(num_servers):
-                per[i] += _c_round(size / num_servers * (i + 1)) - _c_round(size / num_servers * i)
-    return per
-
-
-def _c_round(x: float) -> int:
-    """C's ``round`` (halves away from zero), which MXNet uses; Python's rounds halves to even."""
-    return math.floor(x + 0.5)
 
 
 def imbalance(values: Sequence[float]) -> float:

@@ -79,3 +79,26 @@ def test_every_benchmark_script_imports():
         except Exception as exc:  # noqa: BLE001 - every failure is reported at once
             broken[path.name] = f"{type(exc).__name__}: {exc}"
     assert not broken, broken
+
+
+def test_the_report_renders_the_planners_predictions_beside_the_measurements():
+    # An N1 point at 50 Mbit/s measured at exactly the model's figure (worked out by hand in
+    # tests/unit/test_perf_model.py: 0.1935 s), one at 200 Mbit/s at twice it.
+    raw = {"workers": 2, "servers": 1, "hidden": [256, 256],
+           "sweep": [{"rate_mbit": 50.0, "measured_comm_s": 0.19347}, {"rate_mbit": 200.0, "measured_comm_s": 0.0847}]}
+    row = {"id": "N1", "measure": "m", "goal": "g", "figure": "f", "ratio": None, "met": None, "date": "d",
+           "command": "benchmarks/constrained_links.py --quick", "raw": raw}
+    block = run.table([row], "header")
+    assert "### Predicted vs measured" in block and block.index("Predicted") < block.index(run.END)
+    [line] = [ln for ln in block.splitlines() if "tbf at 50, 200 Mbit/s" in ln]
+    assert "| 1.00 / 2.00 |" in line and "**no**" in line
+
+
+def test_the_run_queue_mean_is_over_the_window_or_the_nearest_sample():
+    from testkit.run_queue import RunQueueSampler, procs_running
+
+    rq = RunQueueSampler()
+    rq.samples = [(10.0, 2), (10.5, 4), (11.0, 9), (20.0, 3)]
+    assert rq.mean(10.0, 11.0) == pytest.approx(5.0)  # (2 + 4 + 9) / 3
+    assert rq.mean(19.0, 19.2) == 3.0  # no sample inside: the nearest
+    assert (procs_running() or 1) >= 1  # this test's own thread is running

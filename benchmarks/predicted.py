@@ -1,0 +1,226 @@
+"""The planner's predictions (``infra.perf_model``) beside the project's measurements: the
+"predicted vs measured" table of the benchmark report (``benchmarks/run.py`` renders it).
+
+Each line is one quantity at one or more sizes: what the model gives for the job as it was
+run (its workers, servers, bytes, link, cores, and where the model needs them the measured
+inputs it takes: a job's wall time, its compute step, the loopback rate at the time), the
+measured figure, and measured ÷ predicted; the goal is 0.8-1.2 for every point. Each line says
+what it tests (``basis``): *check*, no constant of the model came from that figure; *form*, the
+model's constants were fitted over these points (least squares over the sizes): the ratios test
+the model's shape; *fit*, a constant was solved on that very figure: it checks the arithmetic.
+
+Sources: ``benchmarks/many_roles.json`` (medians per size), ``benchmarks/figures/big_model-*.json``,
+``benchmarks/figures/mapped_shard-112mb*.json``, ``benchmarks/figures/constrained_links-512x512.json``
+and the N1 row's raw figures of the report (``benchmarks/results.json``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from infra import perf_model as pm
+from testkit import REPO
+from testkit.netns_hosts import tbf_burst_bytes
+from testkit.server_load import imbalance, mlp_keys
+
+BENCH = os.path.join(REPO, "benchmarks")
+FEATURES, CLASSES = 64, 10  # the digits MLPs of every benchmark below
+CORES = 2  # the machine every figure was measured on
+LOW, HIGH = 0.8, 1.2
+
+
+@dataclass(frozen=True)
+class Line:
+    quantity: str
+    case: str
+    predicted: list[float]
+    measured: list[float]
+    unit: str
+    source: str
+    basis: str = "check"  # check | form | fit (module docstring)
+
+    @property
+    def ratios(self) -> list[float]:
+        return [m / p for p, m in zip(self.predicted, self.measured)]
+
+    @property
+    def within(self) -> bool:
+        return all(LOW <= r <= HIGH for r in self.ratios)
+
+
+def _load(path: str) -> dict[str, Any] | None:
+    full = os.path.join(BENCH, path)
+    if not os.path.exists(full):
+        return None
+    with open(full) as fh:
+        return json.load(fh)
+
+
+def many_roles(d: dict[str, Any]) -> list[Line]:
+    sizes = d["sizes"]
+    case = "W+S = " + ", ".join(f"{s['workers']}+{s['servers']}" for s in sizes) + f" (+1 scheduler), {CORES} cores"
+    src = "many_roles.json"
+    procs = [s["workers"] + s["servers"] + 1 for s in sizes]
+    med = [s["median"] for s in sizes]
+    wall = [statistics.median(r["job_a_wall_s"] for r in s["runs"]) for s in sizes]
+    detect = [statistics.mean(x for r in s["runs"] for x in (r["worker_kill_detect_s"], r["server_kill_detect_s"]))
+              for s in sizes]
+    ckpt = [statistics.median(r["checkpoint_stats"]["bytes"] for r in s["runs"]) for s in sizes]
+    return [
+        Line("time to the first step", case, [pm.first_step_s(n, CORES) for n in procs],
+             [m["first_step_s"] for m in med], "s", src, "form"),
+        Line("supervisor CPU over job A (its measured wall)", case,
+             [pm.supervisor_cpu_s(n, w) for n, w in zip(procs, wall)], [m["supervisor_cpu_s"] for m in med], "CPU-s",
+             src, "form"),
+        Line("supervisor peak RSS", case, [pm.supervisor_rss_mb(n) for n in procs],
+             [m["supervisor_peak_rss_mb"] for m in med], "MB", src, "form"),
+        Line("supervisor peak threads", case, [float(pm.supervisor_threads(n)) for n in procs],
+             [m["supervisor_peak_threads"] for m in med], "", src, "form"),
+        Line("failure detection (mean of the worker and server kills)", case, [pm.detect_s() for _ in procs],
+             detect, "s", src, "form"),
+        Line("restore, every worker at once (1.7 MB, local storage)", case,
+             [pm.restore_s(b, s["workers"], CORES) for b, s in zip(ckpt, sizes)], [m["restore_s"] for m in med], "s",
+             src, "form"),
+        Line("checkpoint save (rank 0, the others mostly asleep)", case, [pm.save_s(b) for b in ckpt],
+             [m["checkpoint_save_s"] for m in med], "s", src),
+    ]
+
+
+def _sizes(d: dict[str, Any]) -> list[int]:
+    return [size for _, size in mlp_keys(FEATURES, d["hidden"], CLASSES)]
+
+
+def _busy(runnable: float | None) -> str:
+    return f"{runnable:.1f} threads runnable, measured" if runnable is not None else "the job's own processes"
+
+
+def big_model(d: dict[str, Any], name: str) -> list[Line]:
+    p, sizes, w, s = d["planner"], _sizes(d), d["workers"], d["servers_used"]
+    load = max(d.get("load_avg_before", [0])[0], d.get("load_avg_after", [0])[0])
+    case = (f"{d['params'] / 1e6:.1f} M params, {w} workers, {s} servers, loopback "
+            f"{p['loopback_bytes_per_s'] / 1e9:.2f} GB/s, load average up to {load:.0f}")
+    comm = pm.comm_s(sizes, w, s, pm.Link(p["loopback_bytes_per_s"], shared=True), d.get("bigarray_bound") or
+                     pm.DEFAULT_BIGARRAY_BOUND)
+    # LOOPBACK_PS_COST is the mean of the two 100 M runs, PER_KEY_S solved on the (64, 64) MLP;
+    # any other run is a check.
+    basis = {"figures/big_model-100m.json": "form", "figures/big_model-100m-run-b.json": "form",
+             "figures/big_model-mlp64x64.json": "fit"}.get(name, "check")
+    lines = [Line("communication per step (step − compute)", case, [comm], [p["measured_comm_s_per_step"]], "s", name,
+                  basis)]
+    if d["params"] < 1e6:
+        return lines
+    # The save runs beside the job: both workers, the servers for their share of the step
+    # (communication ÷ step, predicted), the uploader and the local S3 server want the cores.
+    step = p["compute_step_s"] + comm
+    # Who wants the cores during a save: the runnable threads measured then (testkit.run_queue;
+    # newer files), else the job's own: both workers, the servers for their share of the step
+    # (communication ÷ step, predicted), the uploader and the local S3 server.
+    measured_busy = d["checkpoint"].get("runnable_median")
+    busy = measured_busy if measured_busy is not None else w + s * comm / step + 1 + 1
+    restore_busy = d["restore"].get("runnable")
+    nbytes = pm.checkpoint_bytes(d["params"], 1)  # SGD with momentum: one state value per parameter
+    pred_share = imbalance(pm.server_elements(sizes, s, d["bigarray_bound"]))
+    lines += [
+        Line("checkpoint bytes (params + momentum)", case, [nbytes], [d["checkpoint"]["bytes"]], "B", name),
+        Line(f"checkpoint save (median, beside training; {_busy(measured_busy)})", case,
+             [pm.save_s(nbytes, busy, CORES)], [d["checkpoint"]["save_upload_s_median"]], "s", name),
+        Line(f"restore (2 workers at once, local S3; {_busy(restore_busy)})", case,
+             [pm.restore_s(nbytes, w, CORES, storage_procs=1, runnable=restore_busy)],
+             [d["restore"]["restore"]], "s", name),
+        Line("largest server ÷ mean, traffic (ss)", case, [pred_share], [d["received_imbalance"]], "", name),
+    ]
+    return lines
+
+
+def constrained_links(r: dict[str, Any], source: str = "results.json N1") -> list[Line]:
+    sweep = r["sweep"]
+    workers, servers = r.get("workers", 2), r.get("servers", 1)  # the script's job (older files lack them)
+    sizes = [size for _, size in mlp_keys(FEATURES, r.get("hidden", [256, 256]), CLASSES)]
+    rates = [p["rate_mbit"] for p in sweep]
+    pred = [pm.bandwidth_s(sizes, workers, servers, pm.Link(x * 1e6 / 8, tbf_burst_bytes(x))) for x in rates]
+    hidden = "×".join(str(h) for h in r.get("hidden", [256, 256]))
+    case = (f"MLP 64→{hidden}→10, {workers} workers, {servers} server, tbf at " + ", ".join(f"{x:g}" for x in rates)
+            + " Mbit/s")
+    return [Line("communication per step (step − unconstrained step)", case, pred,
+                 [p["measured_comm_s"] for p in sweep], "s", source)]
+
+
+def mapped_shard(d: dict[str, Any], name: str) -> list[Line]:
+    runs = {r["parts"]: r for r in d["runs"]}
+    order = " then ".join(str(r["parts"]) for r in d["runs"])
+    out = []
+    for n in sorted(runs):
+        # The SHARD_* constants came from the one-part run of the first file.
+        basis = "fit" if n == 1 and name == "figures/mapped_shard-112mb.json" else "check"
+        runnable = runs[n].get("runnable")
+        case = (f"{d['source_mb']:.0f} MB CSV, " + (f"{n} parts side by side" if n > 1 else "1 part")
+                + f" on {CORES} cores (runs: {order}"
+                + (f"; {runnable:.1f} threads runnable, measured, not in the model)" if runnable is not None else ")"))
+        out.append(Line("data step, plan → merge", case, [pm.shard_s(d["source_mb"], n, CORES / n)],
+                        [runs[n]["total_s"]], "s", name, basis))
+    if 1 in runs and 2 in runs:
+        # The same host's load moves both runs alike (minutes apart): their ratio is the model's
+        # claim that on one host a part alone already uses every core (pyarrow's threads).
+        out.append(Line("data step, 2 parts ÷ 1 part on one host", f"{d['source_mb']:.0f} MB CSV, {CORES} cores "
+                        f"(runs: {order})", [pm.shard_s(d["source_mb"], 2, CORES / 2) / pm.shard_s(d["source_mb"], 1)],
+                        [runs[2]["total_s"] / runs[1]["total_s"]], "", name))
+    return out
+
+
+def lines(report_rows: dict[str, dict[str, Any]] | None = None) -> list[Line]:
+    """Every comparison whose measurement is recorded; ``report_rows`` are the report's raw
+    results by id (N1's comes from there, else from ``results.json``)."""
+    out: list[Line] = []
+    if (d := _load("many_roles.json")) is not None:
+        out += many_roles(d)
+    for name in ("figures/big_model-100m.json", "figures/big_model-100m-run-b.json", "figures/big_model-9m.json",
+                 "figures/big_model-9m-b.json", "figures/big_model-mlp64x64.json"):
+        if (d := _load(name)) is not None:
+            out += big_model(d, name)
+    n1 = (report_rows or {}).get("N1")
+    if n1 is None and (res := _load("results.json")) is not None:
+        n1 = next((row.get("raw") for row in res["rows"] if row["id"] == "N1"), None)
+    if n1 and "sweep" in n1:
+        out += constrained_links(n1)
+    for name in ("figures/constrained_links-512x512.json",):
+        if (d := _load(name)) is not None and "sweep" in d:
+            out += constrained_links(d, name)
+    for name in ("figures/mapped_shard-112mb.json", "figures/mapped_shard-112mb-b.json",
+                 "figures/mapped_shard-112mb-c.json"):
+        if (d := _load(name)) is not None:
+            out += mapped_shard(d, name)
+    return out
+
+
+def _fmt(values: list[float], unit: str) -> str:
+    def one(v: float) -> str:
+        if unit == "B":
+            return f"{v / 1e6:,.1f} MB"
+        return f"{v:.3g}"
+    return " / ".join(one(v) for v in values) + (f" {unit}" if unit and unit != "B" else "")
+
+
+def render(report_rows: dict[str, dict[str, Any]] | None = None) -> str:
+    got = lines(report_rows)
+    counts = {b: (sum(ln.within for ln in got if ln.basis == b), sum(ln.basis == b for ln in got))
+              for b in ("check", "form", "fit")}
+    head = ["### Predicted vs measured (`infra/perf_model.py`)", "",
+            "The planner's time model beside each recorded measurement (`benchmarks/predicted.py`). Within "
+            "0.8-1.2 at every point: " + ", ".join(f"{i} of {n} {b} lines" for b, (i, n) in counts.items() if n) +
+            " (*check*: no constant came from that figure; *form*: constants fitted over these points; *fit*: a "
+            "constant solved on it).", "",
+            "| quantity | case | predicted | measured | measured ÷ predicted | within ±20 % | basis | source |",
+            "|---|---|---|---|---|---|---|---|"]
+    for ln in got:
+        ratios = " / ".join(f"{r:.2f}" for r in ln.ratios)
+        ok = "yes" if ln.within else "**no**"
+        head.append(f"| {ln.quantity} | {ln.case} | {_fmt(ln.predicted, ln.unit)} | {_fmt(ln.measured, ln.unit)} "
+                    f"| {ratios} | {ok} | {ln.basis} | `{ln.source}` |")
+    return "\n".join(head)
+
+
+if __name__ == "__main__":
+    print(render())

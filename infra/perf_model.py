@@ -1,0 +1,239 @@
+"""The planner's time model: what a parameter-server job costs in time, CPU and memory, built
+from per-role, per-message and per-byte costs measured by this project's benchmarks.
+
+``infra.planning`` sizes the hardware (memory per device, how many servers); this module
+predicts what a job of ``W`` workers and ``S`` servers then does: its communication per step,
+its start, its supervisor's load, how fast a failure is seen, its checkpoint's size, save and
+restore time, and the data step's time with ``N`` mapped parts. Every constant below is fitted
+on a recorded measurement, and the comment beside it names the benchmark and the figure it came
+from; ``benchmarks/predicted.py`` puts each prediction beside its measurement in the report.
+
+**Communication** (``comm_s``). MXNet 1.9's dist kvstore places each array on the servers by
+its key (``server_pieces``: whole on server ``(key * 9973) % S`` below
+``MXNET_KVSTORE_BIGARRAY_BOUND`` values, else cut into ``S`` parts); in ``dist_sync`` every
+worker pushes every piece and pulls it back each step. Two kinds of network:
+
+- *Dedicated links* (each server and each worker on a host link of its own, ``Link``). A link is
+  full duplex: pushes flow into a server while pulls flow out. ps-lite pipelines by key: the
+  pull of a piece starts once every worker's push of it is in, while later pieces are still
+  being pushed. That is a two-stage flow shop whose makespan is the inbound bytes plus the
+  outbound bytes of the largest piece: ``W · (B_s + m_s) · 4 · FRAME_OVERHEAD / rate`` on
+  server ``s`` holding ``B_s`` values, largest piece ``m_s``; one array is the old serial
+  bound (``2 · W · B · 4``), many small ones approach the one-direction time. A token-bucket
+  link (``burst_bytes``, as ``tc tbf``) passes a bucket of bytes at once in each direction,
+  full at the step's start and again while the largest piece is pushed. With more servers
+  than workers, a worker's own link (``B + m`` over all pieces, one worker's bytes) is the
+  limit. The slowest server ends the step.
+- *One shared host* (every role on this machine's loopback, ``Link(shared=True)``). Every push
+  and pull crosses the loopback once, and what bounds it is the cores' copying, not a wire:
+  ``LOOPBACK_PS_COST · W · 2 · P · 4 / rate`` with ``rate`` one TCP stream's loopback rate
+  measured at the time (which also catches the machine's load then).
+
+On either, each piece costs ``PER_KEY_S`` of round trips per step (ps-lite messages, the
+server's bookkeeping): what a small model's step is made of.
+
+**Shared cores** (``fair_share``). On one host, a CPU-bound phase run by ``k`` processes that
+want a core each on ``C`` cores takes ``max(1, k / C)`` times its time alone: how the
+restore of ``W`` workers, a save beside a training job, and parts of the data step are
+predicted on this 2-core machine.
+
+No Airflow, no mxnet, no training here (the import direction): a constant the trainer owns
+(the supervisor's poll) is a parameter whose default a unit test checks against the trainer.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+WIRE_BYTES = 4  # kvstore pushes and pulls fp32 arrays
+DEFAULT_BIGARRAY_BOUND = 1_000_000  # MXNET_KVSTORE_BIGARRAY_BOUND's default in MXNet 1.9
+
+# A TCP segment of 1448 payload bytes (MTU 1500, timestamps on) travels as a 1514-byte Ethernet
+# frame, and a link's rate (and tc tbf, which counts frames) is in frame bytes. N1's server host
+# counted 692-737 kB per step for 680 kB of arrays (benchmarks/results.json, N1 raw), and 2.53 MB
+# for 2.41 MB, 1.05, with the 512×512 MLP (benchmarks/figures/constrained_links-512x512.json).
+FRAME_OVERHEAD = 1514 / 1448
+# Loopback: seconds of ps-lite + MXNet per byte ÷ a raw TCP stream's, on one shared host.
+# Fitted on the 100 M model over 4 servers (benchmarks/figures/big_model-100m.json: 1.451 s
+# measured communication ÷ 0.633 s of 1.61 GB at 2.55 GB/s = 2.29; big_model-100m-run-b.json:
+# 5.689 ÷ 2.983 = 1.91), the mean. Each byte is copied by the kernel on both ends as in the raw
+# stream, then by ZMQ/MXNet into an array and summed on the server: about twice the copying.
+LOOPBACK_PS_COST = 2.1
+# Per piece and step (a push and a pull through the server): fitted on the (64, 64) MLP over 4
+# servers (benchmarks/figures/big_model-mlp64x64.json: 7.8 ms step − 2.6 ms compute = 5.15 ms of
+# communication for 6 pieces, of which 0.17 ms is bytes at the loopback rate): 0.83 ms a piece.
+PER_KEY_S = 0.00083
+
+# Start: time to the first step = JOB_START_S + ROLE_START_CPU_S · roles on a host ÷ its cores.
+# Least squares on benchmarks/many_roles.json (8 jobs of 5-33 processes on 2 cores): 4.25 s +
+# 0.848 s per process, i.e. 1.70 CPU-s per role (importing mxnet is about 1.5 of it).
+JOB_START_S = 4.25
+ROLE_START_CPU_S = 1.70
+# Supervisor (benchmarks/many_roles.json, 8 jobs, least squares): CPU = base + a cost per role
+# and second of the job (its poll and log relay of each role); peak RSS flat plus a little per
+# role; one relay thread and one pipe per role.
+SUPERVISOR_CPU_BASE_S = 0.50
+SUPERVISOR_CPU_PER_ROLE_S = 1.45e-4  # CPU-s per role per second of the job
+SUPERVISOR_RSS_MB = 58.2
+SUPERVISOR_RSS_PER_ROLE_MB = 0.028
+SUPERVISOR_BASE_THREADS = 3
+SUPERVISOR_BASE_FDS = 4
+# Failure detection: the next poll of the supervisor (uniform over POLL_S: half of it on
+# average) plus its own handling. benchmarks/many_roles.json: mean of the 16 kills 0.157 s with
+# the launcher's 0.2 s poll, so 0.057 s of handling.
+LAUNCHER_POLL_S = 0.2  # training.launch.launcher.POLL_S (a unit test keeps them equal)
+DETECT_HANDLING_S = 0.057
+
+# Checkpoints. Save (serialise, hash, put, commit) at P3's rate: benchmarks/results.json P3,
+# 89.5 MB of ResNet-18 params + states at 134 MB/s to SeaweedFS. Restore (read, verify, load) at
+# P3's 89.5 MB in 0.216 + 0.430 s = 138.5 MB/s.
+SAVE_BYTES_PER_S = 134e6
+RESTORE_BYTES_PER_S = 138.5e6
+# Restore's own CPU beside the bytes (build the model, fetch the shard list): fitted on
+# benchmarks/many_roles.json 24+8: 0.53 s for 24 workers on 2 cores = 12 × (0.032 + 1.7 MB at
+# 138.5 MB/s). Below the cores' limit a restore still takes RESTORE_LATENCY_S (3+1 and 6+2
+# measured 0.16 and 0.12 s).
+RESTORE_CPU_S = 0.032
+RESTORE_LATENCY_S = 0.14
+
+# The data step (``data_checks.parts``), per MB of CSV source and per task, fitted on one part
+# of benchmarks/figures/mapped_shard-112mb.json (111.8 MB, 256 float32 columns): count 3.65 s,
+# shard 5.67 s, plan 1.25 s, merge 2.76 s of work; a task's start (interpreter, imports) is its
+# wall less its work, 1.0-1.2 s. Count and shard parse with pyarrow's CSV reader, which runs a
+# thread per core: the one part had the machine's SHARD_FIT_CORES cores, so a part with c cores
+# takes SHARD_FIT_CORES / c times as long per MB; the merge is taken as serial.
+SHARD_COUNT_S_PER_MB = 3.65 / 111.8
+SHARD_PART_S_PER_MB = 5.67 / 111.8
+SHARD_PLAN_S = 1.25
+SHARD_MERGE_S_PER_MB = 2.76 / 111.8
+SHARD_FIT_CORES = 2
+TASK_START_S = 1.1
+
+
+@dataclass(frozen=True)
+class Link:
+    """A role's network: ``bytes_per_s`` in each direction (full duplex), a token bucket of
+    ``burst_bytes`` (``tc tbf``; 0 for a plain link), or ``shared``: every role on one host."""
+
+    bytes_per_s: float
+    burst_bytes: float = 0.0
+    shared: bool = False
+
+
+def _c_round(x: float) -> int:
+    """C's ``round`` (halves away from zero), which MXNet uses; Python's rounds halves to even."""
+    return math.floor(x + 0.5)
+
+
+def server_pieces(sizes: Sequence[int], servers: int, bound: int = DEFAULT_BIGARRAY_BOUND) -> list[list[int]]:
+    """The pieces (values) each ps-lite server rank holds under MXNet 1.9's rule
+    (``src/kvstore/kvstore_dist.h``, ``EncodeDefaultKey``), keys numbered 0, 1, … in the
+    Trainer's order: below ``bound`` an array goes whole to ``(key * 9973) % servers``; else it
+    is cut into ``servers`` contiguous parts of ``round(size / n * (i + 1)) - round(size / n * i)``."""
+    per: list[list[int]] = [[] for _ in range(servers)]
+    for key, size in enumerate(sizes):
+        if size < bound:
+            per[(key * 9973) % servers].append(size)
+        else:
+            for i in range(servers):
+                per[i].append(_c_round(size / servers * (i + 1)) - _c_round(size / servers * i))
+    return per
+
+
+def server_elements(sizes: Sequence[int], servers: int, bound: int = DEFAULT_BIGARRAY_BOUND) -> list[int]:
+    """Values each server rank holds (``server_pieces`` summed)."""
+    return [sum(p) for p in server_pieces(sizes, servers, bound)]
+
+
+def bandwidth_s(sizes: Sequence[int], workers: int, servers: int, link: Link,
+                bound: int = DEFAULT_BIGARRAY_BOUND) -> float:
+    """Seconds a ``dist_sync`` step's bytes take on ``link`` (module docstring), no per-piece cost."""
+    if workers < 1 or servers < 1:
+        raise ValueError("workers and servers must be >= 1")
+    if link.shared:
+        return LOOPBACK_PS_COST * workers * 2 * sum(sizes) * WIRE_BYTES / link.bytes_per_s
+    pieces = server_pieces(sizes, servers, bound)
+    frame = WIRE_BYTES * FRAME_OVERHEAD
+    burst = link.burst_bytes
+
+    def pipelined(inbound: float, largest: float) -> float:
+        # Inbound, then the largest piece's way back; each direction's bucket passes its bytes at once.
+        return max(inbound + largest - 2 * burst, inbound - burst, 0.0) / link.bytes_per_s
+
+    per_server = [pipelined(workers * sum(p) * frame, workers * max(p) * frame) for p in pieces if p]
+    everything = [x for p in pieces for x in p]
+    per_worker = pipelined(sum(everything) * frame, max(everything) * frame)
+    return max(per_server + [per_worker])
+
+
+def comm_s(sizes: Sequence[int], workers: int, servers: int, link: Link,
+           bound: int = DEFAULT_BIGARRAY_BOUND) -> float:
+    """Seconds of communication per step: the bytes (``bandwidth_s``) plus ``PER_KEY_S`` per piece
+    a worker pushes and pulls."""
+    pieces = sum(len(p) for p in server_pieces(sizes, servers, bound))
+    return bandwidth_s(sizes, workers, servers, link, bound) + PER_KEY_S * pieces
+
+
+def fair_share(busy: float, cores: int) -> float:
+    """How much longer a CPU-bound phase takes when ``busy`` processes want a core each on ``cores``."""
+    return max(1.0, busy / cores)
+
+
+def first_step_s(roles_per_host: int, cores_per_host: int) -> float:
+    """Job start → the first step: the roles of a host start (import mxnet, join ps-lite) on its cores."""
+    return JOB_START_S + ROLE_START_CPU_S * roles_per_host / cores_per_host
+
+
+def supervisor_cpu_s(roles: int, job_s: float) -> float:
+    """The supervisor's CPU seconds over a job of ``roles`` processes lasting ``job_s``."""
+    return SUPERVISOR_CPU_BASE_S + SUPERVISOR_CPU_PER_ROLE_S * roles * job_s
+
+
+def supervisor_rss_mb(roles: int) -> float:
+    return SUPERVISOR_RSS_MB + SUPERVISOR_RSS_PER_ROLE_MB * roles
+
+
+def supervisor_threads(roles: int) -> int:
+    return SUPERVISOR_BASE_THREADS + roles
+
+
+def supervisor_fds(roles: int) -> int:
+    return SUPERVISOR_BASE_FDS + roles
+
+
+def detect_s(poll_s: float = LAUNCHER_POLL_S) -> float:
+    """Mean time from a role's death to the supervisor's ``role_failed``."""
+    return poll_s / 2 + DETECT_HANDLING_S
+
+
+def checkpoint_bytes(params: int, state_values: int, aux: int = 0) -> int:
+    """A checkpoint's bytes: fp32 parameters, ``state_values`` optimizer values per parameter
+    (the optimizer on the workers: its state is saved too) and aux state."""
+    return (params * (1 + state_values) + aux) * 4
+
+
+def save_s(nbytes: float, busy: float = 1.0, cores: int = 1) -> float:
+    """One checkpoint save (serialise, hash, put, commit) with ``busy`` processes (or measured
+    runnable threads) wanting ``cores``."""
+    return nbytes / SAVE_BYTES_PER_S * fair_share(busy, cores)
+
+
+def restore_s(nbytes: float, workers: int, cores: int, storage_procs: int = 0,
+              runnable: float | None = None) -> float:
+    """Every worker reads, verifies and loads the checkpoint itself, at once: on one host of
+    ``cores`` with ``storage_procs`` storage servers beside them (a local S3: 1) they share the
+    cores; alone (one worker per host: ``workers=1``) a restore is its own CPU or the latency.
+    ``runnable``: the threads measured wanting the cores meanwhile (others' work included), in
+    place of the job's own count."""
+    cpu = RESTORE_CPU_S + nbytes / RESTORE_BYTES_PER_S
+    busy = runnable if runnable is not None else workers + storage_procs
+    return max(RESTORE_LATENCY_S, cpu * fair_share(busy, cores))
+
+
+def shard_s(source_mb: float, parts: int, cores_per_part: float = SHARD_FIT_CORES) -> float:
+    """The data step with ``parts`` mapped parts, each a task with ``cores_per_part`` cores (its
+    own Airflow worker's; N parts side by side on a C-core host: C / N): plan, the parts' counts
+    side by side, their shards side by side, then one merge over the whole source."""
+    per_mb = (SHARD_COUNT_S_PER_MB + SHARD_PART_S_PER_MB) * SHARD_FIT_CORES / cores_per_part
+    return 4 * TASK_START_S + SHARD_PLAN_S + source_mb / parts * per_mb + source_mb * SHARD_MERGE_S_PER_MB

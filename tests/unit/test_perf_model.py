@@ -1,0 +1,103 @@
+"""The planner's time model (``infra.perf_model``): every expected figure below is worked out by
+hand from the formulas of its docstring, not copied from the code's output."""
+from __future__ import annotations
+
+import pytest
+
+from infra import perf_model as pm
+from training.launch import launcher
+
+pytestmark = pytest.mark.unit
+
+F = 1514 / 1448  # an Ethernet frame per TCP payload
+
+
+def test_keys_go_whole_below_the_bound_and_in_parts_above_it():
+    # 9973 % 4 == 1: key k of a small array goes to server k % 4.
+    assert pm.server_pieces([5, 7, 11, 13, 17], 4, bound=100) == [[5, 17], [7], [11], [13]]
+    # 10 values over 4 servers, C's rounding: 2.5 → 3, 5, 7.5 → 8, 10.
+    assert pm.server_pieces([10], 4, bound=10) == [[3], [2], [3], [2]]
+    assert pm.server_elements([5, 7, 11, 13, 17], 4, bound=100) == [22, 7, 11, 13]
+
+
+def test_a_dedicated_link_is_full_duplex_and_pipelined_by_key():
+    # 2 workers, 1 server, arrays of 1000 and 250 values at 1 MB/s: the server takes in
+    # 2 · 1250 · 4 = 10,000 bytes while sending back, then the largest array's 2 · 1000 · 4 = 8,000.
+    link = pm.Link(1e6)
+    assert pm.bandwidth_s([1000, 250], 2, 1, link, bound=10**9) == pytest.approx(18_000 * F / 1e6)
+    # One array: nothing to overlap, the serial bound 2 · W · B · 4 (pushes, then pulls).
+    assert pm.bandwidth_s([1250], 2, 1, link, bound=10**9) == pytest.approx(20_000 * F / 1e6)
+    # A token bucket of 1,000 bytes passes that much at once in each direction.
+    assert pm.bandwidth_s([1000, 250], 2, 1, pm.Link(1e6, burst_bytes=1000), bound=10**9) == pytest.approx(
+        (18_000 * F - 2000) / 1e6)
+
+
+def test_with_more_servers_than_workers_a_workers_link_is_the_limit():
+    # 4 M values cut in 4 parts of 1 M; one worker's link carries all 4 M out and the last 1 M back
+    # (5 M · 4 bytes) while each server carries 1 M in and 1 M out (2 M · 4).
+    assert pm.bandwidth_s([4_000_000], 1, 4, pm.Link(1e8)) == pytest.approx(20e6 * F / 1e8)
+
+
+def test_one_shared_host_is_bound_by_copying_every_byte():
+    # Every push and pull crosses the loopback once: 2 workers · 2 · 1250 · 4 = 20,000 bytes, at
+    # 2.1 times a raw stream's cost.
+    assert pm.bandwidth_s([1000, 250], 2, 4, pm.Link(1e6, shared=True)) == pytest.approx(2.1 * 0.02)
+
+
+def test_each_piece_costs_a_round_trip_per_step():
+    bw = pm.bandwidth_s([1000, 250], 2, 2, pm.Link(1e6), bound=10**9)
+    assert pm.comm_s([1000, 250], 2, 2, pm.Link(1e6), bound=10**9) == pytest.approx(bw + 2 * 0.00083)
+    # An array above the bound is 4 pieces over 4 servers.
+    assert pm.comm_s([2_000_000], 2, 4, pm.Link(1e9)) - pm.bandwidth_s([2_000_000], 2, 4, pm.Link(1e9)) == \
+        pytest.approx(4 * 0.00083)
+
+
+def test_n1_at_50_mbit_by_hand():
+    # The N1 job: MLP 64 → 256 → 256 → 10 (85,002 values, largest array 65,536), 2 workers, one
+    # server, tbf at 50 Mbit/s (6.25 MB/s) with a 25,000-byte bucket.
+    sizes = [64 * 256, 256, 256 * 256, 256, 256 * 10, 10]
+    inbound, largest = 2 * 85_002 * 4, 2 * 65_536 * 4
+    expected = ((inbound + largest) * F - 2 * 25_000) / 6.25e6
+    assert pm.bandwidth_s(sizes, 2, 1, pm.Link(6.25e6, burst_bytes=25_000)) == pytest.approx(expected)
+    assert expected == pytest.approx(0.1935, abs=1e-4)
+
+
+def test_start_supervisor_and_detection():
+    assert pm.first_step_s(33, 2) == pytest.approx(4.25 + 1.70 * 33 / 2)  # 32.3 s
+    assert pm.first_step_s(1, 8) == pytest.approx(4.25 + 1.70 / 8)  # a role alone on its host
+    assert pm.supervisor_cpu_s(33, 100) == pytest.approx(0.50 + 1.45e-4 * 3300)
+    assert pm.supervisor_rss_mb(100) == pytest.approx(58.2 + 2.8)
+    assert (pm.supervisor_threads(33), pm.supervisor_fds(33)) == (36, 37)
+    assert pm.detect_s() == pytest.approx(0.1 + 0.057)
+    assert pm.detect_s(1.0) == pytest.approx(0.5 + 0.057)
+
+
+def test_the_detection_model_uses_the_launchers_poll():
+    assert pm.LAUNCHER_POLL_S == launcher.POLL_S
+
+
+def test_checkpoint_size_save_and_restore():
+    assert pm.checkpoint_bytes(100, 1, aux=10) == (200 + 10) * 4
+    assert pm.checkpoint_bytes(100_760_010, 1) == 806_080_080  # the 100 M model with momentum
+    assert pm.save_s(134e6) == pytest.approx(1.0)
+    assert pm.save_s(134e6, busy=6, cores=2) == pytest.approx(3.0)  # six processes want the two cores
+    assert pm.save_s(134e6, busy=1, cores=2) == pytest.approx(1.0)
+    # 138.5 MB: 1 s of reading, verifying and loading, plus 0.032 s of the restore's own CPU.
+    assert pm.restore_s(138.5e6, workers=1, cores=4) == pytest.approx(1.032)
+    assert pm.restore_s(138.5e6, workers=2, cores=2, storage_procs=1) == pytest.approx(1.032 * 1.5)
+    assert pm.restore_s(1000, workers=1, cores=2) == pytest.approx(0.14)  # the latency floor
+
+
+def test_sharding_time_with_mapped_parts():
+    # 111.8 MB: 4 task starts of 1.1 s, plan 1.25 s, count 3.65 s + shard 5.67 s on 2 cores split
+    # over the parts, merge 2.76 s.
+    assert pm.shard_s(111.8, 1) == pytest.approx(4.4 + 1.25 + 9.32 + 2.76)
+    assert pm.shard_s(111.8, 2) == pytest.approx(4.4 + 1.25 + 9.32 / 2 + 2.76)  # 2 workers of 2 cores
+    # Two parts side by side on one 2-core host: a core each, half the bytes each: no gain.
+    assert pm.shard_s(111.8, 2, cores_per_part=1) == pytest.approx(pm.shard_s(111.8, 1))
+    assert pm.shard_s(111.8, 4, cores_per_part=8) == pytest.approx(4.4 + 1.25 + 9.32 / 4 / 4 + 2.76)
+
+
+def test_bad_counts_are_refused():
+    with pytest.raises(ValueError, match="workers and servers"):
+        pm.bandwidth_s([10], 0, 1, pm.Link(1e6))
