@@ -38,16 +38,34 @@ reads the role lines through ``common.events.parse_event`` only) and the job's m
   ``checkpoint_blocked_s``: what each cost the training loop;
 - ``elastic_resume_s``: job B's ``job_start`` → worker-0's ``first_step_after_resume``.
 
+``--backend hosts``: the same jobs over SSH on ``--hosts`` namespace hosts (``testkit.netns_hosts``,
+its own namespace prefix; an sshd in each, the keys made for the run): the ``hosts`` backend's
+placement, the detached supervisor on the first host and one ssh session per role from it. The
+hosts share this machine's filesystem (the job's local storage, the roles' records: the killer
+finds its victims through ``testkit.killer.live_hosts_roles``) and its process table (the
+sampler's psutil). Added figures: ``ssh_clients`` (the supervisor's ssh children at their peak),
+``sshd_processes`` (the sshd processes serving sessions on the hosts) and
+``transport_peak_rss_mb`` (both together). The PNGs are ``many_roles_hosts_*.png``.
+
+``--s3`` (local backend): the data and the checkpoints on a real SeaweedFS S3 (credentials
+enforced), every request of the supervisor and the roles counted by a boto3 event hook loaded
+through their ``PYTHONPATH`` (``testkit.s3_requests``): ``resume_s3_*`` over job B's resume
+(``job_start`` → the first step after it: requests, the workers' megabytes received, the
+workers' requests for checkpoint objects, the busiest second), ``restart_s3_*`` over the restart
+in place after the worker's kill. The PNGs are ``many_roles_s3_*.png``.
+
 Each figure is also plotted against the role count (workers + servers) into ``--plots`` (PNG).
 Before sizes of 16 roles and more run, the script waits (polling every minute, at most
 ``--wait-idle-s``) while the lead's test suite (``pytest -n 2``) runs, and records whether it did.
 
     nice -n 5 .venv/bin/python benchmarks/many_roles.py [--sizes 3+1,6+2,12+4,24+8] [--runs 2] \\
-        [--plots benchmarks] [--json OUT]
+        [--plots benchmarks] [--json OUT] [--backend hosts --hosts 3] [--s3]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -60,6 +78,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 # The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
@@ -67,7 +86,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import storage  # noqa: E402
 from common.events import CheckpointCommitted, FirstStep, FirstStepAfterResume, Resumed, WorkerStarted  # noqa: E402
-from testkit.killer import live_roles  # noqa: E402
+from testkit.killer import LiveRole, live_hosts_roles, live_roles  # noqa: E402
 from testkit.result_file import write_json  # noqa: E402
 from training.launch.launcher import JobStopped  # noqa: E402
 from testkit.timeline import LEAD, Event, failure_timeline, first_event, role_event, role_event_of  # noqa: E402
@@ -82,7 +101,12 @@ TARGET_STEPS = 160
 FIGURES = ("first_step_s", "supervisor_cpu_s", "supervisor_peak_rss_mb", "supervisor_peak_threads",
            "supervisor_peak_fds", "roles_peak_rss_mb", "role_peak_fds", "worker_kill_detect_s", "worker_kill_restart_s",
            "server_kill_detect_s", "server_kill_restart_s", "restore_s", "checkpoint_save_s",
-           "checkpoint_blocked_s", "elastic_resume_s")
+           "checkpoint_blocked_s", "elastic_resume_s",
+           # --backend hosts: the transport's processes (an ssh client here, sshd on the host).
+           "ssh_clients", "sshd_processes", "transport_peak_rss_mb",
+           # --s3: the resume's S3 requests (job B: job_start → first step after the resume).
+           "resume_s3_requests", "resume_s3_worker_mb", "resume_s3_checkpoint_requests",
+           "resume_s3_peak_requests_per_s", "restart_s3_requests", "restart_s3_worker_mb")
 # The plots: (file stem, title, y label, figures on it).
 PLOTS = (("first_step", "Time to the first step", "seconds", ("first_step_s", "elastic_resume_s")),
          ("supervisor", "Supervisor CPU time (whole job A)", "CPU seconds", ("supervisor_cpu_s",)),
@@ -92,7 +116,109 @@ PLOTS = (("first_step", "Time to the first step", "seconds", ("first_step_s", "e
          ("failure", "Failure detection and restart in place", "seconds",
           ("worker_kill_detect_s", "server_kill_detect_s", "worker_kill_restart_s", "server_kill_restart_s")),
          ("checkpoint", "Checkpoint save and restore", "seconds",
-          ("checkpoint_save_s", "checkpoint_blocked_s", "restore_s")))
+          ("checkpoint_save_s", "checkpoint_blocked_s", "restore_s")),
+         ("transport", "SSH transport: processes and memory", "count / MB",
+          ("ssh_clients", "sshd_processes", "transport_peak_rss_mb")),
+         ("s3", "S3 requests of a resume (job B) and a restart in place", "requests / MB",
+          ("resume_s3_requests", "resume_s3_checkpoint_requests", "resume_s3_worker_mb", "restart_s3_requests",
+           "restart_s3_worker_mb")))
+JOB_TIMEOUT_S = 1800.0
+
+
+class LocalBackend:
+    """Every role a process of this machine (``testkit.local_jobs.run_local``)."""
+
+    name = "local"
+
+    def __init__(self, root: Path) -> None:
+        self.home = str(root / "home")
+
+    def run(self, job: Any, prefix: str, env: dict[str, str]) -> None:
+        from testkit.local_jobs import run_local
+
+        run_local(job, storage.join(prefix, "job.json"), self.home, env, timeout_s=JOB_TIMEOUT_S)
+
+    def live_roles(self) -> list[LiveRole]:
+        return live_roles(self.home)
+
+    def role_processes(self, supervisor: Any) -> list[Any]:
+        return supervisor.children(recursive=True)
+
+    def transport_processes(self, supervisor: Any) -> tuple[list[Any], list[Any]]:
+        return [], []
+
+
+class HostsBackend:
+    """The ``hosts`` backend over SSH on namespace hosts (``testkit.netns_hosts``): the detached
+    supervisor on the first host, one ssh session per role from it. The hosts share this
+    machine's filesystem (the job's local storage) and process table (the kills, the samples)."""
+
+    name = "hosts"
+
+    def __init__(self, hosts: list[dict], root: Path) -> None:
+        self.state_dir = str(root / "state")
+        self.hosts = [{**h, "state_dir": self.state_dir} for h in hosts]
+        self.home = str(root / "home")
+        self.cluster: Any = None
+
+    def run(self, job: Any, prefix: str, env: dict[str, str]) -> None:
+        import uuid
+
+        from infra.cluster import ClusterSpec, provision
+        from training.launch.detached import run_detached
+
+        c = job.config.cluster
+        spec = ClusterSpec(run_tag=f"many-roles--{c.num_workers}w{c.num_servers}s-{uuid.uuid4().hex[:8]}",
+                           workers=c.num_workers, servers=c.num_servers, backend="hosts",
+                           options={"hosts": self.hosts})
+        self.cluster = provision(spec, home=self.home)
+        job_uri = storage.join(prefix, "job.json")
+        job = dataclasses.replace(job, status_uri=storage.join(prefix, "job_status.json"),
+                                  cluster=self.cluster.job_cluster())
+        job.save(job_uri)
+        try:
+            run_detached(job_uri, env={**os.environ, **env}, timeout_s=JOB_TIMEOUT_S)
+        finally:
+            self.cluster.teardown()
+
+    def live_roles(self) -> list[LiveRole]:
+        cluster = self.cluster
+        return live_hosts_roles(self.state_dir, cluster.cluster_id) if cluster is not None else []
+
+    def role_processes(self, supervisor: Any) -> list[Any]:
+        import psutil
+
+        out = []
+        for role in self.live_roles():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                out.append(psutil.Process(role.pid))
+        return out
+
+    def transport_processes(self, supervisor: Any) -> tuple[list[Any], list[Any]]:
+        """The supervisor's ssh clients, and the sshd processes serving sessions on the hosts
+        (below each host's listener: a privileged monitor and a user process per session)."""
+        import psutil
+
+        clients = [c for c in supervisor.children() if c.name() == "ssh"]
+        served = []
+        for host in self.hosts:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                listener = psutil.Process(host["extra"]["sshd_pid"])
+                # ip netns exec execs sshd: the recorded pid is the listener itself.
+                served += [p for p in listener.children(recursive=True) if p.name().startswith("sshd")]
+        return clients, served
+
+
+@contextlib.contextmanager
+def hosts_backend(count: int, root: Path) -> Iterator[list[dict]]:
+    """``count`` namespace hosts (``testkit.netns_hosts``'s own prefix) with an sshd each."""
+    from testkit.netns_hosts import namespace_hosts, ssh_hosts, sshd_available
+
+    why = sshd_available()
+    if why:
+        raise SystemExit(f"--backend hosts needs sshd in network namespaces: {why}")
+    with namespace_hosts(count, controller=True) as made, ssh_hosts(made, root / "ssh") as over_ssh:
+        yield over_ssh
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -123,9 +249,9 @@ class KillOneWorkerThenOneServer(threading.Thread):
     random server once attempt 2 committed one 20 steps past its resume; once attempt 3 did too,
     SIGTERM to the supervisor (an orderly stop: rank 0's emergency checkpoint, job B's start)."""
 
-    def __init__(self, home: str, events_file: Path, status_uri: str, seed: int) -> None:
+    def __init__(self, backend: Any, events_file: Path, status_uri: str, seed: int) -> None:
         super().__init__(name="many-roles-killer", daemon=True)
-        self.home, self.events_file, self.status_uri = home, events_file, status_uri
+        self.backend, self.events_file, self.status_uri = backend, events_file, status_uri
         self.rng = random.Random(seed)
         self.kills: list[dict[str, Any]] = []
         self.stopped_at: float | None = None
@@ -162,7 +288,7 @@ class KillOneWorkerThenOneServer(threading.Thread):
             if not self._wait_due(attempt):
                 return
             while not self.stopping.is_set():
-                victims = [r for r in live_roles(self.home) if r.kind == kind]
+                victims = [r for r in self.backend.live_roles() if r.kind == kind]
                 if victims:
                     victim = self.rng.choice(sorted(victims))
                     t = time.time()
@@ -183,12 +309,13 @@ class KillOneWorkerThenOneServer(threading.Thread):
 
 
 class Sampler(threading.Thread):
-    """Samples the supervisor (its pid from the status record) and its child processes (the
-    roles) with psutil until stopped: CPU time, RSS, threads, file descriptors."""
+    """Samples the supervisor (its pid from the status record), its roles (``backend``'s: the
+    supervisor's child processes on ``local``, the recorded role processes on the hosts) and the
+    transport's processes with psutil until stopped: CPU time, RSS, threads, file descriptors."""
 
-    def __init__(self, status_uri: str) -> None:
+    def __init__(self, status_uri: str, backend: Any) -> None:
         super().__init__(name="many-roles-sampler", daemon=True)
-        self.status_uri = status_uri
+        self.status_uri, self.backend = status_uri, backend
         self.stopping = threading.Event()
         self.result: dict[str, float] = {}
 
@@ -219,7 +346,8 @@ class Sampler(threading.Thread):
         proc = self._supervisor()
         if proc is None:
             return
-        peak = {"rss": 0.0, "hwm": 0.0, "threads": 0, "fds": 0, "roles_rss": 0.0, "role_fds": 0}
+        peak = {"rss": 0.0, "hwm": 0.0, "threads": 0, "fds": 0, "roles_rss": 0.0, "role_fds": 0,
+                "ssh": 0, "sshd": 0, "transport_rss": 0.0}
         cpu = 0.0
         while True:
             try:
@@ -233,7 +361,7 @@ class Sampler(threading.Thread):
                     hwm = next(int(ln.split()[1]) * 1024 for ln in fh if ln.startswith("VmHWM:"))
                 peak["hwm"] = max(peak["hwm"], hwm)
                 roles = 0.0
-                for child in proc.children(recursive=True):
+                for child in self.backend.role_processes(proc):
                     try:
                         roles += child.memory_info().rss
                         # ps-lite connects every role to every other one (common.procs.limits).
@@ -241,6 +369,14 @@ class Sampler(threading.Thread):
                     except psutil.NoSuchProcess:
                         continue
                 peak["roles_rss"] = max(peak["roles_rss"], roles)
+                clients, served = self.backend.transport_processes(proc)
+                transport = 0.0
+                for p in clients + served:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        transport += p.memory_info().rss
+                peak["ssh"] = max(peak["ssh"], len(clients))
+                peak["sshd"] = max(peak["sshd"], len(served))
+                peak["transport_rss"] = max(peak["transport_rss"], transport)
             except (psutil.NoSuchProcess, psutil.ZombieProcess, FileNotFoundError, ProcessLookupError, StopIteration):
                 break
             if self.stopping.wait(SAMPLE_S):
@@ -249,15 +385,19 @@ class Sampler(threading.Thread):
         self.result = {"supervisor_cpu_s": cpu, "supervisor_peak_rss_mb": max(peak["hwm"], peak["rss"]) / mb,
                        "supervisor_peak_threads": peak["threads"], "supervisor_peak_fds": peak["fds"],
                        "roles_peak_rss_mb": peak["roles_rss"] / mb, "role_peak_fds": peak["role_fds"]}
+        if self.backend.name == "hosts":
+            self.result.update({"ssh_clients": peak["ssh"], "sshd_processes": peak["sshd"],
+                                "transport_peak_rss_mb": peak["transport_rss"] / mb})
 
 
-def shard(root: Path, workers: int, copies: int) -> tuple[Any, str, int]:
-    """The jittered digits table sharded for ``workers``: (config, shards prefix, train rows)."""
+def shard(root: str, workers: int, copies: int) -> tuple[Any, str, int]:
+    """The jittered digits table sharded for ``workers`` under ``root`` (a folder or an S3
+    prefix): (config, shards prefix, train rows)."""
     from common.config import recipe
     from data_checks.shard import shard_dataset
     from testkit.digits import digits_csv
 
-    prefix = str(root / f"data-{workers}")
+    prefix = storage.join(root, f"data-{workers}")
     source = storage.join(prefix, "digits.csv")
     storage.put_bytes(source, digits_csv(copies))
     cfg = recipe("debug", source).replace(cluster={"num_workers": workers})
@@ -273,24 +413,29 @@ def job_config(cfg: Any, workers: int, servers: int, epochs: int) -> Any:
                                 "max_restarts_without_progress": 3})
 
 
-def measure(root: Path, cfg: Any, shards: str, workers: int, servers: int, epochs: int, seed: int,
-            step_delay_s: float) -> dict[str, Any]:
-    from testkit.local_jobs import make_job, run_local
+def measure(root: Path, store: str, backend: Any, cfg: Any, shards: str, workers: int, servers: int, epochs: int,
+            seed: int, step_delay_s: float, s3_env: dict[str, str]) -> dict[str, Any]:
+    """One run of jobs A and B (module docstring). ``root``: this run's local folder (event logs,
+    records); ``store``: where the job's checkpoints go (a folder, or an S3 prefix with
+    ``s3_env`` the hook's environment, ``testkit.s3_requests``)."""
+    from testkit import s3_requests
+    from testkit.local_jobs import make_job
 
-    prefix = str(root / "job")
-    home = str(root / "home")
+    prefix = storage.join(store, "job")
     events_a, events_b = root / "events-a.jsonl", root / "events-b.jsonl"
+    counts = root / "s3-requests.jsonl"
     env = {"MXPIPE_EVENTS_FILE": str(events_a), "MXPIPE_FAULT_STEP_DELAY_S": str(step_delay_s),
-           "MXPIPE_FAULT_KILL_RANK": "0"}
+           "MXPIPE_FAULT_KILL_RANK": "0",
+           **({**s3_env, s3_requests.ENV: str(counts)} if s3_env else {})}
     job_a = make_job(job_config(cfg, workers, servers, epochs), shards, prefix)
     status_uri = storage.join(prefix, "job_status.json")
-    killer = KillOneWorkerThenOneServer(home, events_a, status_uri, seed)
-    sampler = Sampler(status_uri)
+    killer = KillOneWorkerThenOneServer(backend, events_a, status_uri, seed)
+    sampler = Sampler(status_uri, backend)
     killer.start()
     sampler.start()
     started = time.monotonic()
     try:
-        run_local(job_a, storage.join(prefix, "job.json"), home, env, timeout_s=1800)
+        backend.run(job_a, prefix, env)
         raise RuntimeError(f"{workers}+{servers}: job A ended before it was stopped: more epochs")
     except JobStopped:
         pass  # the killer's SIGTERM: what job B resumes from
@@ -306,6 +451,13 @@ def measure(root: Path, cfg: Any, shards: str, workers: int, servers: int, epoch
     job_start = first_event(events, lambda e: e["event"] == "job_start", 0.0)["t"]
     out["first_step_s"] = first_event(events, role_event(FirstStep, LEAD), job_start)["t"] - job_start
     restores = []
+    if s3_env:  # the restart in place after the worker's kill: role_failed → first step after it
+        timeline = failure_timeline(events, killer.kills[0]["t"])
+        restart = s3_requests.summary(s3_requests.read(counts), killer.kills[0]["t"],
+                                      killer.kills[0]["t"] + timeline["total"])
+        out["restart_s3"] = restart
+        out["restart_s3_requests"] = restart["requests"]
+        out["restart_s3_worker_mb"] = restart["worker_bytes_in"] / 1e6
     for kill in killer.kills:
         timeline = failure_timeline(events, kill["t"])
         out[f"{kill['kind']}_kill_detect_s"] = timeline["detect"]
@@ -317,8 +469,7 @@ def measure(root: Path, cfg: Any, shards: str, workers: int, servers: int, epoch
     # Job B: fewer workers on job A's checkpoints (its emergency one), trained to the end.
     fewer = workers - max(1, workers // 6)
     job_b = make_job(job_config(cfg, fewer, servers, epochs), shards, prefix)
-    run_local(job_b, storage.join(prefix, "job.json"), home, {**env, "MXPIPE_EVENTS_FILE": str(events_b)},
-              timeout_s=1800)
+    backend.run(job_b, prefix, {**env, "MXPIPE_EVENTS_FILE": str(events_b)})
     # Rank 0's checkpoint statistics of job B (job A was stopped: no metrics record).
     stats = json.loads(storage.get_bytes(job_b.metrics_uri))["checkpoint"]
     out["checkpoint_save_s"] = stats["upload_s"] / max(1, stats["committed"])
@@ -331,6 +482,13 @@ def measure(root: Path, cfg: Any, shards: str, workers: int, servers: int, epoch
     out["elastic_resume_s"] = first["t"] - job_start
     joined = first_event(events, role_event(WorkerStarted, LEAD), job_start)
     out["elastic_restore_s"] = first_event(events, role_event(Resumed), joined["t"])["t"] - joined["t"]
+    if s3_env:  # every worker reads the checkpoint itself: the resume's requests, by worker count
+        resume = s3_requests.summary(s3_requests.read(counts), job_start, first["t"])
+        out["resume_s3"] = resume
+        out["resume_s3_requests"] = resume["requests"]
+        out["resume_s3_worker_mb"] = resume["worker_bytes_in"] / 1e6
+        out["resume_s3_checkpoint_requests"] = resume["worker_by_part"].get("checkpoints", {}).get("requests", 0)
+        out["resume_s3_peak_requests_per_s"] = resume["peak_requests_per_s"]
     return out
 
 
@@ -352,7 +510,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {name: statistics.median(r[name] for r in rows) for name in FIGURES if all(name in r for r in rows)}
 
 
-def plot(sizes: list[dict[str, Any]], folder: str) -> list[str]:
+def plot(sizes: list[dict[str, Any]], folder: str, stem_prefix: str = "many_roles") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -361,6 +519,8 @@ def plot(sizes: list[dict[str, Any]], folder: str) -> list[str]:
     written = []
     roles = [s["roles"] for s in sizes]
     for stem, title, ylabel, names in PLOTS:
+        if not any(name in s["median"] for s in sizes for name in names):
+            continue  # the transport's figures on local, the S3 ones without --s3
         fig, ax = plt.subplots(figsize=(6, 4))
         for name in names:
             ax.plot(roles, [s["median"].get(name, math.nan) for s in sizes], marker="o", label=name)
@@ -371,7 +531,7 @@ def plot(sizes: list[dict[str, Any]], folder: str) -> list[str]:
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-        path = os.path.join(folder, f"many_roles_{stem}.png")
+        path = os.path.join(folder, f"{stem_prefix}_{stem}.png")
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
@@ -393,23 +553,56 @@ def main() -> int:
                         help="how long to wait for the test suite to end before sizes of 16 roles and more")
     parser.add_argument("--keep", help="a folder for the runs (default: a temp folder)")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--backend", choices=("local", "hosts"), default="local",
+                        help="hosts: over SSH on namespace hosts (testkit.netns_hosts), the job's storage shared")
+    parser.add_argument("--hosts", type=int, default=3, help="namespace hosts of --backend hosts")
+    parser.add_argument("--s3", action="store_true",
+                        help="data and checkpoints on a real SeaweedFS S3, every request counted "
+                             "(testkit.s3_requests; --backend local only)")
+    parser.add_argument("--plot-prefix", help="file stem of the PNGs (default many_roles, many_roles_hosts, "
+                                              "many_roles_s3)")
     args = parser.parse_args()
+    if args.s3 and args.backend != "local":
+        parser.error("--s3 counts requests through a hook on the roles' PYTHONPATH, which remote roles "
+                     "do not inherit: --backend local only")
+    stem = args.plot_prefix or ("many_roles_hosts" if args.backend == "hosts" else
+                                "many_roles_s3" if args.s3 else "many_roles")
+    # SIGTERM (a bounded run's timeout) unwinds like Ctrl-C: every job, sshd and S3 server stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     report: dict[str, Any] = {"runs": args.runs, "copies": args.copies, "step_delay_s": args.step_delay_s,
-                              "checkpoint_every_n_steps": CKPT_EVERY, "cpus": os.cpu_count(), "sizes": []}
-    with tempfile.TemporaryDirectory(prefix="mxpipe-roles-") as tmp:
+                              "checkpoint_every_n_steps": CKPT_EVERY, "cpus": os.cpu_count(),
+                              "backend": args.backend, "hosts": args.hosts if args.backend == "hosts" else None,
+                              "s3": args.s3, "sizes": []}
+    with tempfile.TemporaryDirectory(prefix="mxpipe-roles-") as tmp, contextlib.ExitStack() as stack:
         root = Path(args.keep) if args.keep else Path(tmp)
+        hosts = stack.enter_context(hosts_backend(args.hosts, root)) if args.backend == "hosts" else []
+        s3_env: dict[str, str] = {}
+        data_root = str(root)
+        if args.s3:
+            from testkit.chaos_jobs import ChaosStack
+            from testkit.s3_requests import hook_dir
+
+            server = ChaosStack(root / "s3")
+            server.start()
+            stack.callback(server.stop)
+            stack.enter_context(server.environment())
+            s3_env = hook_dir(root / "s3-hook")
+            data_root = f"s3://{server.bucket}/many-roles"
         for workers, servers in args.sizes:
             loaded = wait_idle(args.wait_idle_s) if workers + servers >= 16 else suite_running()
             # As many jittered copies of the table as workers: about the same steps at every size.
-            cfg, shards, train_rows = shard(root, workers, workers * args.copies)
+            cfg, shards, train_rows = shard(data_root, workers, workers * args.copies)
             steps_per_epoch = max(1, train_rows // (BATCH * workers))
             epochs = max(1, math.ceil(TARGET_STEPS / steps_per_epoch))
             rows = []
             for run in range(args.runs):
                 work = root / f"{workers}+{servers}-{run}"
                 work.mkdir(parents=True)
-                row = measure(work, cfg, shards, workers, servers, epochs, args.seed + run, args.step_delay_s)
+                backend = HostsBackend(hosts, work) if hosts else LocalBackend(work)
+                store = storage.join(data_root, f"{workers}+{servers}-{run}") if args.s3 else str(work)
+                row = measure(work, store, backend, cfg, shards, workers, servers, epochs, args.seed + run,
+                              args.step_delay_s, s3_env)
                 row["suite_running"] = loaded or suite_running()
                 rows.append(row)
                 print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()
@@ -417,10 +610,11 @@ def main() -> int:
             report["sizes"].append({"workers": workers, "servers": servers, "roles": workers + servers,
                                     "epochs": epochs, "steps_per_epoch": steps_per_epoch, "runs": rows,
                                     "median": summarise(rows)})
-    report["plots"] = plot(report["sizes"], args.plots)
-    print("\nroles " + " ".join(f"{n:>12.12}" for n in FIGURES))
+    report["plots"] = plot(report["sizes"], args.plots, stem)
+    shown = [n for n in FIGURES if any(n in size["median"] for size in report["sizes"])]
+    print("\nroles " + " ".join(f"{n:>12.12}" for n in shown))
     for size in report["sizes"]:
-        print(f"{size['roles']:>5} " + " ".join(f"{size['median'].get(n, math.nan):12.2f}" for n in FIGURES))
+        print(f"{size['roles']:>5} " + " ".join(f"{size['median'].get(n, math.nan):12.2f}" for n in shown))
     write_json(args.json, report)
     return 0
 

@@ -54,14 +54,30 @@ def is_role_command(kind: str, cmdline: list[str]) -> bool:
 
 def live_roles(home: str) -> list[LiveRole]:
     """The live roles of the newest attempt recorded under ``home`` (module docstring)."""
-    import psutil
-
     attempts = glob.glob(os.path.join(home, "clusters", "*", "procs", "*"))
     if not attempts:
         return []
-    newest = max(attempts, key=os.path.getmtime)
+    return live_roles_in([max(attempts, key=os.path.getmtime)])
+
+
+def live_hosts_roles(state_dir: str, cluster_id: str) -> list[LiveRole]:
+    """The live roles of the newest attempt of a ``hosts`` cluster whose hosts share this
+    machine's filesystem and process table (``testkit.netns_hosts``): each host records its roles
+    under ``<state_dir>/<cluster>/<host>/<attempt>/procs`` (``infra.hosts_cluster``), the same
+    attempt name on every host."""
+    folders = glob.glob(os.path.join(state_dir, cluster_id, "*", "attempt-*", "procs"))
+    if not folders:
+        return []
+    newest = os.path.basename(os.path.dirname(max(folders, key=os.path.getmtime)))
+    return live_roles_in([f for f in folders if os.path.basename(os.path.dirname(f)) == newest])
+
+
+def live_roles_in(folders: list[str]) -> list[LiveRole]:
+    """The live roles recorded in ``folders`` whose command line is a role's."""
+    import psutil
+
     out = []
-    for rec in live_records([newest]):
+    for rec in live_records(folders):
         try:
             cmdline = psutil.Process(rec.pid).cmdline()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
