@@ -187,15 +187,28 @@ class HostsCluster(Cluster):
                           *role_argv(role.kind, launch.job_uri, host.python))
 
     def stop_roles(self, handles: Sequence[Any], *, grace_s: float = 5.0) -> int:
-        """Stop the transport clients here, then every recorded role group on every host."""
+        """Stop the transport clients here, then those roles' recorded groups on their hosts.
+
+        Only the roles of ``handles``: the supervisor's orderly stop signals rank 0 alone first
+        (its emergency checkpoint needs its peers alive to finish the step), then the rest."""
         alive = kill_groups((h.proc.pid for h in handles), grace_s=grace_s)
-        self._kill_on_hosts(grace_s)
+        names: dict[str, list[str]] = {}
+        for handle in handles:
+            names.setdefault(handle.spec.name, []).append(handle.name)
+        if names:
+            self._kill_on_hosts(grace_s, names=names)
         return alive
 
-    def _kill_on_hosts(self, grace_s: float, wait_s: float = 0.0) -> list[str]:
+    def _kill_on_hosts(self, grace_s: float, wait_s: float = 0.0,
+                       names: dict[str, list[str]] | None = None) -> list[str]:
+        """Stop the recorded role groups on the hosts: every one, or only ``names`` (host name →
+        role names; hosts not in it are left alone)."""
+        hosts = [h for h in self.hosts if names is None or h.name in names]
+
         def kill(host: HostSpec) -> list[str]:
+            only = ["--names", ",".join(names[host.name])] if names is not None else []
             cmd = in_workdir(host, host.python, "-m", "common.procs", "kill-records",
-                             self._remote_dir(host), "--grace-s", str(grace_s), "--wait-s", str(wait_s))
+                             self._remote_dir(host), "--grace-s", str(grace_s), "--wait-s", str(wait_s), *only)
             try:
                 out = run_on(host, cmd, timeout_s=REMOTE_CMD_TIMEOUT_S + wait_s + grace_s)
                 return list(json.loads(out.stdout.strip().splitlines()[-1])["stopped"])
@@ -203,8 +216,10 @@ class HostsCluster(Cluster):
                 log.error("could not stop roles on %s: %s", host.name, exc)
                 return [f"{host.name}: unreachable"]
 
-        with ThreadPoolExecutor(max_workers=len(self.hosts)) as pool:
-            return [name for names in pool.map(kill, self.hosts) for name in names]
+        if not hosts:
+            return []
+        with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
+            return [name for stopped in pool.map(kill, hosts) for name in stopped]
 
     def _jobs_dir(self, host: HostSpec) -> str:
         return posixpath.join(host.state_dir, "jobs", self.cluster_id)

@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--grace-s", type=float, default=5.0)
     k.add_argument("--wait-s", type=float, default=0.0,
                    help="first wait this long for the groups to exit on their own (default 0)")
+    k.add_argument("--names", help="comma-separated record names: stop only these (default: every one)")
     f = sub.add_parser("free-port", help="print a TCP port free on ADDRESS")
     f.add_argument("address")
     args = parser.parse_args(argv)
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         stopped: list[str] = []
         for root, _dirs, files in os.walk(args.dir):
             if any(f.endswith(".json") for f in files):
-                stopped += kill_recorded(root, grace_s=args.grace_s, wait_s=args.wait_s)
+                stopped += kill_recorded(root, grace_s=args.grace_s, wait_s=args.wait_s,
+                                         names=set(args.names.split(",")) if args.names else None)
         print(json.dumps({"stopped": stopped}))
         return 0
     print(free_port(args.address))

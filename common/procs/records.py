@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -164,17 +164,22 @@ def live_records(record_dirs: Iterable[str]) -> list[GroupRecord]:
             if group_members([rec.pgid]) and rec.may_be_ours()]
 
 
-def kill_recorded(record_dir: str, *, grace_s: float = 5.0, wait_s: float = 0.0) -> list[str]:
-    """Stop every recorded group still alive; returns the names of those that were.
+def kill_recorded(record_dir: str, *, grace_s: float = 5.0, wait_s: float = 0.0,
+                  names: Collection[str] | None = None) -> list[str]:
+    """Stop every recorded group still alive (only those named in ``names``, if given); returns
+    the names of those that were.
 
     Groups are found by pgid, so a group whose leader has exited but whose children remain is
     stopped too; a leader pid that now belongs to another process is left alone. ``wait_s``:
     first give the groups whose role is ending itself (``watchdog.ends_itself``: its supervisor
     is gone) up to that long to exit, before anything is signalled.
     """
-    live = live_records([record_dir])
+    def chosen() -> list[GroupRecord]:
+        return [rec for rec in live_records([record_dir]) if names is None or rec.name in names]
+
+    live = chosen()
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and any(ends_itself(rec.pid) for rec in live_records([record_dir])):
+    while time.monotonic() < deadline and any(ends_itself(rec.pid) for rec in chosen()):
         time.sleep(_WAIT_POLL_S)
     kill_groups((rec.pgid for rec in live), grace_s=grace_s)
     return [rec.name for rec in live]

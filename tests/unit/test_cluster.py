@@ -13,6 +13,7 @@ from infra.cluster import ClusterSpec, attach, find_leaked, reap
 from infra.hosts_cluster import HostsCluster
 from infra.local_cluster import LocalCluster
 from infra.transport import HostSpec, host_argv
+from common.procs.records import live_records
 
 pytestmark = pytest.mark.unit
 
@@ -202,6 +203,40 @@ def test_hosts_supervisor_starts_detached_on_the_first_host_apart_from_the_roles
                            "--job-id 1-x --attempt 1 > /s/jobs/c/1-x.log 2>&1 < /dev/null &)")
     # the roles' kill-records folder (what the supervisor's own stops clear) does not hold it
     assert not "/s/jobs/c".startswith(cluster._remote_dir(cluster.hosts[0]))
+
+
+def test_hosts_stop_roles_stops_only_the_roles_it_is_given_on_their_hosts(tmp_path, nothing_left):
+    """The supervisor's orderly stop signals rank 0 alone first (its emergency checkpoint needs
+    its peers alive to finish the step): stopping one role must leave the others on its host
+    and on the other hosts running (it used to run ``kill-records`` over every role everywhere)."""
+    from infra.hosts_cluster import RemoteRole
+    from testkit.waits import wait_for
+
+    hosts = [{"name": f"h{i}", "address": f"10.0.0.{i}", "transport": "local", "python": sys.executable,
+              "workdir": os.getcwd(), "state_dir": str(tmp_path / "state")} for i in range(2)]
+    cluster = HostsCluster(f"stop-{SUFFIX}", ClusterSpec(run_tag=f"stop-{SUFFIX}", workers=2, servers=1,
+                                                         backend="hosts", options={"hosts": hosts}), str(tmp_path))
+    nothing_left.records(cluster._remote_dir(cluster.hosts[0], "a", "procs"))
+    nothing_left.records(cluster._remote_dir(cluster.hosts[1], "a", "procs"))
+    roles = {}
+    for name, host in (("worker-0", cluster.hosts[0]), ("server-0", cluster.hosts[0]), ("worker-1", cluster.hosts[1])):
+        record = cluster._remote_dir(host, "a", "procs", f"{name}.json")
+        # The role on its host (a recorded group of its own), and its transport's client here.
+        subprocess.Popen([sys.executable, "-m", "common.procs", "exec-role", "--record", record, "--", "sleep", "300"],
+                         start_new_session=True)
+        client = subprocess.Popen(["sleep", "300"], start_new_session=True)
+        nothing_left.group(client.pid)
+        roles[name] = RemoteRole(name, name.split("-")[0], host, client)
+    wait_for(lambda: len(live_records([cluster._remote_dir(h, "a", "procs") for h in cluster.hosts])) == 3,
+               timeout_s=30, what="the three roles recorded")
+    try:
+        assert cluster.stop_roles([roles["worker-0"]], grace_s=1.0) == 1
+        left = {rec.name for rec in live_records([cluster._remote_dir(h, "a", "procs") for h in cluster.hosts])}
+        assert left == {"server-0", "worker-1"}
+        assert roles["worker-0"].poll() is not None and roles["server-0"].poll() is None
+    finally:
+        cluster.stop_roles(list(roles.values()), grace_s=1.0)
+    assert not live_records([cluster._remote_dir(h, "a", "procs") for h in cluster.hosts])
 
 
 def test_ec2_supervisor_script_runs_it_detached_on_rank_0_with_its_env_in_a_file():
