@@ -28,9 +28,13 @@ _SITECUSTOMIZE = "from testkit.s3_requests import install\ninstall()\n"
 def hook_dir(folder: Path) -> dict[str, str]:
     """Write the ``sitecustomize`` into ``folder``; the ``PYTHONPATH`` that loads it (counting
     starts where ``ENV`` names a file as well)."""
+    from testkit import REPO
+
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(_SITECUSTOMIZE)
-    return {"PYTHONPATH": os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)}
+    # The checkout too: ``site`` imports sitecustomize before ``-m`` puts the working folder on
+    # the path, so a supervisor (started as ``python -m training supervise``) finds testkit only so.
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(folder), REPO, os.environ.get("PYTHONPATH", "")) if p)}
 
 
 def _write(path: str, line: dict[str, Any]) -> None:
