@@ -36,7 +36,9 @@ reads the role lines through ``common.events.parse_event`` only) and the job's m
 - ``checkpoint_save_s``: rank 0's mean serialise + write time in job B (``upload_s / committed`` of
   the metrics record's checkpoint statistics; job A, stopped, writes no metrics record);
   ``checkpoint_blocked_s``: what each cost the training loop;
-- ``elastic_resume_s``: job B's ``job_start`` → worker-0's ``first_step_after_resume``.
+- ``elastic_resume_s``: job B's ``job_start`` → worker-0's ``first_step_after_resume``;
+- ``orderly_stop_s``: the stop that ends job A (the supervisor's last ``roles_stopped``: rank 0
+  alone first, its emergency checkpoint, then every other role).
 
 ``--backend hosts``: the same jobs over SSH on ``--hosts`` namespace hosts (``testkit.netns_hosts``,
 its own namespace prefix; an sshd in each, the keys made for the run): the ``hosts`` backend's
@@ -101,7 +103,7 @@ TARGET_STEPS = 160
 FIGURES = ("first_step_s", "supervisor_cpu_s", "supervisor_peak_rss_mb", "supervisor_peak_threads",
            "supervisor_peak_fds", "roles_peak_rss_mb", "role_peak_fds", "worker_kill_detect_s", "worker_kill_restart_s",
            "server_kill_detect_s", "server_kill_restart_s", "restore_s", "checkpoint_save_s",
-           "checkpoint_blocked_s", "elastic_resume_s",
+           "checkpoint_blocked_s", "elastic_resume_s", "orderly_stop_s",
            # --backend hosts: the transport's processes (an ssh client here, sshd on the host).
            "ssh_clients", "sshd_processes", "transport_peak_rss_mb",
            # --s3: the resume's S3 requests (job B: job_start → first step after the resume).
@@ -116,7 +118,7 @@ PLOTS = (("first_step", "Time to the first step", "seconds", ("first_step_s", "e
          ("failure", "Failure detection and restart in place", "seconds",
           ("worker_kill_detect_s", "server_kill_detect_s", "worker_kill_restart_s", "server_kill_restart_s")),
          ("checkpoint", "Checkpoint save and restore", "seconds",
-          ("checkpoint_save_s", "checkpoint_blocked_s", "restore_s")),
+          ("checkpoint_save_s", "checkpoint_blocked_s", "restore_s", "orderly_stop_s")),
          ("transport", "SSH transport: processes and memory", "count / MB",
           ("ssh_clients", "sshd_processes", "transport_peak_rss_mb")),
          ("s3", "S3 requests of a resume (job B) and a restart in place", "requests / MB",
@@ -449,6 +451,8 @@ def measure(root: Path, store: str, backend: Any, cfg: Any, shards: str, workers
     out: dict[str, Any] = {"workers": workers, "servers": servers, "roles": workers + servers,
                            "job_a_wall_s": wall_a, "kills": killer.kills, **sampler.result}
     job_start = first_event(events, lambda e: e["event"] == "job_start", 0.0)["t"]
+    # The stop that ended job A (rank 0 first, its emergency checkpoint, then every other role).
+    out["orderly_stop_s"] = [e for e in events if e["event"] == "roles_stopped"][-1]["seconds"]
     out["first_step_s"] = first_event(events, role_event(FirstStep, LEAD), job_start)["t"] - job_start
     restores = []
     if s3_env:  # the restart in place after the worker's kill: role_failed → first step after it
