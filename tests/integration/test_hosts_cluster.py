@@ -315,3 +315,64 @@ def test_killed_supervisor_its_remote_roles_end_and_a_rerun_resumes(hosts, local
     nothing_left.check("the hosts cluster")
     assert {int(s) for s in re.findall(r"resumed from step (\d+) ", caplog.text)} == {emergency}
     assert json.loads(storage.get_bytes(job.metrics_uri))["history"][-1]["epoch"] == 2
+
+
+@needs_sshd
+@pytest.mark.timeout(300)
+def test_nine_roles_over_ssh_one_session_each_spread_over_the_hosts(topology, digits_csv, tmp_path, nothing_left,
+                                                                    caplog):
+    """6 workers + 3 servers over SSH (what ``benchmarks/many_roles.py --backend hosts`` runs at
+    9 to 16 roles): the placement spreads them round-robin over the three hosts, every worker
+    joins the one job, the supervisor holds one ssh session per role (no more: the sessions of
+    its short commands come and go) and nothing is left on any host."""
+    import threading
+
+    import psutil
+
+    from training.launch.status import read_status
+
+    hosts = topology["ssh"]
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "digits.csv").write_bytes(digits_csv)
+    cfg = recipe("debug", str(root / "digits.csv")).replace(data={"num_shards": 6})
+    shard_dataset(cfg, str(root / "shards"))
+    # One short epoch (batch 16 per worker: 13 steps), checkpoints only at its end.
+    job, job_uri = _job(cfg, str(root / "shards"), str(tmp_path / "run"), optim={"epochs": 1, "batch_size": 16},
+                        cluster={"num_workers": 6, "num_servers": 3, "stall_timeout_s": 60.0,
+                                 "start_timeout_s": 120.0})
+    spec = ClusterSpec(run_tag=f"hosts-test--nine-{SUFFIX}", workers=6, servers=3, backend="hosts",
+                       options={"hosts": hosts})
+    cluster = provision(spec, home=str(tmp_path / "home"))
+    _watch(nothing_left, cluster, hosts)
+    status_uri = storage.join(str(tmp_path / "run"), "job_status.json")
+    sessions: list[int] = []
+    done = threading.Event()
+
+    def count_sessions() -> None:  # the supervisor's ssh children, at their peak
+        while not done.wait(0.5):
+            status = read_status(status_uri) if os.path.exists(status_uri) else None
+            if status is not None and status.pid:
+                try:
+                    sessions.append(sum(c.name() == "ssh" for c in psutil.Process(status.pid).children()))
+                except psutil.Error:
+                    continue
+
+    sampler = threading.Thread(target=count_sessions, daemon=True)
+    sampler.start()
+    try:
+        placed = _detached(cluster, job, job_uri, caplog)
+    finally:
+        done.set()
+        sampler.join(timeout=10)
+        cluster.teardown()
+    nothing_left.check("the hosts cluster")
+    by_host = {h["address"]: sorted(r for r, a in placed.items() if a == h["address"]) for h in hosts}
+    assert by_host == {hosts[0]["address"]: ["scheduler", "server-0", "worker-0", "worker-3"],
+                       hosts[1]["address"]: ["server-1", "worker-1", "worker-4"],
+                       hosts[2]["address"]: ["server-2", "worker-2", "worker-5"]}, by_host
+    # One per role, and the short commands of a start or a stop (free-port, the env files,
+    # kill-records: one per host at most) beside them.
+    assert 10 <= max(sessions, default=0) <= 13, sessions
+    metrics = json.loads(storage.get_bytes(job.metrics_uri))
+    assert metrics["num_workers"] == 6 and len(metrics["history"]) == 1
