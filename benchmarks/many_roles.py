@@ -121,7 +121,7 @@ PLOTS = (("first_step", "Time to the first step", "seconds", ("first_step_s", "e
           ("checkpoint_save_s", "checkpoint_blocked_s", "restore_s", "orderly_stop_s")),
          ("transport", "SSH transport: processes and memory", "count / MB",
           ("ssh_clients", "sshd_processes", "transport_peak_rss_mb")),
-         ("s3", "S3 requests of a resume (job B) and a restart in place", "requests / MB",
+         ("s3", "S3 requests: resume (job B), restart", "requests / MB",
           ("resume_s3_requests", "resume_s3_checkpoint_requests", "resume_s3_worker_mb", "restart_s3_requests",
            "restart_s3_worker_mb")))
 JOB_TIMEOUT_S = 1800.0
