@@ -15,9 +15,10 @@ the scheduler's host for each attempt (``python -m common.procs free-port``).
 A role's environment is written once per host and attempt to a 0600 JSON file there (storage
 credentials stay off command lines), and the role is started as
 ``python -m common.procs exec-role --record … --env-file … -- python -m training worker JOB``:
-it leads its own process group on the host and records it, so stopping an attempt or tearing
-the cluster down runs ``python -m common.procs kill-records`` on every host and no role
-survives its ssh client. A role's standard input is a pipe from its supervisor, through the
+it leads its own process group on the host and records it, so stopping roles runs ``python -m
+common.procs kill-records --names …`` for those roles on their hosts (the supervisor's orderly
+stop signals rank 0 alone first), tearing the cluster down runs it for every recorded role on
+every host, and no role survives its ssh client. A role's standard input is a pipe from its supervisor, through the
 transport (the SSH session's channel): when the supervisor dies, the role reads end of file and
 ends itself within seconds (``common.procs.watchdog``; rank 0 after its emergency checkpoint). The job document and shards must be readable from every host: an
 ``s3://`` URI every host can reach, or a folder every host mounts at the same path.
