@@ -234,6 +234,28 @@ def manifest_rows(artifact_root: str, source_prefix: str) -> dict[str, int]:
     raise LookupError(f"no manifest sharded from {source_prefix}")
 
 
+def train_figures(s3_root: str, run_id: str, rows: dict[str, int]) -> dict[str, Any]:
+    """The training loop's own rate (rank 0's epoch record: rows a second over all workers, the
+    job's start-up and the epoch-end validation and checkpoint left out), or, for a job still
+    running, its progress: steps done and rows a second since it started (its status record)."""
+    from common import storage
+    from common.paths import RunPaths
+    from training.launch.status import read_status
+
+    paths = RunPaths(root=s3_root, dag_id=DAG_ID, run_id=run_id)
+    out: dict[str, Any] = {}
+    with contextlib.suppress(Exception):  # no job, or no metrics yet
+        status = read_status(paths.job_status)
+        if status is not None:
+            out.update(job_state=status.state, global_step=status.global_step,
+                       job_seconds=round(time.time() - status.started_at, 1) if status.started_at else None)
+    with contextlib.suppress(Exception):
+        history = json.loads(storage.get_bytes(storage.join(paths.metrics, "train.json")))["history"]
+        out.update(loop_rows_per_s=round(history[0]["samples_per_s_total"]),
+                   val_accuracy=history[0].get("val_accuracy"))
+    return out
+
+
 def run_size(cfg: Any, bucket: str, s3_root: str, gb: float, args: argparse.Namespace, tmp: str,
              started_runs: list[str]) -> dict[str, Any]:
     """One size: its table written, the DAG run on it sampled, its figures; the table deleted after."""
@@ -245,7 +267,10 @@ def run_size(cfg: Any, bucket: str, s3_root: str, gb: float, args: argparse.Name
     run_id = trigger_dag_run(cfg.airflow_url, DAG_ID, run_conf(prefix, args.parts, gb))
     started_runs.append(run_id)
     with MemorySampler(run_id) as sampler:
-        state = wait_for_dag_run(cfg.airflow_url, DAG_ID, run_id, timeout_s=args.timeout_s, poll_s=5)
+        try:
+            state = wait_for_dag_run(cfg.airflow_url, DAG_ID, run_id, timeout_s=args.timeout_s, poll_s=5)
+        except TimeoutError:  # the figures of the stages that ended are still measured
+            state = "timeout"
     with AirflowClient(cfg.airflow_url) as client:
         tis = client.task_instances(DAG_ID, run_id)
         # A failed task's last log lines, for the report (the stack's logs go with its folder).
@@ -262,7 +287,8 @@ def run_size(cfg: Any, bucket: str, s3_root: str, gb: float, args: argparse.Name
         name = ti["task_id"] if ti.get("map_index", -1) < 0 else f"{ti['task_id']}[{ti['map_index']}]"
         if ti["id"] in sampler.tasks:
             tasks[name] = sampler.tasks[ti["id"]]
-    result = {"gb": gb, "state": state, "run_id": run_id, "table": table, "rows": rows, "failed": failed,
+    result_train = train_figures(s3_root, run_id, rows)
+    result = {"gb": gb, "state": state, "training": result_train, "run_id": run_id, "table": table, "rows": rows, "failed": failed,
               "stages": stage_figures(tis, table["bytes"], rows), "tasks": dict(sorted(tasks.items())),
               "roles": dict(sorted(sampler.roles.items())), "samples": sampler.samples}
     print(json.dumps(result, indent=1), flush=True)
