@@ -225,8 +225,8 @@ def merge_results(results: list[dict[str, Any]], expected_rows: int) -> dict[str
             if count in res:
                 res[count] = sum(int((e.get("result") or {}).get(count) or 0) for e in each)
         if "partial_unexpected_list" in res:
-            res["partial_unexpected_list"] = [v for e in each
-                                              for v in (e.get("result") or {}).get("partial_unexpected_list") or []][:limit]
+            listed = [(e.get("result") or {}).get("partial_unexpected_list") or [] for e in each]
+            res["partial_unexpected_list"] = [v for values in listed for v in values][:limit]
         for pct, base in (("unexpected_percent", "element_count"), ("missing_percent", "element_count")):
             if pct in res and res.get(base):
                 res[pct] = 100.0 * res[pct.replace("percent", "count")] / res[base]
@@ -251,7 +251,8 @@ def mark_duplicates(result: dict[str, Any], column: str, values: np.ndarray) -> 
             extra = int(counts[counts > 1].sum())
             if r["success"]:  # no chunk saw a duplicate: every repeated row counts
                 res["unexpected_count"] = extra
-                res["partial_unexpected_list"] = [v.item() for v in repeated[:RESULT_FORMAT["partial_unexpected_count"]]]
+                shown = repeated[:RESULT_FORMAT["partial_unexpected_count"]]
+                res["partial_unexpected_list"] = [v.item() for v in shown]
             else:  # some were seen within a chunk: the whole shard's count replaces the chunks' sum
                 res["unexpected_count"] = extra
             if res.get("element_count"):
