@@ -6,6 +6,7 @@ on the ``local`` backend) against a SeaweedFS S3 and an MLflow server of the ben
 
     nice -n 10 .venv/bin/python benchmarks/big_data.py --gb 1 4 [--files N] [--cols C] [--parts P]
         [--json OUT] [--plot PNG]
+    .venv/bin/python benchmarks/big_data.py --merge A.json B.json --json OUT   # one table and plot of both
 
 - The table: ``--cols`` float32 features ``f0…`` and a ``label`` of 10 classes, the argmax of a
   fixed random projection of the features (learnable: one epoch gets well past chance). Written
@@ -365,7 +366,19 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=6 * 3600, help="bound on each DAG run")
     parser.add_argument("--json", help="write (add to) the figures in this file")
     parser.add_argument("--plot", help="the PNG (default: the JSON's name with .png)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="run nothing: put the sizes of these result files into --json (a later file's size "
+                             "replaces an earlier one's) and plot them")
     args = parser.parse_args()
+    if args.merge:
+        merged: dict[float, dict[str, Any]] = {}
+        for path in args.merge:
+            with open(path) as fh:
+                merged.update({r["gb"]: r for r in json.load(fh)["runs"]})
+        runs = [merged[gb] for gb in sorted(merged)]
+        write_json(args.json, {"runs": runs})
+        plot(runs, args.plot or os.path.splitext(args.json)[0] + ".png")
+        return 0
     # A TERM (``timeout``, a kill by pid) unwinds like an interrupt: every ``finally`` below stops
     # what it started (the stack's components by process group, the servers, the run's roles).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
