@@ -105,3 +105,23 @@ def test_chunked_r2_of_a_constant_target_follows_the_one_array_rule():
     assert sums.metrics()["r2"] == regression_metrics(true, true)["r2"] == 1.0
     with pytest.raises(ValueError, match="no rows"):
         RegressionSums().metrics()
+
+
+def test_a_regression_split_reads_its_raw_targets_in_chunks_and_sample(tmp_path):
+    from sklearn.datasets import load_diabetes
+
+    d = load_diabetes()
+    frame = pd.DataFrame(d.data, columns=d.feature_names)
+    frame["target"] = d.target
+    frame.to_csv(tmp_path / "diabetes.csv", index=False)
+    cfg = TrainConfig.from_dict({"data": {"source_uri": str(tmp_path / "diabetes.csv"), "label_column": "target"},
+                                 "model": {"task": "regression"}})
+    prefix = str(tmp_path / "shards")
+    shard_dataset(cfg, prefix)
+    whole = ev.load_test_split(prefix, str(tmp_path / "a"), max_rows=0)
+    sample = ev.load_test_split(prefix, str(tmp_path / "b"), max_rows=20)
+    # The targets as in the source (raw, not standardised), as the model is scored in their units.
+    assert set(whole.frame["true_target"]) <= set(d.target.astype(np.float32).astype(np.float64))
+    picked = ev.sample_rows(len(whole.frame), 20, seed=cfg.seed)
+    pd.testing.assert_frame_equal(sample.frame, whole.frame.iloc[picked].reset_index(drop=True))
+    pd.testing.assert_frame_equal(pd.concat(list(sample.chunks(chunk_rows=7)), ignore_index=True), whole.frame)

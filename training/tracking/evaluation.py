@@ -16,7 +16,8 @@ Memory stays bounded whatever the split's size. ``mlflow.models.evaluate`` takes
 manifest's seed, the same rows for the same shards, in split order. The metrics the project
 computes itself (a classifier's ``test_accuracy``; a regressor's ``test_rmse``, ``test_mae``,
 ``test_r2``) are computed over the whole split in chunks of ``CHUNK_ROWS``
-(``whole_split_metrics``), reading the test shards memory-mapped (``training.feed.shard_reader``).
+(``whole_split_metrics``), reading the test shards block by block (``common.record_codec.iter_blocks``):
+not memory-mapped, so no page of the split stays counted in the process's resident memory.
 
 Regression (a manifest with float targets): the frame holds each target as ``true_<target>``;
 ``evaluate_regressor`` scores the model with the default *regressor* evaluator on the first target
@@ -71,15 +72,14 @@ class EvaluationData:
     source_uri: str  # where the rows come from (a shard manifest's URI, or a local file)
     task: str = "classification"
     target_columns: list[str] = field(default_factory=list)  # regression: the model's output columns
-    # The whole split, when ``frame`` holds a sample of it: its rows memory-mapped
-    # (``training.feed.shard_reader.ShardSet``, raw targets) and how a chunk of them becomes a
-    # frame like ``frame``. None: ``frame`` is the whole split.
+    # The whole split, when ``frame`` holds a sample of it: its shard files, read block by
+    # block, and how a block becomes a frame like ``frame``. None: ``frame`` is the whole split.
     whole: Any = field(default=None, compare=False, repr=False)
 
     @property
     def split_rows(self) -> int:
         """Rows of the whole split (``frame`` may hold fewer: a sample)."""
-        return len(self.frame) if self.whole is None else self.whole.rows.num_rows
+        return len(self.frame) if self.whole is None else self.whole.num_rows
 
     def chunks(self, chunk_rows: int = CHUNK_ROWS) -> Iterator[Any]:
         """The whole split in order, as frames of at most ``chunk_rows`` rows with ``frame``'s columns."""
@@ -87,11 +87,8 @@ class EvaluationData:
             for start in range(0, len(self.frame), chunk_rows):
                 yield self.frame.iloc[start:start + chunk_rows]
             return
-        import numpy as np
-
-        for start in range(0, self.whole.rows.num_rows, chunk_rows):
-            idx = np.arange(start, min(start + chunk_rows, self.whole.rows.num_rows))
-            yield self.whole.frame(*self.whole.rows.gather(idx))
+        for X, y in self.whole.blocks(chunk_rows):
+            yield self.whole.frame(X, y)
 
     @property
     def truth_columns(self) -> list[str]:
@@ -113,10 +110,34 @@ class EvaluationData:
 
 @dataclass(frozen=True)
 class WholeSplit:
-    """A test split kept memory-mapped: its rows and their frame builder (``EvaluationData.whole``)."""
+    """A test split on local disk, read block by block (``EvaluationData.whole``)."""
 
-    rows: Any  # training.feed.shard_reader.ShardSet, targets unscaled
+    pairs: list[tuple[str, str]]  # (idx, rec) of each shard, verified (common.manifest.download_shard)
+    num_features: int
+    num_targets: int  # regression: the raw targets follow the features in each record
+    num_rows: int
     frame: Callable[[Any, Any], Any]  # (features, labels or targets) → a frame like EvaluationData.frame
+
+    def blocks(self, rows: int) -> Iterator[tuple[Any, Any]]:
+        """The split's ``(features, labels or targets)`` in order, at most ``rows`` rows at a time."""
+        from common import record_codec
+
+        f = self.num_features
+        for idx, rec in self.pairs:
+            for block in record_codec.iter_blocks(idx, rec, f + self.num_targets, rows):
+                yield block.features[:, :f], (block.features[:, f:] if self.num_targets else block.labels)
+
+    def gather(self, picked: Any, rows: int = CHUNK_ROWS) -> tuple[Any, Any]:
+        """Rows ``picked`` (sorted) of the split, in one pass over its blocks."""
+        import numpy as np
+
+        xs, ys, start = [], [], 0
+        for X, y in self.blocks(rows):
+            a, b = np.searchsorted(picked, [start, start + len(X)])
+            xs.append(X[picked[a:b] - start])
+            ys.append(y[picked[a:b] - start])
+            start += len(X)
+        return np.concatenate(xs), np.concatenate(ys)
 
 
 def sample_rows(num_rows: int, max_rows: int, seed: int) -> np.ndarray:
@@ -131,8 +152,8 @@ def sample_rows(num_rows: int, max_rows: int, seed: int) -> np.ndarray:
 
 
 def load_test_split(shards_prefix: str, work_dir: str, *, max_rows: int = DEFAULT_EVALUATION_ROWS) -> EvaluationData:
-    """The test split of a sharded dataset (its source: the manifest), downloaded into ``work_dir``
-    and memory-mapped; ``frame`` holds at most ``max_rows`` of its rows (``sample_rows``; 0: all),
+    """The test split of a sharded dataset (its source: the manifest), downloaded into ``work_dir``;
+    ``frame`` holds at most ``max_rows`` of its rows (``sample_rows``; 0: all),
     ``whole`` the split for ``whole_split_metrics``. Use it while ``work_dir`` exists.
 
     With table preprocessing the rows are raw-equivalent (``raw_frame``):
@@ -142,7 +163,6 @@ def load_test_split(shards_prefix: str, work_dir: str, *, max_rows: int = DEFAUL
 
     from common.manifest import download_shard, is_regression, load_manifest, manifest_uri
     from common.preprocessing import input_columns
-    from training.feed.shard_reader import ShardSet
 
     manifest = load_manifest(shards_prefix)
     prep = manifest.get("preprocessing")
@@ -156,10 +176,8 @@ def load_test_split(shards_prefix: str, work_dir: str, *, max_rows: int = DEFAUL
         raise EvaluationError(f"{shards_prefix}: feature columns {clash} have the names of the evaluation's "
                               "true values")
     test = [s for s in manifest["shards"] if s["split"] == "test"]
-    # Mapped, not loaded; the targets (regression) unscaled: the model is scored in their units.
-    rows = ShardSet.open([download_shard(manifest, shards_prefix, s["name"], work_dir) for s in test],
-                         manifest["num_features"], int(manifest.get("num_targets", 0)) if regression else 0)
-    if rows.num_rows == 0:
+    num_rows = sum(int(s["count"]) for s in test)
+    if num_rows == 0:
         raise EvaluationError(f"{shards_prefix} has no test rows to evaluate on")
 
     def to_frame(X: np.ndarray, y: np.ndarray) -> pd.DataFrame:
@@ -171,10 +189,14 @@ def load_test_split(shards_prefix: str, work_dir: str, *, max_rows: int = DEFAUL
             frame[TARGET_COLUMN] = np.asarray(shell.classes, dtype=object)[np.asarray(y, dtype=np.int64)]
         return frame
 
-    picked = sample_rows(rows.num_rows, max_rows, int(manifest.get("seed", 0)))
-    return EvaluationData(frame=to_frame(*rows.gather(picked)).reset_index(drop=True), classes=shell.classes,
+    # The targets (regression) as recorded, unscaled: the model is scored in their units.
+    whole = WholeSplit([download_shard(manifest, shards_prefix, s["name"], work_dir) for s in test],
+                       manifest["num_features"], int(manifest.get("num_targets", 0)) if regression else 0,
+                       num_rows, to_frame)
+    picked = sample_rows(num_rows, max_rows, int(manifest.get("seed", 0)))
+    return EvaluationData(frame=to_frame(*whole.gather(picked)).reset_index(drop=True), classes=shell.classes,
                           source_uri=shell.source_uri, task=shell.task, target_columns=shell.target_columns,
-                          whole=WholeSplit(rows, to_frame))
+                          whole=whole)
 
 
 def whole_split_metrics(model: Any, data: EvaluationData, *, what: str,
