@@ -6,7 +6,7 @@ on the ``local`` backend) against a SeaweedFS S3 and an MLflow server of the ben
 
     nice -n 10 .venv/bin/python benchmarks/big_data.py --gb 1 4 [--files N] [--cols C] [--parts P]
         [--json OUT] [--plot PNG]
-    .venv/bin/python benchmarks/big_data.py --merge A.json B.json --json OUT   # one table and plot of both
+    .venv/bin/python benchmarks/big_data.py --merge A.json B.json --json OUT   # one JSON, plot, tables
 
 - The table: ``--cols`` float32 features ``f0…`` and a ``label`` of 10 classes, the argmax of a
   fixed random projection of the features (learnable: one epoch gets well past chance). Written
@@ -357,6 +357,33 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def markdown(runs: list[dict[str, Any]]) -> str:
+    """The per-stage throughput and the per-task (and role) peak memory of each size, as tables."""
+    sizes = [f"{r['table']['bytes'] / (1 << 30):.2f} GiB" for r in runs]
+    lines = ["| stage | " + " | ".join(sizes) + " |", "|---" * (len(runs) + 1) + "|"]
+    for stage in STAGES:
+        cells = []
+        for r in runs:
+            st = r["stages"].get(stage)
+            cells.append(f"{st['seconds']:.0f} s, {st['mb_per_s']:.1f} MB/s, {st['rows_per_s']:,} rows/s" if st else "–")
+        lines.append(f"| {stage} | " + " | ".join(cells) + " |")
+    lines += ["", "| task / role: peak RSS (anonymous) MB | " + " | ".join(sizes) + " |",
+              "|---" * (len(runs) + 1) + "|"]
+    keys = sorted({k for r in runs for k in r["tasks"]})
+    for key in keys:
+        cells = [f"{r['tasks'][key]['peak_rss_mb']:.0f} ({r['tasks'][key]['peak_anon_mb']:.0f})"
+                 if key in r["tasks"] else "–" for r in runs]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    for role in ("scheduler", "server", "supervisor", "worker"):
+        cells = []
+        for r in runs:
+            got = [v for k, v in r["roles"].items() if k == role or (role == "worker" and k.startswith("worker ("))]
+            cells.append(f"{max(v['peak_rss_mb'] for v in got):.0f} ({max(v['peak_anon_mb'] for v in got):.0f})"
+                         if got else "–")
+        lines.append(f"| role {role}{' (max)' if role == 'worker' else ''} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gb", type=float, nargs="+", default=[1.0], help="table sizes (GB), run in turn")
@@ -378,6 +405,7 @@ def main() -> int:
         runs = [merged[gb] for gb in sorted(merged)]
         write_json(args.json, {"runs": runs})
         plot(runs, args.plot or os.path.splitext(args.json)[0] + ".png")
+        print(markdown(runs))
         return 0
     # A TERM (``timeout``, a kill by pid) unwinds like an interrupt: every ``finally`` below stops
     # what it started (the stack's components by process group, the servers, the run's roles).
