@@ -54,10 +54,10 @@ def summary(outcome) -> dict:
 
 def test_good_shards_in_chunks_equal_one_run(tmp_path):
     cfg, prefix, manifest = sharded(tmp_path)
-    for entry in manifest["shards"]:
+    for entry in manifest["shards"][:1] + manifest["shards"][-1:]:  # a train shard and the test split
         whole = validate_shard(prefix, entry["name"], cfg)
-        chunked = validate_shard(prefix, entry["name"], cfg, chunk_bytes=chunk(manifest, 97))
-        assert whole.result["chunks"] == 1 and chunked.result["chunks"] == -(-entry["count"] // 97) > 1
+        chunked = validate_shard(prefix, entry["name"], cfg, chunk_bytes=chunk(manifest, 250))
+        assert whole.result["chunks"] == 1 and chunked.result["chunks"] == -(-entry["count"] // 250) > 1
         assert summary(chunked) == summary(whole) and whole.result["success"]
 
 
@@ -69,7 +69,7 @@ def test_non_finite_values_in_later_chunks_fail_as_in_one_run(tmp_path):
     failed = 0
     for entry in manifest["shards"]:
         whole = validate_shard(prefix, entry["name"], cfg)
-        chunked = validate_shard(prefix, entry["name"], cfg, chunk_bytes=chunk(manifest, 50))
+        chunked = validate_shard(prefix, entry["name"], cfg, chunk_bytes=chunk(manifest, 250))
         assert summary(chunked) == summary(whole)
         failed += not whole.result["success"]
         examples = [e for f in chunked.result["failures"] for e in f["examples"]]
