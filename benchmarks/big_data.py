@@ -213,7 +213,9 @@ def stage_figures(tis: list[dict[str, Any]], source_bytes: int, rows: dict[str, 
     """Per stage: its span (first start → last end of its tasks), MB/s of the source and rows/s."""
     out = {}
     for stage, task_ids in STAGES.items():
-        mine = [t for t in tis if t["task_id"] in task_ids and t.get("start_date") and t.get("end_date")]
+        # Ended tasks that ran: a skipped or upstream-failed task has dates but did no work.
+        mine = [t for t in tis if t["task_id"] in task_ids and t.get("state") in ("success", "failed")
+                and t.get("start_date") and t.get("end_date")]
         if not mine:
             continue
         span = max(_ts(t["end_date"]) for t in mine) - min(_ts(t["start_date"]) for t in mine)
