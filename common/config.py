@@ -68,7 +68,7 @@ LOSSES = ("auto", *(loss for losses in TASK_LOSSES.values() for loss in losses))
 # they hold their default, so a config that does not use them keeps its digest (and its
 # checkpoints still resume).
 _DIGEST_OMITTED_AT_DEFAULT = {"data": ("target_columns", "target_range", "standardize", "missing_values",
-                                       "rare_label_action", "rare_label_rows", "rare_label_ratio"),
+                                       "rare_label_action", "rare_label_rows", "rare_label_ratio", "evaluation_rows"),
                               "model": ("task", "loss", "huber_rho", "options", "code_uri"),
                               "optim": ("early_stopping_patience", "early_stopping_metric", "early_stopping_min_delta"),
                               "checkpoint": ("export_epoch", "mtbf_s"),
@@ -191,6 +191,15 @@ class DataConfig(StrictModel):
     feature_range: Numbers = Field((),
                                    description="Optional [min, max] every feature must lie in (validation); image "
                                                "pixels are always checked in [0, 1].")
+    # The evaluator (mlflow.models.evaluate) takes one in-memory frame: a seeded sample of at most
+    # this many test rows keeps register's and a review's memory bounded; the project's own test
+    # metrics cover the whole split (training.tracking.evaluation). The module's default, kept equal.
+    evaluation_rows: int = Field(100_000, ge=0,
+                                 description="Test rows `register` scores with `mlflow.models.evaluate` (its "
+                                             "per-class table, confusion matrix): a seeded sample when the split "
+                                             "is larger, so memory stays bounded; 0 = the whole split. "
+                                             "`test_accuracy` (a regressor's `test_rmse`, `test_mae`, `test_r2`) "
+                                             "covers the whole split either way, in chunks.")
     # Rows per chunk while sharding: memory follows this, not the dataset (output is the same).
     chunk_rows: int = Field(50_000, ge=1, le=10_000_000,
                             description="Rows read per chunk while sharding: the sharder's memory follows this, not "

@@ -37,3 +37,50 @@ def regression_metrics(pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
     total = ((true - true.mean(axis=0)) ** 2).sum(axis=0)
     r2 = np.where(total > 0, 1 - residual / np.where(total > 0, total, 1), (residual == 0).astype(np.float64))
     return {"rmse": float(np.sqrt((err ** 2).mean())), "mae": float(np.abs(err).mean()), "r2": float(r2.mean())}
+
+
+class RegressionSums:
+    """``regression_metrics`` over rows that come in chunks (``add``), in memory of the targets'
+    count: sums of the errors, and each target's count, mean and sum of squared deviations merged
+    chunk by chunk (Chan et al.'s pairwise update, as stable as the two-pass sum)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.values = 0  # predictions seen (rows × targets)
+        self.squared = 0.0
+        self.absolute = 0.0
+        self.residual: np.ndarray | None = None  # per target: sum of squared errors
+        self.mean: np.ndarray | None = None  # per target: mean of the true values
+        self.m2: np.ndarray | None = None  # per target: sum of squared deviations from the mean
+
+    def add(self, pred: np.ndarray, true: np.ndarray) -> None:
+        pred = np.asarray(pred, np.float64).reshape(len(pred), -1)
+        true = np.asarray(true, np.float64).reshape(len(true), -1)
+        if pred.shape != true.shape:
+            raise ValueError(f"predictions {pred.shape} and targets {true.shape} must have one shape")
+        if not len(true):
+            return
+        err = pred - true
+        self.squared += float((err ** 2).sum())
+        self.absolute += float(np.abs(err).sum())
+        self.values += err.size
+        k, mean = len(true), true.mean(axis=0)
+        m2 = ((true - mean) ** 2).sum(axis=0)
+        if self.mean is None:
+            self.residual, self.mean, self.m2 = (err ** 2).sum(axis=0), mean, m2
+        else:
+            total = self.n + k
+            delta = mean - self.mean
+            self.m2 = self.m2 + m2 + delta ** 2 * self.n * k / total
+            self.mean = self.mean + delta * k / total
+            self.residual = self.residual + (err ** 2).sum(axis=0)
+        self.n += k
+
+    def metrics(self) -> dict[str, float]:
+        """``rmse``, ``mae`` and ``r2`` of every row added (``regression_metrics``' definitions)."""
+        if not self.n:
+            raise ValueError("no rows to compute regression metrics on")
+        total, residual = self.m2, self.residual
+        r2 = np.where(total > 0, 1 - residual / np.where(total > 0, total, 1), (residual == 0).astype(np.float64))
+        return {"rmse": float(np.sqrt(self.squared / self.values)), "mae": self.absolute / self.values,
+                "r2": float(r2.mean())}

@@ -142,34 +142,133 @@ def _import_gx() -> Any:
     return gx
 
 
+class SuiteRunner:
+    """One ephemeral GX context for the batches of one shard (validated a chunk at a time): the
+    suite of ``kind`` is built once per distinct ``SuiteSpec`` (the chunks differ only in their
+    expected row count, so at most a few), then run on each batch."""
+
+    def __init__(self, kind: str) -> None:
+        from great_expectations.data_context.types.base import ProgressBarsConfig
+
+        self.gx = _import_gx()
+        self.kind = kind
+        self.context = self.gx.get_context(mode="ephemeral")
+        self.context.variables.progress_bars = ProgressBarsConfig(globally=False)
+        self._source = self.context.data_sources.add_pandas("shards")
+        self._validations: dict[str, Any] = {}
+
+    def validation(self, spec: SuiteSpec) -> Any:
+        """The validation definition of ``spec``'s suite, added on first use."""
+        key = repr(spec)
+        if key not in self._validations:
+            n = len(self._validations)
+            name = spec.shard if n == 0 else f"{spec.shard}-{n}"
+            batch_definition = self._source.add_dataframe_asset(name).add_batch_definition_whole_dataframe("rows")
+            suite = self.context.suites.add(self.gx.ExpectationSuite(name=f"{self.kind}-shard-{n}",
+                                                                     expectations=SUITES[self.kind](spec)))
+            self._validations[key] = self.context.validation_definitions.add(
+                self.gx.ValidationDefinition(name=f"validate-{name}", data=batch_definition, suite=suite))
+        return self._validations[key]
+
+    def run(self, spec: SuiteSpec, frame: "pd.DataFrame") -> dict[str, Any]:
+        """The GX result (as JSON) of ``spec``'s suite on ``frame``."""
+        return self.validation(spec).run(batch_parameters={"dataframe": frame},
+                                         result_format=RESULT_FORMAT).to_json_dict()
+
+
+RESULT_FORMAT = {"result_format": "SUMMARY", "partial_unexpected_count": 10}
+
+
 def run_suite(kind: str, spec: SuiteSpec, frame: "pd.DataFrame", docs_dir: str | None = None) -> tuple[dict[str, Any], str | None]:
     """Run the suite of ``kind`` on ``frame``; returns (GX result as JSON, Data Docs page or None)."""
-    gx = _import_gx()
-    from great_expectations.data_context.types.base import ProgressBarsConfig
-
-    context = gx.get_context(mode="ephemeral")
-    context.variables.progress_bars = ProgressBarsConfig(globally=False)
-    batch_definition = (context.data_sources.add_pandas("shards")
-                        .add_dataframe_asset(spec.shard)
-                        .add_batch_definition_whole_dataframe("rows"))
-    suite = context.suites.add(gx.ExpectationSuite(name=f"{kind}-shard", expectations=SUITES[kind](spec)))
-    validation = context.validation_definitions.add(
-        gx.ValidationDefinition(name=f"validate-{spec.shard}", data=batch_definition, suite=suite))
-    result_format = {"result_format": "SUMMARY", "partial_unexpected_count": 10}
+    runner = SuiteRunner(kind)
     if docs_dir is None:
-        result = validation.run(batch_parameters={"dataframe": frame}, result_format=result_format)
-        return result.to_json_dict(), None
+        return runner.run(spec, frame), None
+    gx, context, validation = runner.gx, runner.context, runner.validation(spec)
     context.add_data_docs_site(site_name="local", site_config={
         "class_name": "SiteBuilder",
         "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": docs_dir},
         "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"}})
     checkpoint = context.checkpoints.add(gx.Checkpoint(
-        name=f"checkpoint-{spec.shard}", validation_definitions=[validation], result_format=result_format,
+        name=f"checkpoint-{spec.shard}", validation_definitions=[validation], result_format=RESULT_FORMAT,
         actions=[gx.checkpoint.UpdateDataDocsAction(name="data_docs", site_names=["local"])]))
     run = checkpoint.run(batch_parameters={"dataframe": frame})
     result = next(iter(run.run_results.values()))
     pages = glob.glob(os.path.join(docs_dir, "validations", "**", "*.html"), recursive=True)
     return result.to_json_dict(), (pages[0] if pages else None)
+
+
+def merge_results(results: list[dict[str, Any]], expected_rows: int) -> dict[str, Any]:
+    """One GX result of a shard from its chunks' results (the same suite but for each chunk's
+    expected row count, run on consecutive chunks): an expectation succeeds when it did on
+    every chunk; element, unexpected and missing counts add up, the unexpected examples are the
+    first chunks' (at most ``RESULT_FORMAT``'s count), the row count's observed value is the
+    shard's and its expected value the manifest's (``expected_rows``). Uniqueness across chunks
+    is not in here: the caller checks it on the whole shard's ids (``mark_duplicates``)."""
+    import copy
+
+    merged = copy.deepcopy(results[0])
+    limit = RESULT_FORMAT["partial_unexpected_count"]
+    for k, first in enumerate(merged["results"]):
+        each = [r["results"][k] for r in results]
+        first["success"] = all(e["success"] for e in each)
+        kind = first["expectation_config"]["type"]
+        res = first.get("result") or {}
+        if kind == "expect_table_row_count_to_equal":
+            first["expectation_config"]["kwargs"]["value"] = expected_rows
+            res["observed_value"] = sum(int((e.get("result") or {}).get("observed_value") or 0) for e in each)
+            first["success"] = res["observed_value"] == expected_rows
+        elif kind == "expect_table_row_count_to_be_between":
+            res["observed_value"] = sum(int((e.get("result") or {}).get("observed_value") or 0) for e in each)
+            first["success"] = res["observed_value"] >= 1
+        for count in ("element_count", "unexpected_count", "missing_count"):
+            if count in res:
+                res[count] = sum(int((e.get("result") or {}).get(count) or 0) for e in each)
+        if "partial_unexpected_list" in res:
+            listed = [(e.get("result") or {}).get("partial_unexpected_list") or [] for e in each]
+            res["partial_unexpected_list"] = [v for values in listed for v in values][:limit]
+        for pct, base in (("unexpected_percent", "element_count"), ("missing_percent", "element_count")):
+            if pct in res and res.get(base):
+                res[pct] = 100.0 * res[pct.replace("percent", "count")] / res[base]
+        failed = next((e for e in each if (e.get("exception_info") or {}).get("raised_exception")), None)
+        if failed is not None:
+            first["exception_info"] = failed["exception_info"]
+    _restate(merged)
+    return merged
+
+
+def mark_duplicates(result: dict[str, Any], column: str, values: np.ndarray) -> None:
+    """Fail ``result``'s uniqueness expectation of ``column`` when ``values`` (the whole shard's,
+    gathered chunk by chunk) repeat a value: what the chunks alone cannot see."""
+    unique, counts = np.unique(values, return_counts=True)
+    repeated = unique[counts > 1]
+    if not len(repeated):
+        return
+    for r in result["results"]:
+        config = r["expectation_config"]
+        if config["type"] == "expect_column_values_to_be_unique" and config["kwargs"].get("column") == column:
+            res = r.setdefault("result", {})
+            extra = int(counts[counts > 1].sum())
+            if r["success"]:  # no chunk saw a duplicate: every repeated row counts
+                res["unexpected_count"] = extra
+                shown = repeated[:RESULT_FORMAT["partial_unexpected_count"]]
+                res["partial_unexpected_list"] = [v.item() for v in shown]
+            else:  # some were seen within a chunk: the whole shard's count replaces the chunks' sum
+                res["unexpected_count"] = extra
+            if res.get("element_count"):
+                res["unexpected_percent"] = 100.0 * extra / res["element_count"]
+            r["success"] = False
+    _restate(result)
+
+
+def _restate(result: dict[str, Any]) -> None:
+    """The result's overall success and statistics from its expectations'."""
+    ok = sum(bool(r["success"]) for r in result["results"])
+    total = len(result["results"])
+    result["success"] = ok == total
+    stats = result.setdefault("statistics", {})
+    stats.update(evaluated_expectations=total, successful_expectations=ok, unsuccessful_expectations=total - ok,
+                 success_percent=100.0 * ok / total if total else None)
 
 
 def describe_rows(bad: np.ndarray, X: np.ndarray, ids: np.ndarray, names: list[str], label: str) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Validate committed shards: one Great Expectations run per shard, then cross-shard checks.
 
-``validate_shard`` checks one shard (memory: that shard) — file integrity against the manifest
+``validate_shard`` checks one shard (memory: a chunk of it, ``CHUNK_BYTES``) — file integrity against the manifest
 (size + sha256), then the GX suite of the dataset's kind (``suites``) — and never raises for
 bad data: it returns a result. In Airflow it is one mapped task per shard;
 ``finish_validation`` is the task after them: it reads the per-shard results, runs the
@@ -14,6 +14,7 @@ page; + ``.ids.npy``: id hashes for the cross-shard duplicate check), ``validati
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -32,7 +33,8 @@ from data_checks import report as reporting
 from data_checks.cross import cross_shard_checks
 from data_checks.errors import DataError, DataValidationError
 from data_checks.suites import (NONFINITE_COLUMN, NONFINITE_TARGETS_COLUMN, RANGE_COLUMN, TARGET_RANGE_COLUMN,
-                                SuiteSpec, describe_rows, ge_failures, run_suite)
+                                SuiteRunner, SuiteSpec, describe_rows, ge_failures, mark_duplicates, merge_results,
+                                run_suite)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -52,22 +54,40 @@ class ShardOutcome:
     ids: np.ndarray | None  # [n, 2] uint64: (id hash, row id), for the cross-shard duplicate check
 
 
+# Bytes of records validated at a time: a shard is read and checked in chunks of this many bytes,
+# so a task's memory follows the chunk, not the shard (which grows with the table). About a
+# second of GX per chunk; a shard of at most one chunk is one GX run, as before.
+CHUNK_BYTES = 64 << 20
+
+
 def validate_shard(manifest_prefix: str, shard_name: str, cfg: "TrainConfig", *,
-                   manifest: dict[str, Any] | None = None, docs: bool = False) -> ShardOutcome:
-    """Validate one shard; bad data gives ``success=False`` with the failures listed."""
+                   manifest: dict[str, Any] | None = None, docs: bool = False,
+                   chunk_bytes: int = CHUNK_BYTES) -> ShardOutcome:
+    """Validate one shard, a chunk of ``chunk_bytes`` of records at a time; bad data gives
+    ``success=False`` with the failures listed.
+
+    Each chunk is one GX run of the shard's suite (expecting the rows the manifest puts in that
+    chunk); the results merge into the shard's (``suites.merge_results``), and the row ids (and
+    id hashes) of the whole shard are checked for repeats across chunks (``suites.mark_duplicates``):
+    memory is one chunk plus 8 bytes a row (16 with an id column). The Data Docs page (``docs``)
+    is rendered for a shard of one chunk only."""
     started = time.monotonic()
     manifest = manifest or load_manifest(manifest_prefix)
     prefix = shards_prefix(manifest_prefix)
     entry = next((s for s in manifest["shards"] if s["name"] == shard_name), None)
     if entry is None:
         raise DataError(f"shard {shard_name!r} is not in the manifest under {prefix}")
-    from common.record_codec import read_shard
+    from common import record_codec
 
     result: dict[str, Any] = {"shard": shard_name, "split": entry["split"], "expected_rows": entry["count"]}
+    width = record_width(manifest)
+    rows_per_chunk = max(1, chunk_bytes // record_codec.record_bytes(width))
+    kind = manifest.get("source_kind", "table")
     with tempfile.TemporaryDirectory(prefix="validate-") as tmp:
         try:
             idx, rec = download_shard(manifest, prefix, shard_name, tmp)
-            shard = read_shard(idx, rec, record_width(manifest))
+            blocks = record_codec.iter_blocks(idx, rec, width, rows_per_chunk)
+            first = next(blocks, None)
         except (DataError, ValueError) as exc:  # ValueError: a record of the wrong width
             problem = {"expectation": "shard_files_match_manifest", "column": None, "shard": shard_name,
                        "unexpected_count": 1, "examples": [str(exc)], "message": f"{shard_name}: {exc}"}
@@ -75,24 +95,61 @@ def validate_shard(manifest_prefix: str, shard_name: str, cfg: "TrainConfig", *,
                           checks=[_integrity(False, [problem])],
                           great_expectations={"skipped": "the shard files failed their integrity check"})
             return ShardOutcome(_finish(result, started), None)
-        frame, spec, counts = _frame(manifest, entry, shard, cfg)
-        ge_result, page = run_suite(manifest.get("source_kind", "table"), spec, frame,
-                                    docs_dir=os.path.join(tmp, "docs") if docs else None)
-        html = open(page).read() if page else None
+        if first is None:  # an empty shard: one empty batch, which the suite fails
+            first = record_codec.Shard(np.empty((0, width), np.float32), np.empty(0, np.int32),
+                                       np.empty(0, np.int64), np.empty(0, np.uint64))
+        runner, results, counts, html = SuiteRunner(kind), [], {}, None
+        label_counts: dict[int, int] = {}
+        label_rows: dict[int, int] = {}
+        row_ids, hashes, start = [], [], 0
+        for shard in _chain(first, blocks):
+            frame, spec, chunk_counts = _frame(manifest, entry, shard, cfg)
+            # This chunk's share of the manifest's count: a short or long shard fails in its last chunk.
+            spec = dataclasses.replace(spec, expected_rows=max(0, min(rows_per_chunk, entry["count"] - start)))
+            if docs and entry["count"] <= rows_per_chunk:
+                ge_chunk, page = run_suite(kind, spec, frame, docs_dir=os.path.join(tmp, "docs"))
+                html = open(page).read() if page else None
+            else:
+                ge_chunk = runner.run(spec, frame)
+            del frame
+            results.append(ge_chunk)
+            for column, per in chunk_counts.items():
+                into = counts.setdefault(column, {})
+                for name, n in per.items():
+                    into[name] = into.get(name, 0) + n
+            labels, first_at, n_each = np.unique(shard.labels, return_index=True, return_counts=True)
+            for k, i, n in zip(labels.tolist(), first_at.tolist(), n_each.tolist()):
+                label_counts[k] = label_counts.get(k, 0) + n
+                label_rows.setdefault(k, int(shard.row_ids[i]))
+            row_ids.append(shard.row_ids.astype(np.int64))
+            if spec.has_ids:
+                hashes.append(shard.id_hashes)
+            start += len(shard.labels)
+    ge_result = results[0] if len(results) == 1 else merge_results(results, entry["count"])
+    all_rows = np.concatenate(row_ids)
+    if len(results) > 1:
+        mark_duplicates(ge_result, "row_id", all_rows)
+        if spec.has_ids:
+            mark_duplicates(ge_result, "id_hash", np.concatenate(hashes))
     failures = ge_failures(ge_result, counts, manifest["classes"])
-    hist_check = _histogram_check(entry, shard.labels)
+    observed = {str(k): label_counts[k] for k in sorted(label_counts)}
+    hist_check = _histogram_check(entry, observed)
     failures += hist_check["failures"]
-    labels, first, label_counts = np.unique(shard.labels, return_index=True, return_counts=True)
-    result.update(success=not failures, rows=len(shard.labels), failures=failures,
+    result.update(success=not failures, rows=len(all_rows), failures=failures,
                   evaluated=len(ge_result["results"]) + 2, checks=[_integrity(True, []), hist_check],
-                  label_histogram={str(int(k)): int(c) for k, c in zip(labels, label_counts)},
+                  label_histogram=observed,
                   # a source row of each class, for examples of labels that look accidental
-                  label_rows={str(int(k)): int(shard.row_ids[i]) for k, i in zip(labels, first)},
-                  great_expectations=ge_result)
+                  label_rows={str(k): label_rows[k] for k in sorted(label_rows)},
+                  great_expectations=ge_result, chunks=len(results))
     if html is not None:
         result["_html"] = html
-    ids = np.stack([shard.id_hashes, shard.row_ids.astype(np.uint64)], axis=1) if spec.has_ids else None
+    ids = np.stack([np.concatenate(hashes), all_rows.astype(np.uint64)], axis=1) if spec.has_ids else None
     return ShardOutcome(_finish(result, started), ids)
+
+
+def _chain(first: Any, rest: Any) -> Any:
+    yield first
+    yield from rest
 
 
 def _finish(result: dict[str, Any], started: float) -> dict[str, Any]:
@@ -111,8 +168,8 @@ def _integrity(ok: bool, failures: list[dict[str, Any]]) -> dict[str, Any]:
             "description": "the shard files exist and match the manifest's size and sha256"}
 
 
-def _histogram_check(entry: dict[str, Any], labels: np.ndarray) -> dict[str, Any]:
-    observed = {str(int(k)): int(c) for k, c in zip(*np.unique(labels, return_counts=True))}
+def _histogram_check(entry: dict[str, Any], observed: dict[str, int]) -> dict[str, Any]:
+    """``observed``: the shard's rows per class index (as a string), counted chunk by chunk."""
     expected = entry.get("label_histogram") or observed  # hand-made manifests may leave it empty
     ok = observed == expected
     diff = sorted(k for k in set(observed) | set(expected) if observed.get(k) != expected.get(k))

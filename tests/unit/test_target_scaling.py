@@ -156,3 +156,42 @@ def test_the_loaded_model_predicts_in_the_targets_units(tmp_path):
     loaded = pyfunc_model.load_exported(files["symbol"], files["params"], files["meta"], files["preprocessing"])
     frame = pyfunc_model.predict_frame(loaded, loaded.features(pd.DataFrame(x, columns=["a", "b"])))
     np.testing.assert_allclose(frame["y"].to_numpy(), outputs[:, 0].astype(np.float64) * 20.0 + 1000.0, rtol=1e-12)
+
+
+def test_validation_on_mapped_shards_equals_validation_on_arrays(sharded, tmp_path):
+    """Rank 0 validates on its memory-mapped val split a batch at a time (targets unscaled): the
+    same metrics as on the loaded arrays, over several batches."""
+    import mxnet as mx
+
+    from training.loop.validation import evaluate
+
+    prefix, manifest = sharded
+    shards = [s for s in manifest["shards"] if s["split"] == "val"]
+    X, y = feed_data.fetch_split(manifest, prefix, shards, str(tmp_path / "a"))
+    rows = feed_data.open_split(manifest, prefix, shards, str(tmp_path / "b"), scaled_targets=False)
+    assert rows.num_rows == len(y) > 16
+    scale = feed_data.target_scale(manifest)
+    net = mx.gluon.nn.Dense(2, in_units=X.shape[1])
+    net.initialize(mx.init.Xavier())
+    model = _config().model
+    expected = evaluate(net, X, y, batch=16, model=model, targets=scale)
+    got = evaluate(net, rows, batch=16, model=model, targets=scale)
+    assert got == {k: pytest.approx(v, rel=1e-6) for k, v in expected.items()}
+    assert set(got) == {"loss", "rmse", "mae", "r2"}
+
+
+def test_classification_validation_on_a_row_source_equals_arrays():
+    import mxnet as mx
+
+    from training.feed.shard_reader import LoadedShard, ShardSet
+    from training.loop.validation import evaluate
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(203, 5)).astype(np.float32)
+    y = rng.integers(0, 3, 203).astype(np.int32)
+    net = mx.gluon.nn.Dense(3, in_units=5)
+    net.initialize(mx.init.Xavier())
+    expected = evaluate(net, X, y, batch=50)
+    got = evaluate(net, ShardSet([LoadedShard(X[:100]), LoadedShard(X[100:])], [y[:100], y[100:]], 5), batch=50)
+    assert got == {k: pytest.approx(v, rel=1e-6) for k, v in expected.items()}
+    assert 0 < got["accuracy"] < 1

@@ -6,9 +6,9 @@ because a ``dist_sync`` worker that stops pushing early leaves the others blocke
 The order of rows is a deterministic function of (seed, epoch, rank), so a resumed job can skip
 to the exact position inside an epoch.
 
-The train rows are opened, not loaded (``open_split``: memory-mapped shards,
-``training.feed.shard_reader``); ``fetch_split`` loads a split into memory for the small ones
-(validation, test) and for callers that want whole arrays.
+The train and validation rows are opened, not loaded (``open_split``: memory-mapped shards,
+``training.feed.shard_reader``), so a worker's memory does not follow the table's size;
+``fetch_split`` loads a split into memory, for callers that want whole arrays of a small one.
 """
 from __future__ import annotations
 
@@ -70,14 +70,16 @@ def fetch_split(manifest: dict[str, Any], shards_prefix: str, shards: list[dict[
 
 
 def open_split(manifest: dict[str, Any], shards_prefix: str, shards: list[dict[str, Any]],
-               work_dir: str) -> ShardSet:
+               work_dir: str, *, scaled_targets: bool = True) -> ShardSet:
     """Download and verify (size + sha256) ``shards`` into ``work_dir`` and open them for random access.
 
     The returned set keeps working after ``work_dir`` is removed (see ``training.feed.shard_reader``).
-    Its regression targets are gathered standardised (``target_scale``): what the network trains on.
+    Its regression targets are gathered standardised (``target_scale``): what the network trains on;
+    in their own units with ``scaled_targets`` off (what validation scores in).
     """
     pairs = [download_shard(manifest, shards_prefix, s["name"], work_dir) for s in shards]
-    return ShardSet.open(pairs, manifest["num_features"], int(manifest.get("num_targets", 0)), target_scale(manifest))
+    return ShardSet.open(pairs, manifest["num_features"], int(manifest.get("num_targets", 0)),
+                         target_scale(manifest) if scaled_targets else None)
 
 
 @dataclass

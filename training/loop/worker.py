@@ -139,7 +139,7 @@ class Data:
     manifest: dict[str, Any]
     steps: int  # optimizer steps per epoch, the same on every worker
     rows: Any  # this rank's train rows, memory-mapped (training.feed.shard_reader)
-    val: tuple[np.ndarray, np.ndarray] | None  # rank 0's validation split (features, labels or targets)
+    val: Any  # rank 0's validation split, memory-mapped, targets unscaled (a ShardSet); None on other ranks
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,8 @@ def build_data(job: JobSpec, topology: KVStoreTopology) -> Data:
         val = None
         if topology.rank == 0:
             val_shards = [s for s in manifest["shards"] if s["split"] == "val"]
-            val = feed_data.fetch_split(manifest, job.shards_prefix, val_shards, work_dir)
+            # Mapped like the train rows: memory follows evaluate's batch, not the split's size.
+            val = feed_data.open_split(manifest, job.shards_prefix, val_shards, work_dir, scaled_targets=False)
     return Data(manifest=manifest, steps=steps, rows=rows, val=val)
 
 
@@ -371,7 +372,7 @@ def end_epoch(loop: Loop, losses: LossCheck) -> None:
               "global_step": state.global_step, "learning_rate": learning_rate_at(loop.trainer),
               **loop.meter.epoch_metrics()}
     if loop.data.val is not None:  # rank 0
-        record.update({f"val_{k}": v for k, v in evaluate(loop.model.net, *loop.data.val, ctx=loop.topology.ctxs[0],
+        record.update({f"val_{k}": v for k, v in evaluate(loop.model.net, loop.data.val, ctx=loop.topology.ctxs[0],
                                                            model=cfg.model,
                                                            targets=feed_data.target_scale(loop.data.manifest)).items()})
     state.history.append(record)

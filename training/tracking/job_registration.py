@@ -124,7 +124,8 @@ def register_trained_job(job: TrainedJob) -> dict[str, Any]:
         model_dir = download_model(job.model_prefix, os.path.join(tmp, "model"))
         artifacts = _download_reports(job, os.path.join(tmp, "extra"))
         artifacts.update(plot_artifacts(metrics["history"], os.path.join(tmp, "plots")))
-        test = load_test_split(job.shards_prefix, os.path.join(tmp, "test"))
+        test = load_test_split(job.shards_prefix, os.path.join(tmp, "test"),
+                               max_rows=job.config.data.evaluation_rows)
         result = log_model_run(ModelRunRequest(
             tracking_uri=job.tracking_uri, experiment=PIPELINE_EXPERIMENT,
             run_name=dag_run_name(job.dag_id, job.run_id),

@@ -259,10 +259,10 @@ def _evaluate(client: Any, run_id: str, model_uri: str, model_id: str, test_data
     if regression:
         _log_predicted_vs_true(test_data, scores.predictions)
     else:
-        metrics[TEST_ACCURACY] = metrics["accuracy_score"]
+        # score_model's: over the whole split (the evaluator's accuracy_score is of its sample).
         mlflow.log_metric(TEST_ACCURACY, metrics[TEST_ACCURACY], step=step, model_id=model_id, dataset=dataset)
-    log.info("evaluated %s on %d test rows in %.1f s: %s", what, len(test_data.frame), time.monotonic() - started,
-             metrics)
+    log.info("evaluated %s on %d test rows (the evaluator on %d of them) in %.1f s: %s", what,
+             test_data.split_rows, len(test_data.frame), time.monotonic() - started, metrics)
     return metrics
 
 
