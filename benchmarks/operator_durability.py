@@ -107,9 +107,9 @@ def jobs_stopped_on_the_way_out(run_ids: list[str]) -> Iterator[list[str]]:
         yield run_ids
     finally:
         for run_id in run_ids:
-            for proc in role_processes(run_id):
+            for pid in role_processes(run_id):
                 with contextlib.suppress(OSError):
-                    proc.kill()
+                    os.kill(pid, signal.SIGKILL)
 
 
 def _servers(cfg: Any, services: dict[str, str]) -> tuple[Any, Any]:

@@ -103,8 +103,8 @@ def train_ti(cfg: Any, run_id: str, dag_id: str = DAG_ID) -> dict[str, Any]:
         return next(t for t in client.task_instances(dag_id, run_id) if t["task_id"] == "train")
 
 
-def role_processes(run_id: str, dag_id: str = DAG_ID) -> list[Any]:
-    """This run's role and supervisor processes (each carries its cluster's id)."""
+def role_processes(run_id: str, dag_id: str = DAG_ID) -> list[int]:
+    """The pids of this run's role and supervisor processes (each carries its cluster's id)."""
     from common.procs import tagged_processes
     from infra.cluster import cluster_id_for
 
