@@ -659,7 +659,12 @@ class SweepConfig(StrictModel):
     # values (grid, or a random choice) or a range (random only). Checked by common.sweep.
     space: dict[str, JsonValue] = Field(
         description="Dotted config field (e.g. `optim.learning_rate`) → a list of values, or (random) "
-                    "`{low, high, log}`; each trial's config is checked like any config.")
+                    "`{low, high, log}`; each trial's config is checked like any config.",
+        # The shape in the JSON schema too, so the DAG form refuses a bad one when triggered.
+        json_schema_extra={"minProperties": 1, "additionalProperties": {"anyOf": [
+            {"type": "array", "minItems": 1},
+            {"type": "object", "required": ["low", "high"], "additionalProperties": False,
+             "properties": {"low": {"type": "number"}, "high": {"type": "number"}, "log": {"type": "boolean"}}}]}})
     trials: int = Field(4, ge=1, le=MAX_SWEEP_TRIALS, description="Trials of a random sweep (a grid has one per "
                                                                   "combination).")
     parallel: int = Field(2, ge=1, le=MAX_SWEEP_TRIALS,
