@@ -8,6 +8,9 @@ config's ``sweep`` section or the ``sweep`` Param: grid or random over config fi
 and its direction, ASHA pruning (``min_epochs``, ``reduction_factor``); at most
 ``MXPIPE_SWEEP_PARALLEL`` trials train at once. The tasks and their wiring are
 ``plugins.sweep_dag``; this file names the DAG and sets its limits from the settings.
+
+Light like every DAG file here: Airflow's SDK and the project's light task modules, no I/O at
+parse time.
 """
 from __future__ import annotations
 

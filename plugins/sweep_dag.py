@@ -97,7 +97,7 @@ def _trial_group(shards: Any, *, parallel: int, retry_delay: timedelta, train_ti
         def release(cluster: dict) -> dict:
             return pipeline_tasks.teardown(cluster)
 
-        cluster = provision(trial)
+        cluster = provision(trial=trial)  # a keyword: the map index template reads op_kwargs
         trained = TrainJobOperator(task_id="train", cluster=cluster, shards=shards, trial=trial, retries=2,
                                    retry_delay=retry_delay, retry_exponential_backoff=True,
                                    execution_timeout=_limit(train_timeout_s), deferrable=deferrable, poll_s=poll_s,
