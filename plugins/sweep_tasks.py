@@ -167,11 +167,15 @@ def best_of(outcomes: Sequence[Mapping[str, Any]], higher: bool) -> Mapping[str,
 
 
 def pruning_savings(outcomes: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """Trial-epochs run against every trial run to its last epoch, and the share saved."""
+    """Trial-epochs run against every trial run to its last epoch: the share saved in all
+    (pruning and early stopping), and the epochs the pruned trials did not run."""
     run = sum(o["epochs_run"] for o in outcomes)
     full = sum(o["epochs"] for o in outcomes)
+    pruned = sum(o["epochs"] - o["epochs_run"] for o in outcomes if o["outcome"] == "pruned")
     return {"sweep.trial_epochs": float(run), "sweep.full_epochs": float(full),
-            "sweep.epochs_saved_share": (full - run) / full if full else 0.0}
+            "sweep.epochs_saved_share": (full - run) / full if full else 0.0,
+            "sweep.epochs_saved_by_pruning": float(pruned),
+            "sweep.pruning_saved_share": pruned / full if full else 0.0}
 
 
 def select_best(trials: Sequence[Mapping[str, Any]], shards: Mapping[str, Any], dag_id: str,

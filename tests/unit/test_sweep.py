@@ -133,4 +133,5 @@ def test_the_best_finished_trial_wins_never_a_pruned_or_failed_one_and_the_savin
     assert best_of(outcomes, higher=True)["index"] == 0
     assert best_of([o for o in outcomes if o["outcome"] in ("pruned", "failed")], higher=False) is None
     assert pruning_savings(outcomes) == {"sweep.trial_epochs": 14.0, "sweep.full_epochs": 20.0,
-                                         "sweep.epochs_saved_share": 0.3}
+                                         "sweep.epochs_saved_share": 0.3, "sweep.epochs_saved_by_pruning": 3.0,
+                                         "sweep.pruning_saved_share": 0.15}
