@@ -135,3 +135,43 @@ def test_the_best_finished_trial_wins_never_a_pruned_or_failed_one_and_the_savin
     assert pruning_savings(outcomes) == {"sweep.trial_epochs": 14.0, "sweep.full_epochs": 20.0,
                                          "sweep.epochs_saved_share": 0.3, "sweep.epochs_saved_by_pruning": 3.0,
                                          "sweep.pruning_saved_share": 0.15}
+
+
+def test_the_sweep_param_goes_over_the_configs_sweep_section_field_by_field():
+    from plugins.run_config import resolve
+
+    cfg = resolve({"recipe": "debug", "config": {"sweep": {"space": {"optim.epochs": [2, 3]}, "trials": 3}},
+                   "sweep": {"min_epochs": 1, "trials": 5}})
+    assert cfg.sweep.space == {"optim.epochs": [2, 3]} and (cfg.sweep.trials, cfg.sweep.min_epochs) == (5, 1)
+    assert cfg.digest() == resolve({"recipe": "debug"}).digest()  # how trials are searched is no model input
+
+
+def test_the_first_task_refuses_a_bad_sweep_and_the_training_dag_any_sweep_before_sharding(monkeypatch):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from plugins import pipeline_tasks
+
+    def no_sharding(*args, **kwargs):
+        raise AssertionError("nothing may be planned, staged or sharded")
+
+    monkeypatch.setattr(pipeline_tasks, "warm_start_checkpoint", no_sharding)
+    bad = {"recipe": "debug", "sweep": {"space": {"optim.epochs": ["3"]}}}
+    with pytest.raises(AirflowFailException, match=r"invalid sweep: sweep trial 0 \(optim.epochs='3'\): "
+                                                   r"optim.epochs must be an integer"):
+        pipeline_tasks.shard(bad, "mxnet_sweep", "r1", sweep_cap=2)
+    with pytest.raises(AirflowFailException, match="sweep.parallel=3 is above this DAG's cap of 2"):
+        pipeline_tasks.shard({"recipe": "debug", "sweep": {"space": {"optim.epochs": [2]}, "parallel": 3}},
+                             "mxnet_sweep", "r1", sweep_cap=2)
+    with pytest.raises(AirflowFailException, match="trigger the mxnet_sweep DAG"):
+        pipeline_tasks.shard({"recipe": "debug", "config": {"sweep": {"space": {"optim.epochs": [2]}}}},
+                             "mxnet_training", "r1")
+
+
+def test_a_pruned_trial_stays_stopped_after_a_resume():
+    from training.loop.resume import PRUNED_AT, TrainState, train_record
+
+    state = TrainState(epoch=1, global_step=20, history=[{"epoch": 0}], pruned_at=0)
+    assert state.stopped_early and not TrainState().stopped_early
+    record = train_record(state, [], recipe("debug"), 2, {"shards": []})
+    assert record[PRUNED_AT] == 0  # in the checkpoint: restore reads it back
+    assert PRUNED_AT not in train_record(TrainState(), [], recipe("debug"), 2, {"shards": []})
