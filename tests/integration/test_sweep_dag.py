@@ -157,6 +157,10 @@ def test_a_sweep_with_a_killed_trial_prunes_and_registers_its_best_trial(stack, 
     assert sorted(c.data.tags["mxpipe.sweep.trial"] for c in children) == [str(i) for i in REAL + FAILING]
     by_trial = {c.data.tags["mxpipe.sweep.trial"]: c for c in children}
     assert by_trial["2"].data.tags["sweep.outcome"] == "pruned"
+    from training.launch.status import read_status
+
+    pruned = RunPaths(s3_server.env["MXPIPE_ARTIFACT_ROOT"], DAG_ID, f"{run_id}.trial-2").job_status
+    assert read_status(pruned).state == "succeeded" and read_status(pruned).outcome == "pruned"
     assert all(by_trial[str(i)].data.tags["sweep.outcome"] == "failed" for i in FAILING)
     version = client.get_model_version(MODEL_NAME, registered["version"])
     assert version.run_id == by_trial["0"].info.run_id  # the best trial's run holds the version

@@ -1,6 +1,7 @@
 """A sweep's trials (grid and random), the refusals that name the field, the ASHA rule and a
 trial's pruner against its rungs in storage (a local folder), and the selection of the best
 trial and the pruning's savings."""
+import dataclasses
 import json
 import math
 
@@ -175,3 +176,21 @@ def test_a_pruned_trial_stays_stopped_after_a_resume():
     record = train_record(state, [], recipe("debug"), 2, {"shards": []})
     assert record[PRUNED_AT] == 0  # in the checkpoint: restore reads it back
     assert PRUNED_AT not in train_record(TrainState(), [], recipe("debug"), 2, {"shards": []})
+
+
+def test_a_trials_status_record_says_whether_it_was_pruned(tmp_path):
+    from training.launch.job import JobSpec
+    from training.launch.status import JobStatus
+    from training.launch.supervise import trial_outcome
+
+    metrics = tmp_path / "train.json"
+    job = JobSpec(config=recipe("debug"), shards_prefix="s", checkpoint_prefix="c", model_prefix="m",
+                  metrics_uri=str(metrics), pruning={"min_epochs": 1})
+    metrics.write_text(json.dumps({"pruned": {"epoch": 0, "metric": "val_loss"}}))
+    assert trial_outcome(job) == "pruned"
+    metrics.write_text(json.dumps({"history": []}))
+    assert trial_outcome(job) == "completed"
+    assert trial_outcome(dataclasses.replace(job, pruning={})) == ""  # not a sweep trial
+    assert JobStatus.from_json(JobStatus(state="succeeded", job_id="1-x", outcome="pruned").to_json()).outcome == \
+        "pruned"
+    assert JobStatus.from_json(json.dumps({"state": "succeeded", "job_id": "1-x"})).outcome == ""  # an older record
