@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.config import ConfigError, SearchRange, SweepConfig, TrainConfig, overlay
+from common.config import MAX_SWEEP_TRIALS, ConfigError, SearchRange, SweepConfig, TrainConfig, overlay
 from common.task_metrics import TASK_METRICS, higher_is_better
 
 # What the trials may not vary: they share the shards, which these decide.
@@ -118,8 +118,6 @@ def plan(cfg: TrainConfig, *, max_parallel: int | None = None) -> list[Trial]:
     if max_parallel is not None and sweep.parallel > max_parallel:
         raise ConfigError(f"sweep.parallel={sweep.parallel} is above this DAG's cap of {max_parallel} trials at once "
                           "(MXPIPE_SWEEP_PARALLEL)")
-    from common.config import MAX_SWEEP_TRIALS
-
     values = combinations(sweep)
     if len(values) > MAX_SWEEP_TRIALS:
         raise ConfigError(f"sweep.space: the grid has {len(values)} combinations, more than {MAX_SWEEP_TRIALS} trials")
