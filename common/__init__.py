@@ -18,6 +18,7 @@ Nothing here imports Airflow, MXNet, MLflow or Great Expectations, so any layer 
 - ``record_codec``: the codec of shard records, shared by the sharder (writer) and the trainer (reader).
 - ``roles``: the roles of one ps-lite job and the environment each is started with.
 - ``settings``: every environment variable the project reads, in one typed place.
+- ``sweep``: a hyperparameter sweep's trial configs and its pruning (ASHA) rule.
 - ``storage``: all storage I/O (S3 and local folders) of the pipeline.
 - ``task_metrics``: the metrics of each ``model.task`` and which way each is better.
 - ``version``: the code version that trained a model (its MLflow run's git commit).

@@ -635,6 +635,88 @@ class CheckpointConfig(StrictModel):
         return self
 
 
+# Hyperparameter sweeps (the ``mxnet_sweep`` DAG, common.sweep): how the space is searched.
+SWEEP_METHODS = ("grid", "random")
+SWEEP_DIRECTIONS = ("auto", "min", "max")
+# The most trials one sweep may plan: each is a distributed job on a cluster of its own.
+MAX_SWEEP_TRIALS = 64
+
+
+class SearchRange(StrictModel):
+    """A random sweep's range of one numeric field: uniform in [low, high], or log-uniform
+    (``log``). Both bounds integers and the field an integer: a whole number in [low, high]."""
+
+    low: Number = Field(description="The smallest value drawn.")
+    high: Number = Field(description="The largest value drawn.")
+    log: bool = Field(False, description="Draw log-uniformly (both bounds > 0).")
+
+    @model_validator(mode="after")
+    def _combinations(self) -> SearchRange:
+        _check(self.low < self.high, f"an empty range: low={self.low!r} must be below high={self.high!r}")
+        _check(not self.log or self.low > 0, f"a log range needs low > 0, got low={self.low!r}")
+        return self
+
+
+class SweepConfig(StrictModel):
+    """A hyperparameter sweep: the trials' config fields, how many run at once, the metric that
+    ranks them and the asynchronous successive halving (ASHA) that stops poor ones early."""
+
+    method: Literal[SWEEP_METHODS] = Field("grid",
+                                           description="`grid`: every combination of the listed values; `random`: "
+                                                       "`sweep.trials` draws.")
+    # A dotted config field ("optim.learning_rate", "seed" is refused: it moves the split) to its
+    # values (grid, or a random choice) or a range (random only). Checked by common.sweep.
+    space: dict[str, JsonValue] = Field(
+        description="Dotted config field (e.g. `optim.learning_rate`) → a list of values, or (random) "
+                    "`{low, high, log}`; each trial's config is checked like any config.",
+        # The shape in the JSON schema too, so the DAG form refuses a bad one when triggered.
+        json_schema_extra={"minProperties": 1, "additionalProperties": {"anyOf": [
+            {"type": "array", "minItems": 1},
+            {"type": "object", "required": ["low", "high"], "additionalProperties": False,
+             "properties": {"low": {"type": "number"}, "high": {"type": "number"}, "log": {"type": "boolean"}}}]}})
+    trials: int = Field(4, ge=1, le=MAX_SWEEP_TRIALS, description="Trials of a random sweep (a grid has one per "
+                                                                  "combination).")
+    parallel: int = Field(2, ge=1, le=MAX_SWEEP_TRIALS,
+                          description="Trials training at once, at most the DAG's cap (`MXPIPE_SWEEP_PARALLEL`, "
+                                      "the train task's max_active_tis_per_dagrun).")
+    metric: str = Field("auto", pattern=r"^(auto|val_[a-z0-9]+)$",
+                        description="The validation metric that ranks the trials (`auto`: the early-stopping "
+                                    "metric).")
+    direction: Literal[SWEEP_DIRECTIONS] = Field("auto", description="Whether a lower or higher metric is better "
+                                                                     "(`auto`: the metric's own).")
+    seed: int = Field(0, ge=0, lt=2**31, description="Seed of a random sweep's draws.")
+    min_epochs: int = Field(0, ge=0, le=1000,
+                            description="The first rung of the pruning (ASHA): at epochs min_epochs × "
+                                        "reduction_factor^k a trial outside the top 1/reduction_factor of "
+                                        "the trials at that rung stops; 0 = no pruning.")
+    reduction_factor: int = Field(3, ge=2, le=16, description="ASHA's eta: the share 1/eta of a rung's trials "
+                                                             "that go on.")
+
+    @model_validator(mode="after")
+    def _combinations(self) -> SweepConfig:
+        _check(bool(self.space), "sweep.space must name at least one config field")
+        for name in self.space:
+            self.dimension(name)  # each one checked here, so a bad one is refused by name at once
+        return self
+
+    def dimension(self, name: str) -> tuple[Any, ...] | SearchRange:
+        """The values of ``space[name]`` (a non-empty tuple), or its ``SearchRange``."""
+        values = self.space[name]
+        where = f"sweep.space[{name!r}]"
+        if isinstance(values, list):
+            _check(bool(values), f"{where}: an empty list of values")
+            return tuple(values)
+        _check(isinstance(values, dict), f"{where} must be a list of values or {{low, high, log}}, got "
+                                         f"{_kind(values)}")
+        _check(self.method == "random", f"{where}: a range {{low, high}} needs sweep.method='random' (a grid takes "
+                                        "a list of values)")
+        try:
+            return SearchRange(**values)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+
+
 class TrainConfig(StrictModel):
     """A run's whole configuration, section by section."""
 
@@ -649,6 +731,9 @@ class TrainConfig(StrictModel):
                                          description="When rank 0 checkpoints, what is kept, how it is protected.")
     seed: int = Field(42, ge=0, lt=2**31,
                       description="Seed of the split, the data order, initialisation and every random draw.")
+    # Read by the mxnet_sweep DAG only; a trial's own config has none. Never part of a digest.
+    sweep: SweepConfig | None = Field(None, description="A hyperparameter sweep over this config (the "
+                                                        "`mxnet_sweep` DAG; docs/sweeps.md); null: none.")
 
     @model_validator(mode="after")
     def _combinations(self) -> TrainConfig:
@@ -739,6 +824,7 @@ class TrainConfig(StrictModel):
     def digest_dict(self) -> dict[str, Any]:
         """``to_dict`` without the fields added later that hold their default (what digests hash)."""
         raw = self.to_dict()
+        raw.pop("sweep")  # how trials are searched decides no trial's model
         for section, names in _DIGEST_OMITTED_AT_DEFAULT.items():
             fields = type(getattr(self, section)).model_fields
             for name in names:
@@ -801,7 +887,7 @@ def overlay(raw: Mapping[str, Any], layer: Mapping[str, Any]) -> dict[str, Any]:
             merged[name] = values
             continue
         _check(isinstance(values, Mapping), f"config section {name!r} must be a JSON object, got {_kind(values)}")
-        merged[name] = {**merged.get(name, {}), **values}
+        merged[name] = {**(merged.get(name) or {}), **values}  # an absent section (sweep: null) is empty
     return merged
 
 
@@ -844,7 +930,8 @@ def _kind(value: Any) -> str:
 
 def _section(model: type[BaseModel]) -> str:
     """The name of the section a model is in TrainConfig ("" for TrainConfig itself)."""
-    return next((name for name, f in TrainConfig.model_fields.items() if f.annotation is model), "")
+    return next((name for name, f in TrainConfig.model_fields.items()
+                 if f.annotation is model or model in get_args(f.annotation)), "")
 
 
 def _path(prefix: str, loc: tuple[int | str, ...]) -> str:

@@ -84,6 +84,24 @@ def section_schema(section: str) -> dict[str, Any]:
     return _as_param_schema(schema["$defs"][schema["properties"][section]["$ref"].rsplit("/", 1)[1]])
 
 
+def sweep_schema() -> dict[str, Any]:
+    """The JSON schema of the ``sweep`` Param: the config's sweep section, every field optional
+    (an empty object: the sweep of config / config_uri as it is)."""
+    schema = _as_param_schema(TrainConfig.model_json_schema()["$defs"]["SweepConfig"])
+    schema.pop("required", None)
+    return schema
+
+
+def sweep_params() -> dict[str, Param]:
+    """The form of the sweep DAG: the training DAG's, plus the sweep section."""
+    return {**training_params(),
+            "sweep": Param({}, schema=sweep_schema(),
+                           description="The sweep (docs/sweeps.md), e.g. {\"method\": \"grid\", \"space\": "
+                                       "{\"optim.learning_rate\": [0.01, 0.001]}, \"min_epochs\": 1}; over config's "
+                                       "sweep section. Every trial's config is checked before anything is "
+                                       "sharded.")}
+
+
 def _as_param_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """A generated schema without the keys a Param's schema must not have at its top: the form
     would show "title" as the field's label, and Airflow's serialized DAG passes the schema as

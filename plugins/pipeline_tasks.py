@@ -111,13 +111,19 @@ def _refuse_bad_model(check: Callable[..., Any], *args: Any) -> Any:
         raise fail_without_retry(f"invalid model: {exc}") from exc
 
 
-def shard(params: Mapping[str, Any], dag_id: str, run_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def shard(params: Mapping[str, Any], dag_id: str, run_id: str,
+          sweep_cap: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Resolve the config and plan the sharding: ``(config XCom, plan)``. In order: the warm
     start is checked (before anything is written or provisioned, so a typo in the reference fails
     at once; train resolves it again for the job it starts), the config and a custom network's
     code are staged (``training.train_job.stage_run``), and the sharding is planned
     (``data_checks.parts.plan``: reuse of unchanged shards, the source's columns, the parts, whose
-    number is the ``shard_parts`` Param, else ``MXPIPE_SHARD_PARTS``, else one per 256 MB)."""
+    number is the ``shard_parts`` Param, else ``MXPIPE_SHARD_PARTS``, else one per 256 MB).
+
+    ``sweep_cap``: the run is a sweep (the sweep DAG, at most that many trials at once): its
+    trials are planned and checked first (``plugins.sweep_tasks.check_sweep``), so a bad sweep
+    fails before anything is sharded. Without it, a config with a sweep section is refused: the
+    training DAG would train the base config and ignore the sweep."""
     import hashlib
 
     from data_checks import parts
@@ -125,6 +131,13 @@ def shard(params: Mapping[str, Any], dag_id: str, run_id: str) -> tuple[dict[str
     from training.train_job import stage_run
 
     cfg = resolve_config(params)
+    if sweep_cap is not None:
+        from plugins.sweep_tasks import check_sweep
+
+        check_sweep(config_xcom(cfg), sweep_cap)
+    elif cfg.sweep is not None:
+        raise fail_without_retry("invalid configuration: the config has a sweep section; trigger the mxnet_sweep "
+                                 "DAG to run a sweep (this DAG trains one config)")
     paths = run_paths(dag_id, run_id)
     warm_start_checkpoint(params, dag_id, run_id, cfg)
     code = _refuse_bad_model(stage_run, cfg, paths)
@@ -354,16 +367,21 @@ def open_live_run(job: Mapping[str, Any]) -> str:
 
 
 def prepare_job(config: Mapping[str, Any], params: Mapping[str, Any], cluster: dict[str, Any],
-                shards: dict[str, Any], dag_id: str, run_id: str, try_number: int) -> dict[str, Any]:
+                shards: dict[str, Any], dag_id: str, run_id: str, try_number: int, *,
+                pruning: Mapping[str, Any] | None = None,
+                tracking_tags: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Write the attempt's job document (``training.train_job.prepare_attempt``: config, where to
     read and write, its status record, the cluster its supervisor attaches to, provisioned again
-    for a retry); returns the pointers the training operator keeps."""
+    for a retry); returns the pointers the training operator keeps. A sweep trial's ``run_id``
+    is its run key (``plugins.sweep_tasks.trial_run_id``), with its pruning and the tags of its
+    MLflow run."""
     from infra.cluster import attach
     from training.train_job import AttemptRequest, prepare_attempt
 
     request = AttemptRequest(config=load_config(config), paths=run_paths(dag_id, run_id), attempt=try_number,
                              shards_prefix=shards["shards_prefix"], model_code=shards.get("model_code"),
-                             warm_start=params.get("warm_start") or "")
+                             warm_start=params.get("warm_start") or "", pruning=dict(pruning or {}),
+                             tracking_tags=dict(tracking_tags or {}))
     with _refuse_bad_warm_start():
         return prepare_attempt(request, attach(cluster))
 

@@ -5,7 +5,7 @@
 3. ``config``: a JSON object of config sections (checked against the config's JSON schema when
    the run was triggered);
 4. the form's shortcut fields (``plugins.params.SHORTCUTS``) changed from their default, then
-   ``data_options``. The form sends every field and shows the ``digits`` recipe's values as the
+   ``data_options``, then (the sweep DAG) the ``sweep`` Param over the sweep section. The form sends every field and shows the ``digits`` recipe's values as the
    defaults, so a shortcut left at its default sets nothing (whichever recipe was chosen, its
    value stands unless config_uri or config sets the field); changed, it wins over all three.
 
@@ -88,4 +88,6 @@ def resolve(params: Mapping[str, Any]) -> TrainConfig:
         raw = _overlay(raw, document, source)
     raw = _overlay(raw, form_layer(params), "the form fields")
     raw = _overlay(raw, {"data": params.get("data_options") or {}}, "data_options")
+    if params.get("sweep"):
+        raw = _overlay(raw, {"sweep": params["sweep"]}, "the sweep Param")
     return TrainConfig.from_dict(raw)

@@ -61,16 +61,20 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
     """Train on the provisioned cluster: a detached supervised job, polled while deferred."""
 
     external_id_key = "train_job"
-    template_fields = ("cluster", "shards", "config")
+    template_fields = ("cluster", "shards", "config", "trial")
 
-    def __init__(self, *, cluster: Any, shards: Any, config: Any, poll_s: float = POLL_S,
+    def __init__(self, *, cluster: Any, shards: Any, config: Any = None, trial: Any = None, poll_s: float = POLL_S,
                  stale_after_s: float | None = None, deferrable: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if (config is None) == (trial is None):
+            raise ValueError("give the run's config, or a sweep trial (which carries its own), not both")
         if not poll_s > 0:
             raise ValueError(f"poll_s must be a number of seconds > 0, got {poll_s!r}")
         self.cluster = cluster
         self.shards = shards
         self.config = config
+        # A sweep trial (plugins.sweep_tasks.plan_trials): its config, run key, pruning and MLflow tags.
+        self.trial = trial
         self.poll_s = poll_s
         self.deferrable = deferrable
         self.stale_after_s = stale_after_s
@@ -78,10 +82,17 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
 
     # -- helpers ----------------------------------------------------------------------------
 
+    def _config(self) -> Any:
+        return self.trial["config"] if self.trial is not None else self.config
+
+    def _run_key(self, context: Context) -> str:
+        """What names the job's storage, cluster and MLflow run: the DAG run, or the sweep trial."""
+        return self.trial["run_id"] if self.trial is not None else context["run_id"]
+
     def _stop_grace_s(self) -> float:
         from plugins.pipeline_tasks import load_config
 
-        return float(load_config(self.config).checkpoint.preempt_grace_s) + STOP_MARGIN_S
+        return float(load_config(self._config()).checkpoint.preempt_grace_s) + STOP_MARGIN_S
 
     def _stale_after_s(self) -> float:
         from training.launch.status import STALE_AFTER_S
@@ -115,8 +126,10 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
         from plugins.pipeline_tasks import LIVE_RUN_XCOM_KEY, open_live_run, prepare_job
         from infra.cluster import attach
 
-        dag_id, run_id, try_number = context["dag"].dag_id, context["run_id"], context["ti"].try_number
-        job = prepare_job(self.config, context["params"], self.cluster, self.shards, dag_id, run_id, try_number)
+        dag_id, run_id, try_number = context["dag"].dag_id, self._run_key(context), context["ti"].try_number
+        trial = self.trial or {}
+        job = prepare_job(self._config(), context["params"], self.cluster, self.shards, dag_id, run_id, try_number,
+                          pruning=trial.get("pruning"), tracking_tags=trial.get("tracking_tags"))
         current = self._status(job)
         if current is not None and current.live(stale_after_s=self._stale_after_s()):
             # task_state_store lost the id (a crash between submit and persist): never a second job.

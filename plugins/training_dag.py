@@ -89,22 +89,39 @@ def training_dag(dag_id: str, *, train_timeout_s: float, dagrun_timeout_s: float
         doc_md=doc_md,
     )
     def mxnet_training() -> None:
-        shards, config, checked = _checked_shards()
+        shards, config, checked = checked_shards()
         _train_and_register(shards, config, checked, retry_delay=retry_delay, train_timeout_s=train_timeout_s,
                             deferrable=deferrable, poll_s=current.train_poll_s)
 
     return mxnet_training()
 
 
-def _checked_shards() -> tuple[Any, Any, Any]:
+def _part_task(step: str) -> Any:
+    """The mapped task of one sharding step per part of the source (``shard_count`` or
+    ``shard_part``: ``pipeline_tasks``' function of that name). A data failure fails without a
+    retry; the one retry is for infrastructure errors (a part rewrites the same files; the merge
+    finds its own committed manifest)."""
+    run_step = getattr(pipeline_tasks, step)
+
+    @task(task_id=step, map_index_template="part {{ task.op_kwargs['part'] }}", retries=1,
+          retry_delay=timedelta(seconds=5))
+    @with_connections
+    def part_task(part: int, planned: dict, config: dict) -> str:
+        return run_step(config, planned, part)
+
+    return part_task
+
+
+def checked_shards(sweep_cap: int | None = None) -> tuple[Any, Any, Any]:
     """Inside the DAG: shard the source (planned, then counted and sharded part by part in mapped
     tasks, then merged), validate every shard, then the whole set; the shards, the run's config
-    (the shard task's XCom) and the validation's result."""
+    (the shard task's XCom) and the validation's result. ``sweep_cap``: the run is a sweep of at
+    most that many trials at once, checked by the first task before anything is sharded."""
     @task
     @with_connections
     def shard(params: dict | None = None) -> dict:
         dag_id, run_id, _ = _ids()
-        config, planned = pipeline_tasks.shard(params, dag_id, run_id)
+        config, planned = pipeline_tasks.shard(params, dag_id, run_id, sweep_cap=sweep_cap)
         get_current_context()["ti"].xcom_push(key=pipeline_tasks.CONFIG_XCOM_KEY, value=config)
         return planned
 
@@ -116,17 +133,7 @@ def _checked_shards() -> tuple[Any, Any, Any]:
 
     # One task per part of the source, twice: its counts, then its pieces of every shard (each
     # part needs every part's counts to know where it starts). Intermediate files go to the store.
-    # A data failure fails without a retry; the one retry is for infrastructure errors (a part
-    # rewrites the same files; the merge finds its own committed manifest).
-    @task(map_index_template="part {{ task.op_kwargs['part'] }}", retries=1, retry_delay=timedelta(seconds=5))
-    @with_connections
-    def shard_count(part: int, planned: dict, config: dict) -> str:
-        return pipeline_tasks.shard_count(config, planned, part)
-
-    @task(map_index_template="part {{ task.op_kwargs['part'] }}", retries=1, retry_delay=timedelta(seconds=5))
-    @with_connections
-    def shard_part(part: int, planned: dict, config: dict) -> str:
-        return pipeline_tasks.shard_part(config, planned, part)
+    shard_count, shard_part = _part_task("shard_count"), _part_task("shard_part")
 
     # none_failed: it also runs when the parts were skipped (reused shards, an image folder).
     @task(outlets=[SHARDS], trigger_rule="none_failed", retries=1, retry_delay=timedelta(seconds=5))
@@ -172,6 +179,31 @@ def _checked_shards() -> tuple[Any, Any, Any]:
     return shards, config, checked
 
 
+def register_task(retry_delay: timedelta) -> Any:
+    """The register task (the training DAG's, and the sweep DAG's for its best trial): score the
+    trained model on the test split, log its MLflow run, register a version with its model card
+    (the review DAG, triggered by the new version, runs the gate). ``trial_run_id``: a sweep
+    trial's run key, whose storage and MLflow run the model is in; empty: the DAG run's."""
+    @task(task_id="register", retries=2, retry_delay=retry_delay, outlets=[MODEL, REGISTERED_MODEL])
+    @with_connections
+    def register(shards: dict, trained: dict, validation: dict, config: dict, inputs: dict, trial_run_id: str = "",
+                 params: dict | None = None) -> dict:
+        dag_id, run_id, try_number = _ids()
+        # The task's own page (Airflow's ti.log_url) less its task part: the DAG run's page.
+        run_page = get_current_context()["ti"].log_url.split("/tasks/", 1)[0]
+        out = pipeline_tasks.register(config, params, shards, trained, validation, inputs, dag_id,
+                                      trial_run_id or run_id, try_number, airflow_run_url=run_page)
+        _emit(MODEL, {"name": out["registered_model_name"], "version": str(out["version"]),
+                      "run_url": out["run_url"]})
+        # What model_review reads (plugins.review_tasks._from_events): which version to review.
+        get_current_context()["outlet_events"][REGISTERED_MODEL].add(
+            model_asset(out["registered_model_name"]),
+            extra={"registered_model_name": out["registered_model_name"], "version": str(out["version"])})
+        return out
+
+    return register
+
+
 def _train_and_register(shards: Any, config: Any, checked: Any, *, retry_delay: timedelta, train_timeout_s: float,
                         deferrable: bool, poll_s: float) -> None:
     """Inside the DAG: once validation passed, either reuse the version an earlier run trained on
@@ -201,22 +233,7 @@ def _train_and_register(shards: Any, config: Any, checked: Any, *, retry_delay: 
     def release(cluster: dict) -> dict:
         return pipeline_tasks.teardown(cluster)
 
-    @task(retries=2, retry_delay=retry_delay, outlets=[MODEL, REGISTERED_MODEL])
-    @with_connections
-    def register(shards: dict, trained: dict, validation: dict, config: dict, inputs: dict,
-                 params: dict | None = None) -> dict:
-        dag_id, run_id, try_number = _ids()
-        # The task's own page (Airflow's ti.log_url) less its task part: the DAG run's page.
-        run_page = get_current_context()["ti"].log_url.split("/tasks/", 1)[0]
-        out = pipeline_tasks.register(config, params, shards, trained, validation, inputs, dag_id, run_id, try_number,
-                                      airflow_run_url=run_page)
-        _emit(MODEL, {"name": out["registered_model_name"], "version": str(out["version"]),
-                      "run_url": out["run_url"]})
-        # What model_review reads (plugins.review_tasks._from_events): which version to review.
-        get_current_context()["outlet_events"][REGISTERED_MODEL].add(
-            model_asset(out["registered_model_name"]),
-            extra={"registered_model_name": out["registered_model_name"], "version": str(out["version"])})
-        return out
+    register = register_task(retry_delay)
 
     # No outlets: a reuse registers no version, so it emits no MODEL event and no review trigger
     # (Airflow emits a declared Asset outlet on every success; the version was reviewed when its

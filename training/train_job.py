@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.config import TrainConfig
@@ -52,6 +52,10 @@ class AttemptRequest:
     shards_prefix: str
     model_code: Mapping[str, str] | None = None  # a staged custom network: {"uri", "sha256"}
     warm_start: str = ""  # a run id of the same DAG or a models:/ reference; empty: none
+    # A sweep trial: its pruning (JobSpec.pruning) and the tags of its live MLflow run (the
+    # sweep's parent run: mlflow.parentRunId); empty for a training run.
+    pruning: Mapping[str, Any] = field(default_factory=dict)
+    tracking_tags: Mapping[str, str] = field(default_factory=dict)
 
 
 def stage_run(config: TrainConfig, paths: RunPaths) -> StagedCode | None:
@@ -100,7 +104,7 @@ def resolve_warm_start(reference: str, paths: RunPaths, config: TrainConfig) -> 
                               checkpoint=config.checkpoint, tracking_uri=tracking_uri).as_dict()
 
 
-def live_tracking(paths: RunPaths, attempt: int) -> dict[str, Any]:
+def live_tracking(paths: RunPaths, attempt: int, tags: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What the job's supervisor needs to keep the DAG run's MLflow run live while it trains
     (``training.tracking.live``), or {} when ``MXPIPE_LIVE_TRACKING`` is off."""
     from common.version import git_sha
@@ -111,7 +115,7 @@ def live_tracking(paths: RunPaths, attempt: int) -> dict[str, Any]:
         return {}
     return {"tracking_uri": tracking_uri(), "experiment": PIPELINE_EXPERIMENT,
             "run_name": dag_run_name(paths.dag_id, paths.run_id), "find_tags": dag_run_tags(paths.dag_id, paths.run_id),
-            "tags": {"airflow.try_number": str(attempt), "mlflow.source.git.commit": git_sha()},
+            "tags": {"airflow.try_number": str(attempt), "mlflow.source.git.commit": git_sha(), **(tags or {})},
             "sync_s": settings().live_sync_s}
 
 
@@ -136,7 +140,8 @@ def prepare_attempt(request: AttemptRequest, cluster: AttemptCluster) -> dict[st
                   warm_start_prefix=warm["prefix"] if warm else "",
                   model_code_uri=code.get("uri", ""), model_code_sha256=code.get("sha256", ""),
                   status_uri=paths.job_status, cluster=backend.job_cluster(),
-                  tracking=live_tracking(paths, request.attempt))
+                  tracking=live_tracking(paths, request.attempt, request.tracking_tags),
+                  pruning=dict(request.pruning))
     job_uri = storage.join(paths.config, "job.json")
     job.save(job_uri)
     committed = CheckpointStore(paths.checkpoints, keep=cfg.checkpoint.keep).committed_steps()
@@ -165,4 +170,6 @@ def job_result(job: Mapping[str, Any]) -> dict[str, Any]:
             "global_step": metrics["global_step"],
             "final_val_accuracy": metrics["history"][-1].get("val_accuracy"),
             # The epoch the exported model is from, when tracked (checkpoint.export_epoch, early stopping).
-            "best": metrics.get("best")}
+            "best": metrics.get("best"),
+            # A sweep trial's end: the epochs it ran, and after which one its pruner stopped it.
+            "epochs_run": len(metrics["history"]), "pruned": metrics.get("pruned")}

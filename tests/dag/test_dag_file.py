@@ -9,7 +9,7 @@ pytestmark = pytest.mark.dag
 
 
 @pytest.mark.parametrize("dag_file", ["mxnet_training.py", "dataset_landed.py", "model_review.py",
-                                      "mxnet_batch_score.py"])
+                                      "mxnet_batch_score.py", "mxnet_sweep.py"])
 def test_parse_loads_nothing_heavy(dag_file):
     """In a fresh interpreter, importing the DAG file loads none of the heavy packages.
     (Its parse time is measured in benchmarks/parse_time.py, not asserted here.)"""

@@ -72,7 +72,7 @@ def test_digests_are_those_of_the_dataclass_config(make, digest, resume):
 
 def test_to_dict_keeps_field_order_tuples_and_whole_numbers():
     raw = TrainConfig.from_dict(EVERY_SECTION).to_dict()
-    assert list(raw) == ["data", "model", "optim", "cluster", "checkpoint", "seed"]
+    assert list(raw) == ["data", "model", "optim", "cluster", "checkpoint", "seed", "sweep"]
     assert list(raw["data"]) == list(EVERY_SECTION["data"])
     assert raw["data"]["feature_range"] == (0, 16) and type(raw["data"]["feature_range"][0]) is int
     assert raw["model"]["hidden"] == (64, 32) and raw["optim"]["lr_decay_epochs"] == (4, 8)

@@ -30,7 +30,7 @@ DOCS = ("README.md", "docs/*.md")
 # Top-level folders of Python code: a dotted name starting with one of them is a module path.
 PY_ROOTS = ("common", "training", "data_checks", "infra", "plugins", "dags", "tests", "benchmarks", "scripts")
 CONFIG_SECTIONS = {"data": "DataConfig", "model": "ModelConfig", "optim": "OptimConfig",
-                   "cluster": "ClusterConfig", "checkpoint": "CheckpointConfig"}
+                   "cluster": "ClusterConfig", "checkpoint": "CheckpointConfig", "sweep": "SweepConfig"}
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _DOTTED = re.compile(rf"{_IDENT}(?:[.:]{_IDENT})+")
 _CALL = re.compile(rf"({_IDENT}(?:[.:]{_IDENT})*)\(.*\)")

@@ -69,7 +69,7 @@ def test_a_succeeded_job_hands_on_its_pointers_and_metrics(tmp_path):
            "attempt": 2, "job_uri": "j", "cluster": {}, "status_uri": status_uri}
     assert job_result(job) == {"model_prefix": "m/", "metrics_uri": metrics_uri, "checkpoint_prefix": "c/",
                                "resumed_from_step": 20, "attempt": 2, "restarts": 2, "global_step": 40,
-                               "final_val_accuracy": 0.75, "best": best}
+                               "final_val_accuracy": 0.75, "best": best, "epochs_run": 2, "pruned": None}
     # After a restart in place the step resumed from is the last round's, which rank 0 reports.
     storage.put_bytes(metrics_uri, json.dumps({"global_step": 40, "resumed_from": 35, "history": [
         {"epoch": 0, "val_accuracy": 0.5}]}).encode())

@@ -37,6 +37,9 @@ class JobSpec:
     # The DAG run's MLflow run the supervisor keeps live while the job trains
     # (training.tracking.live.live_run_for); empty: no live tracking.
     tracking: dict[str, Any] = field(default_factory=dict)
+    # A sweep trial's pruning (training.loop.pruning.Pruner: where its rungs are, its index,
+    # min_epochs, eta, the metric and its direction); empty: not pruned.
+    pruning: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         raw = asdict(self)

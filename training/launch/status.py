@@ -74,6 +74,9 @@ class JobStatus:
     restarts: int = 0
     restarts_without_progress: int = 0
     last_restart_reason: str = ""
+    # How a succeeded sweep trial ended (training.loop.pruning): "pruned" or "completed"; empty
+    # for any other job.
+    outcome: str = ""
 
     def __post_init__(self) -> None:
         if self.state not in STATES:

@@ -26,6 +26,7 @@ by pid and start time on this machine, else a heartbeat fresher than ``STALE_AFT
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import signal
@@ -34,6 +35,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from common import storage
 from common.errors import DeterministicError
 from common.job_log import LogShipper, log_prefix
 from common.events import EXIT_BAD_INPUT, EXIT_PREEMPTED
@@ -156,6 +158,21 @@ def _supervise(job: JobSpec, job_uri: str, *, job_id: str, attempt: int, base_en
         log.exception("job %s failed", job_id)
         finish(FAILED, error=f"{type(exc).__name__}: {exc}"[-4000:], deterministic=False)
         return EXIT_FAILED
-    log.info("job %s succeeded", job_id)
-    finish(SUCCEEDED)
+    outcome = trial_outcome(job)
+    log.info("job %s succeeded%s", job_id, f" ({outcome})" if outcome else "")
+    finish(SUCCEEDED, **({"outcome": outcome} if outcome else {}))
     return EXIT_SUCCEEDED
+
+
+def trial_outcome(job: JobSpec) -> str:
+    """A sweep trial's end for its status record, from rank 0's metrics: "pruned" (its pruner
+    stopped it) or "completed"; empty for a job that is not a pruned sweep trial, or when the
+    metrics cannot be read (the record then says only that it succeeded)."""
+    if not job.pruning:
+        return ""
+    try:
+        metrics = json.loads(storage.get_bytes(job.metrics_uri))
+    except Exception as exc:  # noqa: BLE001 - the job succeeded; its outcome is only a detail of the record
+        log.warning("could not read %s for the trial's outcome: %s", job.metrics_uri, exc)
+        return ""
+    return "pruned" if metrics.get("pruned") else "completed"

@@ -14,6 +14,7 @@
 - ``custom_model``: a network of the user's own (``package.module:factory``).
 - ``metrics``: throughput and per-step records.
 - ``early_stop``: the best epoch so far and when to stop on a validation metric.
+- ``pruning``: a sweep trial's pruning at its rungs (asynchronous successive halving across trials).
 - ``faults``: test fault injection, read from the environment once.
 
 May import ``common``, ``training.feed``, ``training.checkpoint`` and ``training.launch.job``

@@ -21,7 +21,7 @@ from common.config import ConfigError, TrainConfig
 from common.mx import import_mxnet
 from training.loop.metrics import higher_is_better
 
-__all__ = ["BestEpoch", "STOP_KEY_BASE", "agree_to_stop"]
+__all__ = ["BestEpoch", "GO_ON", "PRUNE", "STOP_EARLY", "STOP_KEY_BASE", "agree", "agree_to_stop"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 # 16 stages), and small enough that ps-lite's server choice for a key, key * 9973 in a C int,
 # does not overflow for any epoch the config allows (tests/unit/test_early_stop.py checks both).
 STOP_KEY_BASE = 200_000
+# What rank 0 decided at an epoch end (``agree``): go on, stop early (patience ran out), or stop
+# as a pruned sweep trial (training.loop.pruning).
+GO_ON, STOP_EARLY, PRUNE = 0, 1, 2
 
 
 @dataclass
@@ -113,18 +116,23 @@ class BestEpoch:
 
 
 def agree_to_stop(kv: Any, epoch: int, stop: bool, num_workers: int) -> bool:
-    """Rank 0's ``stop`` for ``epoch``, on every worker.
+    """Rank 0's ``stop`` for ``epoch``, on every worker (``agree`` of a yes or no)."""
+    return agree(kv, epoch, STOP_EARLY if stop else GO_ON, num_workers) != GO_ON
+
+
+def agree(kv: Any, epoch: int, decision: int, num_workers: int) -> int:
+    """Rank 0's ``decision`` for ``epoch`` (``GO_ON``, ``STOP_EARLY``, ``PRUNE``), on every worker.
 
     The decision travels as a new kvstore key per epoch: ``init`` stores rank 0's value on a
     server (it is a copy there, never an optimizer update, wherever the optimizer runs) and
     ends in a barrier of every worker, after which each one pulls it. One barrier and one
-    4-byte pull per epoch, only with early stopping on.
+    4-byte pull per epoch, only with early stopping on or at a pruning rung.
     """
     if num_workers == 1:
-        return stop
+        return decision
     mx = import_mxnet()
     key = STOP_KEY_BASE + epoch
-    kv.init(key, mx.nd.array([1.0 if stop else 0.0]))
+    kv.init(key, mx.nd.array([float(decision)]))
     agreed = mx.nd.zeros((1,))
     kv.pull(key, out=agreed)
-    return bool(agreed.asscalar() > 0.5)
+    return int(round(float(agreed.asscalar())))

@@ -47,10 +47,11 @@ class TrainState:
     global_step: int = 0    # optimizer steps done
     history: list[dict[str, Any]] = field(default_factory=list)  # one record per finished epoch
     best: BestEpoch | None = None  # the best validation epoch so far, when tracked (training.loop.early_stop)
+    pruned_at: int | None = None  # the epoch after which a sweep trial was pruned (training.loop.pruning)
 
     @property
     def stopped_early(self) -> bool:
-        return self.best is not None and self.best.stopped_at is not None
+        return (self.best is not None and self.best.stopped_at is not None) or self.pruned_at is not None
 
 
 def restore(store: CheckpointStore, job: JobSpec, net: Any, ctx: Any, num_workers: int, steps: int,
@@ -67,7 +68,8 @@ def restore(store: CheckpointStore, job: JobSpec, net: Any, ctx: Any, num_worker
     history = ckpt.state["history"]
     best = BestEpoch.restore(job.config, ckpt.state.get(BEST_EPOCH), history) if tracking else None
     state = TrainState(epoch=ckpt.state["epoch"], step_in_epoch=ckpt.state["step_in_epoch"],
-                       global_step=ckpt.state["global_step"], history=history, best=best)
+                       global_step=ckpt.state["global_step"], history=history, best=best,
+                       pruned_at=ckpt.state.get(PRUNED_AT))
     if ckpt.state["num_workers"] != num_workers:
         state.step_in_epoch = elastic_position(ckpt.state, num_workers, steps)
     return state, ckpt
@@ -87,6 +89,8 @@ def restore_optimizer(trainer: Any, net: Any, ckpt: Checkpoint | None, state: Tr
         log.warning("optimizer on the servers: checkpoints hold no optimizer state, a resume restarts it from zero")
 
 
+# The train-state key of the epoch a pruned sweep trial stopped after (absent: not pruned).
+PRUNED_AT = "pruned_at"
 # The train-state key of a custom network's code digest (the staged archive's sha256).
 CODE_SHA256 = "model_code_sha256"
 
@@ -103,6 +107,8 @@ def train_record(state: TrainState, step_records: list[dict[str, float]], cfg: T
               "rng": RNG_SCHEME}
     if code_sha256:  # a custom network: its code is part of what was trained (check_compatible)
         record[CODE_SHA256] = code_sha256
+    if state.pruned_at is not None:  # a resume there stops as well
+        record[PRUNED_AT] = state.pruned_at
     if state.best is not None:
         record[BEST_EPOCH] = state.best.to_state()
         if cfg.exports_best and state.best.step is not None:

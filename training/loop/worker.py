@@ -70,7 +70,7 @@ from training.feed import data as feed_data
 from training.feed.prefetch import prefetched
 from training.launch.job import JobSpec
 from training.loop import resume
-from training.loop.early_stop import agree_to_stop
+from training.loop.early_stop import GO_ON, PRUNE, STOP_EARLY, agree
 from training.loop.validation import evaluate
 from training.loop.export import export, load_best
 from training.loop.faults import FaultPlan
@@ -80,6 +80,7 @@ from training.loop.model import build_model, draws_random
 from training.loop.optim import learning_rate_at, optimizer_params
 from training.loop.placement import SplitNet, make_split_trainer
 from training.loop.preemption import Preemption
+from training.loop.pruning import Pruner
 from training.loop.resume import TrainState, resume_digest
 from training.loop.step import LossCheck, NaNLossError, StepRunner, contexts, init_amp, make_loss, prepare
 
@@ -105,6 +106,7 @@ def run(job: JobSpec) -> dict[str, Any]:
                                  data.manifest)
     loop = build_loop(cfg, topology, data, model, state, ckpt,
                       store=store, faults=faults, preemption=preemption, code_sha256=job.model_code_sha256)
+    loop.pruner = Pruner.from_job(job.pruning)
     train(loop)
     result = loop.result()
     stats = loop.ckpts.finish(state.global_step)  # raises if the final checkpoint was not committed
@@ -220,6 +222,7 @@ class Loop:
     preemption: Preemption
     resumed_from: int | None  # the checkpoint's step; None for a fresh start
     code_sha256: str = ""  # a custom network's staged code (JobSpec.model_code_sha256)
+    pruner: Pruner | None = None  # a sweep trial's pruning at its rungs (JobSpec.pruning)
     # Made once the loop exists, since the manager snapshots it (``snapshot``); then the meter.
     ckpts: CheckpointManager = field(init=False)
     meter: ThroughputMeter = field(init=False)
@@ -243,7 +246,10 @@ class Loop:
                                       if self.cfg.cluster.optimizer_placement == "workers" else None),
                 # Which epoch was selected and why (training.loop.early_stop); absent when not tracked.
                 **({"best": self.state.best.summary("best" if self.cfg.exports_best else "last")}
-                   if self.state.best is not None else {})}
+                   if self.state.best is not None else {}),
+                # A sweep trial stopped by its pruner: after which epoch (training.loop.pruning).
+                **({"pruned": {"epoch": self.state.pruned_at, "metric": self.pruner.metric}}
+                   if self.state.pruned_at is not None and self.pruner is not None else {})}
 
 
 def build_loop(cfg: TrainConfig, topology: KVStoreTopology, data: Data, model: Model, state: TrainState,
@@ -383,24 +389,36 @@ def end_epoch(loop: Loop, losses: LossCheck) -> None:
              record["samples_per_s_total"], eta_s, json.dumps(record))
     emit(EpochDone(epoch=state.epoch, global_step=state.global_step, record=record, epochs=cfg.optim.epochs,
                    eta_s=eta_s))
-    if state.best is not None:
-        track_best(loop, record)
+    track_best(loop, record)
     state.epoch, state.step_in_epoch = state.epoch + 1, 0
 
 
 def track_best(loop: Loop, record: dict[str, Any]) -> None:
-    """Rank 0 (the one that evaluated) updates the best epoch; every worker takes rank 0's stop
-    decision, so all of them stop after the same step (training.loop.early_stop)."""
-    best, topology, epoch = loop.state.best, loop.topology, loop.state.epoch
-    if topology.rank == 0 and best.update(record):
+    """Rank 0 (the one that evaluated) updates the best epoch and, at a sweep trial's rung, asks
+    its pruner; every worker takes rank 0's decision (go on, stop early, pruned), so all of them
+    stop after the same step (training.loop.early_stop)."""
+    state, best, topology, epoch = loop.state, loop.state.best, loop.topology, loop.state.epoch
+    if best is not None and topology.rank == 0 and best.update(record):
         log.info("best epoch so far: %d (%s=%.6g, step %d)", epoch, best.metric, best.value, best.step)
-    if best.patience == 0 or epoch + 1 == loop.cfg.optim.epochs:  # nothing to decide: no barrier
+    patience = best is not None and best.patience > 0
+    rung = loop.pruner.rung(epoch + 1, loop.cfg.optim.epochs) if loop.pruner is not None else None
+    if (not patience and rung is None) or epoch + 1 == loop.cfg.optim.epochs:  # nothing to decide: no barrier
         return
-    if agree_to_stop(topology.kv, epoch, topology.rank == 0 and best.patience_ran_out, topology.num_workers):
+    decision = GO_ON
+    if topology.rank == 0:
+        if patience and best.patience_ran_out:
+            decision = STOP_EARLY
+        elif rung is not None and not loop.pruner.keeps(rung, record):
+            decision = PRUNE
+    decision = agree(topology.kv, epoch, decision, topology.num_workers)
+    if decision == STOP_EARLY:
         best.stopped_at = epoch
         log.info("early stopping after epoch %d: %s has not improved by more than %g for %d epochs; best epoch %s",
                  epoch, best.metric, best.min_delta, best.patience,
                  f"{best.epoch} ({best.value:.6g})" if topology.rank == 0 else "on rank 0")
+    elif decision == PRUNE:
+        state.pruned_at = epoch
+        log.info("pruned after epoch %d (rung %s): this sweep trial is not among the best at its rung", epoch, rung)
 
 
 def _checked(epoch: int, read: Any, *args: Any) -> None:
