@@ -17,7 +17,10 @@ credentials stay off command lines), and the role is started as
 ``python -m common.procs exec-role --record … --env-file … -- python -m training worker JOB``:
 it leads its own process group on the host and records it, so stopping an attempt or tearing
 the cluster down runs ``python -m common.procs kill-records`` on every host and no role
-survives its ssh client. A role's standard input is a pipe from its supervisor, through the
+survives its ssh client. So every stop goes through the transport to the hosts themselves
+(``stop_job``: ``kill-records`` of the supervisor's record on the first host, then of every
+role's), and works from any process that has the cluster's description and the hosts' access:
+a release, ``on_kill`` or retry on another Airflow worker than the one that started the job. A role's standard input is a pipe from its supervisor, through the
 transport (the SSH session's channel): when the supervisor dies, the role reads end of file and
 ends itself within seconds (``common.procs.watchdog``; rank 0 after its emergency checkpoint). The job document and shards must be readable from every host: an
 ``s3://`` URI every host can reach, or a folder every host mounts at the same path.
@@ -77,8 +80,9 @@ class RemoteRole(ProcessRole):
 class HostsCluster(Cluster):
     backend = "hosts"
 
-    def __init__(self, cluster_id: str, spec: ClusterSpec, home: str | None = None) -> None:
-        super().__init__(cluster_id, spec, home)
+    def __init__(self, cluster_id: str, spec: ClusterSpec, home: str | None = None,
+                 records: str | None = None) -> None:
+        super().__init__(cluster_id, spec, home, records)
         raw_hosts = spec.options.get("hosts") or []
         if not raw_hosts:
             raise ProvisionError("the hosts backend needs options['hosts'] (a list of hosts)")
@@ -87,8 +91,8 @@ class HostsCluster(Cluster):
     # -- provision --------------------------------------------------------------------------
 
     @classmethod
-    def provision(cls, spec: ClusterSpec, home: str | None = None) -> "HostsCluster":
-        cluster = cls(cluster_id_for(spec.run_tag), spec, home)
+    def provision(cls, spec: ClusterSpec, home: str | None = None, *, records: str | None = None) -> "HostsCluster":
+        cluster = cls(cluster_id_for(spec.run_tag), spec, home, records)
         if cluster.exists():
             log.info("cluster %s already provisioned; reusing it", cluster.cluster_id)
             return cluster
@@ -224,7 +228,10 @@ class HostsCluster(Cluster):
     def start_supervisor(self, job_uri: str, *, job_id: str, attempt: int, env: dict[str, str]) -> dict[str, Any]:
         host = self.hosts[0]
         folder = self._jobs_dir(host)
-        base = {**REMOTE_BASE_ENV, "HOME": host.state_dir, "MXPIPE_CLUSTER": self.cluster_id, **env}
+        # Its MXPIPE_HOME is this host's own folder, never the caller's (a path on the Airflow
+        # worker): what it records of the roles it starts (the transport clients) stays here.
+        base = {**REMOTE_BASE_ENV, "HOME": host.state_dir, "MXPIPE_CLUSTER": self.cluster_id, **env,
+                "MXPIPE_HOME": posixpath.join(host.state_dir, "home")}
         run_on(host, f"umask 077 && mkdir -p {shlex.quote(folder)} && cat > {shlex.quote(posixpath.join(folder, 'env'))}",
                timeout_s=REMOTE_CMD_TIMEOUT_S, input_text=json.dumps({job_id: base}))
         run_on(host, self.supervisor_command(job_uri, job_id, attempt), timeout_s=REMOTE_CMD_TIMEOUT_S)
@@ -249,6 +256,9 @@ class HostsCluster(Cluster):
     def teardown(self) -> dict[str, Any]:
         """Stop the job and every role on every host, remove the hosts' state folders and the record."""
         self.stop_job()
+        # The transport clients the supervisor started are recorded on its own host; here (a
+        # worker) there are none unless this process ran the job itself (tests, ``python -m
+        # training run``). Every role is stopped on its host below, which ends its client too.
         local: list[str] = []
         procs = os.path.join(self.state_dir, "procs")
         if os.path.isdir(procs):
