@@ -281,3 +281,14 @@ def test_the_provision_task_refuses_the_local_backend_on_a_celery_deployment(mon
 class _Described:
     def describe(self) -> dict:
         return {"backend": "local"}
+
+
+def test_ssh_key_paths_under_home_are_each_connecting_hosts_own(monkeypatch):
+    """A hosts list with "~/" paths names, on every host that reads the cluster's record, that
+    host's own copy of the key (ssh itself would expand "~" from the password database)."""
+    host = HostSpec(name="a", address="10.1.2.3", ssh_key="~/ssh/id", known_hosts="~/ssh/known_hosts")
+    for home in ("/homes/worker1", "/homes/worker2"):
+        monkeypatch.setenv("HOME", home)
+        argv = host_argv(host, "true")
+        assert argv[argv.index("-i") + 1] == f"{home}/ssh/id"
+        assert f"UserKnownHostsFile={home}/ssh/known_hosts" in argv
