@@ -13,7 +13,8 @@ address only. The layout (``HOSTS``):
     airflow   Airflow's API server, scheduler and DAG processor (CeleryExecutor)
     triggerer the triggerer
     worker1/2 a Celery worker each
-    train1-3  sshd: the machines of the ``hosts`` backend (``hosts.json`` in each worker's home)
+    train1-3  sshd: the machines of the ``hosts`` backend (``hosts.json`` in each worker's home;
+              the client key in every home that reaches them, named ``~/ssh/...`` in it)
 
 Settings come from one place, ``TopologySettings`` (and the secrets generated once into
 ``<root>/credentials.json``); ``compose_env`` renders the same settings as the env file of
@@ -415,13 +416,14 @@ def start_training_hosts(root: Path, settings: TopologySettings) -> list[GroupRe
         handles.append(_launch(root, settings, host, "sshd", [sshd, "-D", "-e", "-f", str(config)],
                                _host_env(root, settings, host, {})))
     # One hosts list for every worker, its key paths under "~" (infra.transport): a cluster
-    # record written on one worker reaches the hosts from the other with that one's own copy, and
-    # the supervisor on the first training host (HOME: its state_dir) with its own.
+    # record written on one worker reaches the hosts from the other with that one's own copy, the
+    # triggerer (a deferred train task's on_kill stops the job from there) with its own, and the
+    # supervisor on the first training host (HOME: its state_dir) with its own.
     hosts = [{"name": host, "address": settings.address(host), "transport": "ssh", "ssh_user": "root",
               "ssh_key": "~/ssh/id_ed25519", "known_hosts": "~/ssh/known_hosts",
               "python": sys.executable, "workdir": str(REPO_ROOT),
               "state_dir": str(host_home(root, host) / "roles")} for host in TRAINING_HOSTS]
-    for home in [host_home(root, worker) for worker in WORKERS] + [Path(h["state_dir"]) for h in hosts]:
+    for home in [host_home(root, h) for h in (*WORKERS, "triggerer")] + [Path(h["state_dir"]) for h in hosts]:
         ssh = home / "ssh"
         ssh.mkdir(parents=True, exist_ok=True)
         for name in ("id_ed25519", "id_ed25519.pub"):

@@ -232,7 +232,7 @@ def test_missing_launch_template_fails_provision_and_leaves_nothing(moto, ec2, t
     with pytest.raises(ProvisionError, match="ec2 provision"):
         provision(_spec(moto, "mxnet_training--run-c", launch_template="no-such-template"), home=str(tmp_path))
     assert _live(ec2, **{TAG_CLUSTER: "mxnet_training--run-c"}) == []
-    assert not os.path.exists(tmp_path / "clusters" / "mxnet_training--run-c")
+    assert not os.path.exists(tmp_path / "clusters" / "mxnet_training--run-c.json")
 
 
 def test_reaper_terminates_only_what_outlived_its_ttl(moto, ec2, tmp_path):
