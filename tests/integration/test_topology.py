@@ -32,6 +32,9 @@ def _missing() -> str:
 
 
 @pytest.mark.skipif(bool(_missing()), reason=_missing() or "ok")
+# Beyond the default 900 s: bringing it up and down takes minutes of its own, and the DAG run
+# is bounded by 900 s by itself.
+@pytest.mark.timeout(2400)
 def test_training_dag_runs_on_the_topology_and_down_leaves_nothing(digits_csv):
     settings = TopologySettings()
     # Not pytest's tmp_path: its mode-0700 parents keep out PostgreSQL's own user.
