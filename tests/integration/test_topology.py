@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from common import storage
 from infra import netns
 from infra.topology import TopologySettings, down, up
 from testkit.topology_runs import cross_worker_release, leftovers, run_training_dag, worker_files
@@ -43,6 +44,8 @@ def test_training_dag_runs_on_the_topology_and_down_leaves_nothing(digits_csv):
     try:
         up(root, settings)
         result = run_training_dag(root, digits_csv, backend="hosts", timeout_s=900)
+        # The release (on either worker) removed the run's cluster record from S3.
+        records = list(storage.list_uris(f"s3://{settings.bucket}/clusters"))
         # No disk shared by the workers: what one provisioned, the other's reaper finds and
         # releases, stopping the job's supervisor on the training host; and neither home holds
         # a record of a cluster or job (they are in S3).
@@ -54,11 +57,14 @@ def test_training_dag_runs_on_the_topology_and_down_leaves_nothing(digits_csv):
         stopped = down(root)
         shutil.rmtree(root, ignore_errors=True)
     assert result["state"] == "success", result
-    assert set(result["states"].values()) == {"success"}
+    states = dict(result["states"])
+    assert states.pop("reuse") == "skipped"  # the branch not taken: this run trains
+    assert set(states.values()) == {"success"}, states
     assert result["registered"]["test_accuracy"] > 0.85
-    # The tasks ran on the workers' hosts, named by their addresses.
+    # The tasks ran on the workers' hosts, named by their addresses (a skipped task has none).
     workers = {settings.address("worker1"), settings.address("worker2")}
-    assert set(result["hostnames"].values()) <= workers, result["hostnames"]
+    assert {h for h in result["hostnames"].values() if h} <= workers, result["hostnames"]
+    assert records == [], records
     assert cross["supervisor_started"] and cross["seen_by_worker2"] and cross["reaped_by_worker2"], cross
     assert (cross["supervisor_left"], cross["record_left"], cross["seen_by_worker1_after"]) == ([], False, False), cross
     assert files == {"worker1": [], "worker2": []}, files
