@@ -131,6 +131,10 @@ def cross_worker_release(root: Path, *, wait_s: float = 30.0) -> dict[str, Any]:
     made = json.loads(_on_worker(root, "worker1", ["-c", _PROVISION_ON_WORKER, tag]).splitlines()[-1])
     cid = made["cluster_id"]
     provisioned_s = time.monotonic() - t0
+    # The start returns before the stand-in runs (and records itself): bounded wait for it.
+    deadline = time.monotonic() + wait_s
+    while not _stand_ins(cid) and time.monotonic() < deadline:
+        time.sleep(0.5)
     running = bool(_stand_ins(cid))
     time.sleep(1.5)  # its TTL (1 s) runs out
     seen_by_worker2 = [json.loads(line)["cluster_id"] for line in

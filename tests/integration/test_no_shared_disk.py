@@ -19,6 +19,7 @@ import pytest
 from common import storage
 from infra import hosts_cluster
 from infra.cluster import ClusterSpec, attach, find_leaked, provision, reap
+from testkit.waits import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -29,6 +30,13 @@ def _stand_in_supervisor(python: str, job_uri: str, job_id: str, attempt: int) -
     """What the hosts backend starts detached in the supervisor's place: a process that lives
     until it is stopped (the stop under test is the backend's, not the supervisor's)."""
     return [python, "-c", "import time; time.sleep(300)"]
+
+
+def _started(cluster, job_id: str) -> None:
+    """Wait (bounded) until the detached stand-in has recorded itself on the first host: the
+    start returns before it has, and a stop before that finds nothing to stop."""
+    record = os.path.join(cluster.hosts[0].state_dir, "jobs", cluster.cluster_id, "procs", f"{job_id}.json")
+    wait_for(lambda: os.path.exists(record), timeout_s=30, what=f"the stand-in supervisor's record {record}")
 
 
 def _on_worker(monkeypatch: pytest.MonkeyPatch, home: os.PathLike) -> None:
@@ -54,6 +62,7 @@ def test_a_cluster_provisioned_on_one_worker_is_stopped_released_and_reaped_from
     cluster = provision(spec)
     desc = cluster.describe()
     cluster.start_supervisor("s3://unused/job.json", job_id="job-1", attempt=1, env=dict(nothing_left.env))
+    _started(cluster, "job-1")
     # Out of reach from here on: whatever worker 1 wrote on its own disk.
     shutil.move(worker1, tmp_path / "worker1-unreachable")
 
@@ -95,6 +104,7 @@ def test_the_reaper_on_either_worker_tears_down_an_expired_cluster(tmp_path, s3_
     _on_worker(monkeypatch, tmp_path / "worker1")
     cluster = provision(spec)
     cluster.start_supervisor("s3://unused/job.json", job_id="job-1", attempt=1, env=dict(nothing_left.env))
+    _started(cluster, "job-1")
     _on_worker(monkeypatch, tmp_path / "worker2")  # never created: nothing of worker 1 here
     assert reap() == [cluster.cluster_id]
     nothing_left.check("the reaper on the other worker")
