@@ -54,6 +54,9 @@ from infra.transport import HostSpec, exit_status, host_argv, in_workdir, role_c
 log = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_S = 60.0
+# How long a supervisor's start waits for it to record itself on its host (an interpreter's
+# start and a file write; seconds even on a loaded machine).
+SUPERVISOR_RECORD_TIMEOUT_S = 30.0
 REMOTE_CMD_TIMEOUT_S = 60.0
 # The environment a remote role starts from; the job adds what it forwards (common.roles).
 REMOTE_BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -222,8 +225,15 @@ class HostsCluster(Cluster):
                 posixpath.join(folder, "procs", f"{job_id}.json"), "--env-file", posixpath.join(folder, "env"),
                 "--env-key", job_id, "--", *supervise_argv(host.python, job_uri, job_id, attempt)]
         log_path = shlex.quote(posixpath.join(folder, f"{job_id}.log"))
+        record = shlex.quote(posixpath.join(folder, "procs", f"{job_id}.json"))
+        # Then wait, bounded, until it has recorded itself: a stop_job from anywhere (on_kill
+        # right after the start, from another worker) finds it by that record only, and would
+        # otherwise stop nothing and leave it running. The shell's own loop: one transport call.
+        polls = int(SUPERVISOR_RECORD_TIMEOUT_S / 0.2)
         return (f"cd {shlex.quote(host.workdir)} && "
-                f"(setsid nohup {shlex.join(argv)} > {log_path} 2>&1 < /dev/null &)")
+                f"(setsid nohup {shlex.join(argv)} > {log_path} 2>&1 < /dev/null &) && "
+                f"i=0; while [ ! -f {record} ] && [ $i -lt {polls} ]; do sleep 0.2; i=$((i+1)); done; "
+                f"test -f {record}")
 
     def start_supervisor(self, job_uri: str, *, job_id: str, attempt: int, env: dict[str, str]) -> dict[str, Any]:
         host = self.hosts[0]
@@ -234,7 +244,8 @@ class HostsCluster(Cluster):
                 "MXPIPE_HOME": posixpath.join(host.state_dir, "home")}
         run_on(host, f"umask 077 && mkdir -p {shlex.quote(folder)} && cat > {shlex.quote(posixpath.join(folder, 'env'))}",
                timeout_s=REMOTE_CMD_TIMEOUT_S, input_text=json.dumps({job_id: base}))
-        run_on(host, self.supervisor_command(job_uri, job_id, attempt), timeout_s=REMOTE_CMD_TIMEOUT_S)
+        run_on(host, self.supervisor_command(job_uri, job_id, attempt),
+               timeout_s=REMOTE_CMD_TIMEOUT_S + SUPERVISOR_RECORD_TIMEOUT_S)
         log.info("started supervisor of job %s on %s", job_id, host.name)
         return {"job_id": job_id, "host": host.address, "log": posixpath.join(folder, f"{job_id}.log")}
 

@@ -232,6 +232,8 @@ def test_hosts_supervisor_starts_detached_on_the_first_host_apart_from_the_roles
     assert line.startswith("cd /opt/p && (setsid nohup /py -m common.procs exec-role --record /s/jobs/c/procs/1-x.json "
                            "--env-file /s/jobs/c/env --env-key 1-x -- /py -m training supervise s3://b/job.json "
                            "--job-id 1-x --attempt 1 > /s/jobs/c/1-x.log 2>&1 < /dev/null &)")
+    # and returns once it has recorded itself, which is how any stop_job finds it
+    assert line.endswith("test -f /s/jobs/c/procs/1-x.json")
     # the roles' kill-records folder (what the supervisor's own stops clear) does not hold it
     assert not "/s/jobs/c".startswith(cluster._remote_dir(cluster.hosts[0]))
 
