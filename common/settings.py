@@ -120,6 +120,13 @@ class Settings(BaseSettings):
     # --- clusters --------------------------------------------------------------------------
     cluster_ttl_s: float = _var(6 * 3600.0, "MXPIPE_CLUSTER_TTL_S", "Age after which "
                                 "`cluster_reaper` tears a cluster down", group="cluster")
+    cluster_records: str = _var("", "MXPIPE_CLUSTER_RECORDS", "Folder (S3 or local) of the cluster "
+                                "records (one `<id>.json` each, with its expiry), which provision, release, "
+                                "retries and `cluster_reaper` on every Airflow worker read; empty: `clusters/` "
+                                "beside `MXPIPE_ARTIFACT_ROOT`", group="cluster")
+    single_host: bool = _var(False, "MXPIPE_SINGLE_HOST", "Every Airflow task runs on this one host "
+                             "whatever the executor says: the `local` backend, refused under a "
+                             "multi-host executor (CeleryExecutor), is allowed", group="cluster")
     hosts_file: str | None = _var(None, "MXPIPE_HOSTS_FILE", "JSON list of hosts of the `hosts` "
                                   "backend (the Airflow Variable `mxpipe_hosts` wins)", group="cluster")
     ec2_file: str | None = _var(None, "MXPIPE_EC2_FILE", "JSON object of EC2 options of the "

@@ -1,7 +1,7 @@
 """Reap clusters that outlived their TTL: the safety net behind every run's teardown task.
 
-Every cluster carries its run id and an expiry time (a local record for every backend, and
-tags on EC2 instances). A teardown task that never ran (a scheduler crash, a deleted DAG run)
+Every cluster carries its run id and an expiry time (a record in S3 for every backend, which
+this DAG reads on whichever Celery worker it runs, and tags on EC2 instances). A teardown task that never ran (a scheduler crash, a deleted DAG run)
 leaves such a cluster behind; this DAG terminates it once its TTL has passed.
 ``MXPIPE_REAPER_SCHEDULE`` sets the cron schedule (default every 15 minutes, UTC; ``none``
 turns it off). The EC2 side uses the ``aws_default`` connection and the ``mxpipe_ec2`` Variable

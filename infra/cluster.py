@@ -14,9 +14,13 @@ image or environment, TTL) and, in ``options``, where (a host list, an EC2 launc
 ``describe()`` turns a cluster into a small JSON dict, which is what Airflow passes from the
 provision task to train and teardown; ``attach`` turns it back into a cluster in any process.
 
-Every backend writes a record under ``$MXPIPE_HOME/clusters/<id>/cluster.json`` with its
-expiry time, so a reaper finds an escaped cluster of any backend; EC2 instances carry the run
-id and expiry as tags as well, so the reaper finds them even if this record is lost. The
+Every backend writes a record of the cluster (its description and expiry time) as one object
+``<records>/<id>.json`` (``records_root``: ``s3://<bucket>/clusters/`` beside the artifact root
+of a deployment), so a release, a retry or the reaper on any Airflow worker finds an escaped
+cluster of any backend, not only the worker that provisioned it; EC2 instances carry the run id
+and expiry as tags as well, so the reaper finds them even if this record is lost. What a backend
+keeps on the local disk (``state_dir``: the process records of the roles it started itself) is
+only ever read by a process of the same host, and losing it loses nothing another host needs. The
 scheduler's address comes from the cluster (``scheduler_address``), chosen for each attempt.
 
 The supervisor (``python -m training supervise``) runs detached where the cluster says: on the
@@ -34,6 +38,7 @@ import importlib
 import json
 import logging
 import os
+import posixpath
 import shutil
 import time
 from abc import ABC, abstractmethod
@@ -41,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+from common import storage
 from common.cli import parser as cli_parser
 from common.config import BACKENDS
 from common.paths import safe_component
@@ -102,39 +108,65 @@ class ClusterSpec:
         return cls(**raw)
 
 
+def records_root(home: str | None = None) -> str:
+    """Where cluster records live (a folder URI, S3 or local).
+
+    ``MXPIPE_CLUSTER_RECORDS`` when set; else ``clusters/`` beside the artifact root
+    (``s3://mxpipe/clusters`` for the default ``s3://mxpipe/runs``): storage every Airflow worker
+    reaches, and outside every run's partition, since a cluster outlives the attempt that made
+    it. A caller that passes a ``home`` of its own (a test or probe on one machine, with no S3)
+    keeps them under ``<home>/clusters``.
+    """
+    if home:
+        return os.path.join(home, "clusters")
+    current = settings()
+    if current.cluster_records:
+        return current.cluster_records
+    root = current.artifact_root.rstrip("/")
+    if storage.is_s3(root):
+        bucket, key = storage.split_s3(root)
+        return storage.join(f"s3://{bucket}", posixpath.dirname(key), "clusters")
+    root = root[len("file://"):] if root.startswith("file://") else root
+    return os.path.join(os.path.dirname(os.path.abspath(root)), "clusters")
+
+
 class Cluster(ABC):
-    """Base of every backend: the local record, attempts, describe/attach."""
+    """Base of every backend: the shared record, attempts, describe/attach."""
 
     backend: ClassVar[str] = ""
 
-    def __init__(self, cluster_id: str, spec: ClusterSpec, home: str | None = None) -> None:
+    def __init__(self, cluster_id: str, spec: ClusterSpec, home: str | None = None,
+                 records: str | None = None) -> None:
         self.cluster_id = cluster_id
         self.spec = spec
+        # This host's state folder (process records of what this process started); the record
+        # itself is under ``records``, which every host reaches.
         self.home = home or settings().local_home
+        self.records = records or records_root(home)
 
     # -- record -----------------------------------------------------------------------------
 
     @property
     def state_dir(self) -> str:
+        """This host's own folder of the cluster: the process records of roles started here."""
         return os.path.join(self.home, "clusters", self.cluster_id)
 
     @property
-    def record_path(self) -> str:
-        return os.path.join(self.state_dir, "cluster.json")
+    def record_uri(self) -> str:
+        return storage.join(self.records, f"{self.cluster_id}.json")
 
     def exists(self) -> bool:
-        return os.path.exists(self.record_path)
+        return storage.exists(self.record_uri)
 
     def write_record(self, **extra: Any) -> None:
-        os.makedirs(self.state_dir, exist_ok=True)
+        """The record, one object written whole (an S3 PUT, or a local file replaced): a
+        reader never sees half of it."""
         now = time.time()
         record = {"description": self.describe(), "created_at": now, "expires_at": now + self.spec.ttl_s, **extra}
-        tmp = self.record_path + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(record, fh, indent=2)
-        os.replace(tmp, self.record_path)
+        storage.put_bytes(self.record_uri, json.dumps(record, indent=2).encode())
 
     def remove_record(self) -> None:
+        storage.delete_uris([self.record_uri])
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def new_attempt(self) -> str:
@@ -142,8 +174,10 @@ class Cluster(ABC):
         return f"attempt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
 
     def describe(self) -> dict[str, Any]:
-        """The JSON-able handle Airflow passes between tasks."""
-        return {"backend": self.backend, "cluster_id": self.cluster_id, "home": self.home,
+        """The JSON-able handle Airflow passes between tasks. No local folder of the provisioning
+        host: a process that attaches elsewhere keeps its own (``home``); only ``local``, whose
+        every process is on one host, names it (``LocalCluster.extra_description``)."""
+        return {"backend": self.backend, "cluster_id": self.cluster_id, "records": self.records,
                 "spec": asdict(self.spec), **self.extra_description()}
 
     def extra_description(self) -> dict[str, Any]:
@@ -153,18 +187,19 @@ class Cluster(ABC):
         """The cluster a job's attempt ``attempt`` (1, 2, ...) runs on. A retry provisions again
         first: idempotent, it reuses what is healthy and replaces what was lost (a reclaimed spot
         instance), where the previous attempt's failure may have come from."""
-        return self if attempt <= 1 else type(self).provision(self.spec, self.home)
+        return self if attempt <= 1 else type(self).provision(self.spec, self.home, records=self.records)
 
     # -- the interface ----------------------------------------------------------------------
 
     @classmethod
     @abstractmethod
-    def provision(cls, spec: ClusterSpec, home: str | None = None) -> "Cluster":
-        """Create, or on a retry find and reuse, the cluster of ``spec.run_tag``."""
+    def provision(cls, spec: ClusterSpec, home: str | None = None, *, records: str | None = None) -> "Cluster":
+        """Create, or on a retry find and reuse, the cluster of ``spec.run_tag`` (its record
+        under ``records``, default ``records_root(home)``)."""
 
     @classmethod
     def from_description(cls, desc: dict[str, Any]) -> "Cluster":
-        return cls(desc["cluster_id"], ClusterSpec.from_dict(desc["spec"]), desc.get("home"))
+        return cls(desc["cluster_id"], ClusterSpec.from_dict(desc["spec"]), desc.get("home"), desc.get("records"))
 
     @abstractmethod
     def scheduler_address(self) -> tuple[str, int]:
@@ -245,8 +280,8 @@ def backend_class(name: str) -> type[Cluster]:
     return getattr(importlib.import_module(module), cls)
 
 
-def provision(spec: ClusterSpec, home: str | None = None) -> Cluster:
-    return backend_class(spec.backend).provision(spec, home)
+def provision(spec: ClusterSpec, home: str | None = None, *, records: str | None = None) -> Cluster:
+    return backend_class(spec.backend).provision(spec, home, records=records)
 
 
 def attach(desc: dict[str, Any]) -> Cluster:
@@ -262,31 +297,32 @@ class Leak:
     description: dict[str, Any] | None
 
 
-def find_leaked(older_than_s: float = 0.0, *, home: str | None = None, now: float | None = None) -> list[Leak]:
-    """Clusters recorded under ``home`` whose TTL ran out more than ``older_than_s`` ago.
+def find_leaked(older_than_s: float = 0.0, *, home: str | None = None, records: str | None = None,
+                now: float | None = None) -> list[Leak]:
+    """Clusters recorded under ``records`` (default ``records_root(home)``) whose TTL ran out
+    more than ``older_than_s`` ago.
 
-    A record that cannot be read counts as leaked once its folder is ``UNREADABLE_GRACE_S`` old.
+    A record that cannot be read counts as leaked once it is ``UNREADABLE_GRACE_S`` old.
     EC2 instances are also found by their tags, without any record: ``ec2_cluster.find_expired``.
     """
-    root = os.path.join(home or settings().local_home, "clusters")
+    root = records or records_root(home)
     now = time.time() if now is None else now
     leaked: list[Leak] = []
-    if not os.path.isdir(root):
-        return leaked
-    for cid in sorted(os.listdir(root)):
+    for uri, modified in storage.list_objects(root):
+        name = uri[len(root.rstrip("/")) + 1:]
+        # Only the records themselves: a local root also holds this host's state folders.
+        if "/" in name or not name.endswith(".json"):
+            continue
+        cid = name[: -len(".json")]
         try:
-            with open(os.path.join(root, cid, "cluster.json")) as fh:
-                record = json.load(fh)
+            record = json.loads(storage.get_bytes(uri))
             expires_at = float(record["expires_at"])
             desc = record["description"]
-        except (OSError, ValueError, KeyError, TypeError):
-            # Unreadable: a provision or teardown cut short (or one writing right now, hence
-            # the grace period on the folder's age).
-            try:
-                age = now - os.path.getmtime(os.path.join(root, cid))
-            except OSError:
-                continue
-            if age > UNREADABLE_GRACE_S + older_than_s:
+        except FileNotFoundError:
+            continue  # torn down since the listing
+        except (ValueError, KeyError, TypeError):
+            # Written whole, so unreadable means damaged; the grace spares a clock skew.
+            if now - modified > UNREADABLE_GRACE_S + older_than_s:
                 leaked.append(Leak(cid, "unknown", 0.0, None))
             continue
         if expires_at + older_than_s < now:
@@ -294,10 +330,12 @@ def find_leaked(older_than_s: float = 0.0, *, home: str | None = None, now: floa
     return leaked
 
 
-def reap(older_than_s: float = 0.0, *, home: str | None = None, now: float | None = None) -> list[str]:
-    """Tear down every leaked cluster recorded here; returns their ids."""
+def reap(older_than_s: float = 0.0, *, home: str | None = None, records: str | None = None,
+         now: float | None = None) -> list[str]:
+    """Tear down every leaked cluster recorded under ``records``; returns their ids."""
+    root = records or records_root(home)
     reaped = []
-    for leak in find_leaked(older_than_s, home=home, now=now):
+    for leak in find_leaked(older_than_s, records=root, now=now):
         if leak.description is not None:
             try:
                 attach(leak.description).teardown()
@@ -305,7 +343,7 @@ def reap(older_than_s: float = 0.0, *, home: str | None = None, now: float | Non
                 log.error("could not tear down leaked cluster %s: %s", leak.cluster_id, exc)
                 continue
         else:
-            shutil.rmtree(os.path.join(home or settings().local_home, "clusters", leak.cluster_id), ignore_errors=True)
+            storage.delete_uris([storage.join(root, f"{leak.cluster_id}.json")])
         log.warning("reaped leaked %s cluster %s (expired at %.0f)", leak.backend, leak.cluster_id, leak.expires_at)
         reaped.append(leak.cluster_id)
     return reaped
@@ -320,7 +358,8 @@ python -m infra.cluster reap --older-than-s 600      # tear down those expired 1
 def main(argv: list[str] | None = None) -> int:
     """``python -m infra.cluster leaked|reap [--older-than-s N]``: the reaper without Airflow."""
     parser = cli_parser("The cluster reaper without Airflow: list (leaked) or tear down (reap) the clusters "
-                        "recorded under $MXPIPE_HOME whose time to live ran out.", EXAMPLES,
+                        "recorded (MXPIPE_CLUSTER_RECORDS, else clusters/ beside MXPIPE_ARTIFACT_ROOT) whose "
+                        "time to live ran out.", EXAMPLES,
                         prog="python -m infra.cluster")
     parser.add_argument("cmd", choices=("leaked", "reap"))
     parser.add_argument("--older-than-s", type=float, default=0.0, help="only clusters expired this long ago")

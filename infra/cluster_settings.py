@@ -112,7 +112,8 @@ def cluster_spec(run_tag: str, cluster: ClusterConfig, instance_type: str = "",
 
 
 def reap(older_than_s: float = 0.0, ec2: SettingsSource | None = None) -> dict[str, Any]:
-    """Tear down every cluster past its TTL: the local records, and (where EC2 settings exist:
+    """Tear down every cluster past its TTL: the shared records (``infra.cluster.records_root``:
+    S3, so any Airflow worker's reaper sees every worker's clusters), and (where EC2 settings exist:
     ``ec2`` holds text, or ``MXPIPE_EC2_FILE`` is set) EC2 instances by their tags, which the
     reaper finds even if a record was lost."""
     reaped: dict[str, Any] = {"clusters": reap_records(older_than_s)}

@@ -183,9 +183,9 @@ def _tags(inst: dict[str, Any]) -> dict[str, str]:
 class Ec2Cluster(Cluster):
     backend = "ec2"
 
-    def __init__(self, cluster_id: str, spec: ClusterSpec, home: str | None = None,
+    def __init__(self, cluster_id: str, spec: ClusterSpec, home: str | None = None, records: str | None = None,
                  instance_ids: Sequence[str] = (), addresses: Sequence[str] = ()) -> None:
-        super().__init__(cluster_id, spec, home)
+        super().__init__(cluster_id, spec, home, records)
         self.opts = Ec2Options.from_dict(spec.options)
         self.instance_ids = list(instance_ids)
         self.addresses = list(addresses)
@@ -210,7 +210,7 @@ class Ec2Cluster(Cluster):
 
     @classmethod
     def from_description(cls, desc: dict[str, Any]) -> "Ec2Cluster":
-        return cls(desc["cluster_id"], ClusterSpec.from_dict(desc["spec"]), desc.get("home"),
+        return cls(desc["cluster_id"], ClusterSpec.from_dict(desc["spec"]), desc.get("home"), desc.get("records"),
                    desc.get("instance_ids", ()), desc.get("addresses", ()))
 
     # -- provision --------------------------------------------------------------------------
@@ -236,8 +236,8 @@ class Ec2Cluster(Cluster):
                                      {"Name": "instance-state-name", "Values": states}])
 
     @classmethod
-    def provision(cls, spec: ClusterSpec, home: str | None = None) -> "Ec2Cluster":
-        cluster = cls(cluster_id_for(spec.run_tag), spec, home)
+    def provision(cls, spec: ClusterSpec, home: str | None = None, *, records: str | None = None) -> "Ec2Cluster":
+        cluster = cls(cluster_id_for(spec.run_tag), spec, home, records)
         try:
             cluster._provision()
         except ProvisionError:

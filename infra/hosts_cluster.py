@@ -18,7 +18,11 @@ credentials stay off command lines), and the role is started as
 it leads its own process group on the host and records it, so stopping roles runs ``python -m
 common.procs kill-records --names …`` for those roles on their hosts (the supervisor's orderly
 stop signals rank 0 alone first), tearing the cluster down runs it for every recorded role on
-every host, and no role survives its ssh client. A role's standard input is a pipe from its supervisor, through the
+every host, and no role survives its ssh client. So every stop goes through the transport to the
+hosts themselves (``stop_job``: ``kill-records`` of the supervisor's record on the first host,
+then of every role's), and works from any process that has the cluster's description and the
+hosts' access: a release, ``on_kill`` or retry on another Airflow worker than the one that
+started the job. A role's standard input is a pipe from its supervisor, through the
 transport (the SSH session's channel): when the supervisor dies, the role reads end of file and
 ends itself within seconds (``common.procs.watchdog``; rank 0 after its emergency checkpoint). The job document and shards must be readable from every host: an
 ``s3://`` URI every host can reach, or a folder every host mounts at the same path.
@@ -52,6 +56,9 @@ from infra.transport import HostSpec, exit_status, host_argv, in_workdir, role_c
 log = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_S = 60.0
+# How long a supervisor's start waits for it to record itself on its host (an interpreter's
+# start and a file write; seconds even on a loaded machine).
+SUPERVISOR_RECORD_TIMEOUT_S = 30.0
 REMOTE_CMD_TIMEOUT_S = 60.0
 # The environment a remote role starts from; the job adds what it forwards (common.roles).
 REMOTE_BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -78,8 +85,9 @@ class RemoteRole(ProcessRole):
 class HostsCluster(Cluster):
     backend = "hosts"
 
-    def __init__(self, cluster_id: str, spec: ClusterSpec, home: str | None = None) -> None:
-        super().__init__(cluster_id, spec, home)
+    def __init__(self, cluster_id: str, spec: ClusterSpec, home: str | None = None,
+                 records: str | None = None) -> None:
+        super().__init__(cluster_id, spec, home, records)
         raw_hosts = spec.options.get("hosts") or []
         if not raw_hosts:
             raise ProvisionError("the hosts backend needs options['hosts'] (a list of hosts)")
@@ -88,8 +96,8 @@ class HostsCluster(Cluster):
     # -- provision --------------------------------------------------------------------------
 
     @classmethod
-    def provision(cls, spec: ClusterSpec, home: str | None = None) -> "HostsCluster":
-        cluster = cls(cluster_id_for(spec.run_tag), spec, home)
+    def provision(cls, spec: ClusterSpec, home: str | None = None, *, records: str | None = None) -> "HostsCluster":
+        cluster = cls(cluster_id_for(spec.run_tag), spec, home, records)
         if cluster.exists():
             log.info("cluster %s already provisioned; reusing it", cluster.cluster_id)
             return cluster
@@ -234,16 +242,27 @@ class HostsCluster(Cluster):
                 posixpath.join(folder, "procs", f"{job_id}.json"), "--env-file", posixpath.join(folder, "env"),
                 "--env-key", job_id, "--", *supervise_argv(host.python, job_uri, job_id, attempt)]
         log_path = shlex.quote(posixpath.join(folder, f"{job_id}.log"))
+        record = shlex.quote(posixpath.join(folder, "procs", f"{job_id}.json"))
+        # Then wait, bounded, until it has recorded itself: a stop_job from anywhere (on_kill
+        # right after the start, from another worker) finds it by that record only, and would
+        # otherwise stop nothing and leave it running. The shell's own loop: one transport call.
+        polls = int(SUPERVISOR_RECORD_TIMEOUT_S / 0.2)
         return (f"cd {shlex.quote(host.workdir)} && "
-                f"(setsid nohup {shlex.join(argv)} > {log_path} 2>&1 < /dev/null &)")
+                f"(setsid nohup {shlex.join(argv)} > {log_path} 2>&1 < /dev/null &) && "
+                f"i=0; while [ ! -f {record} ] && [ $i -lt {polls} ]; do sleep 0.2; i=$((i+1)); done; "
+                f"test -f {record}")
 
     def start_supervisor(self, job_uri: str, *, job_id: str, attempt: int, env: dict[str, str]) -> dict[str, Any]:
         host = self.hosts[0]
         folder = self._jobs_dir(host)
-        base = {**REMOTE_BASE_ENV, "HOME": host.state_dir, "MXPIPE_CLUSTER": self.cluster_id, **env}
+        # Its MXPIPE_HOME is this host's own folder, never the caller's (a path on the Airflow
+        # worker): what it records of the roles it starts (the transport clients) stays here.
+        base = {**REMOTE_BASE_ENV, "HOME": host.state_dir, "MXPIPE_CLUSTER": self.cluster_id, **env,
+                "MXPIPE_HOME": posixpath.join(host.state_dir, "home")}
         run_on(host, f"umask 077 && mkdir -p {shlex.quote(folder)} && cat > {shlex.quote(posixpath.join(folder, 'env'))}",
                timeout_s=REMOTE_CMD_TIMEOUT_S, input_text=json.dumps({job_id: base}))
-        run_on(host, self.supervisor_command(job_uri, job_id, attempt), timeout_s=REMOTE_CMD_TIMEOUT_S)
+        run_on(host, self.supervisor_command(job_uri, job_id, attempt),
+               timeout_s=REMOTE_CMD_TIMEOUT_S + SUPERVISOR_RECORD_TIMEOUT_S)
         log.info("started supervisor of job %s on %s", job_id, host.name)
         return {"job_id": job_id, "host": host.address, "log": posixpath.join(folder, f"{job_id}.log")}
 
@@ -265,6 +284,9 @@ class HostsCluster(Cluster):
     def teardown(self) -> dict[str, Any]:
         """Stop the job and every role on every host, remove the hosts' state folders and the record."""
         self.stop_job()
+        # The transport clients the supervisor started are recorded on its own host; here (a
+        # worker) there are none unless this process ran the job itself (tests, ``python -m
+        # training run``). Every role is stopped on its host below, which ends its client too.
         local: list[str] = []
         procs = os.path.join(self.state_dir, "procs")
         if os.path.isdir(procs):

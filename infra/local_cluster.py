@@ -10,6 +10,12 @@ detached supervisor is recorded under ``$MXPIPE_HOME/jobs/<cluster>/procs/`` and
 ``$MXPIPE_HOME/jobs/<cluster>/<job_id>.log``, outside the cluster's record, so its log outlives
 the teardown.
 
+The local backend is one host by nature: its supervisor is a child of the Airflow worker that
+started it, and its process records are on that worker's disk. Under an executor that runs tasks
+on several hosts (the CeleryExecutor), a release, ``on_kill`` or retry on another worker would
+stop nothing: ``refuse_across_hosts`` turns that into a provision error naming the backend and
+the executor, unless the deployment says it is one host (``MXPIPE_SINGLE_HOST``).
+
 ``spec.options["worker_argv"]``, when given, is the command every worker runs instead of
 ``python -m training worker JOB_URI``, under the same ps-lite environment: how the kvstore probes
 and benchmarks run a worker script of their own as a real job (``training.launch.detached.local_cluster``).
@@ -42,18 +48,40 @@ _CHECK_SNIPPET = (
 )
 
 
+# Executors that run every task on the host of the scheduler that queued it (Airflow's own names;
+# ``[core] executor`` may also give an import path or ``alias:path``, matched on the class name).
+ONE_HOST_EXECUTORS = frozenset({"LocalExecutor", "SequentialExecutor", "DebugExecutor"})
+
+
+def refuse_across_hosts(executor: str, *, single_host: bool) -> None:
+    """A ``ProvisionError`` when Airflow's ``[core] executor`` (one name, or several separated
+    by commas, any of which a task may use) can run a task on another host than the provision's,
+    and ``single_host`` (``MXPIPE_SINGLE_HOST``) does not say the deployment is one host."""
+    if single_host:
+        return
+    names = [part.strip().split(":")[-1].split(".")[-1] for part in executor.split(",") if part.strip()]
+    across = [n for n in names if n not in ONE_HOST_EXECUTORS]
+    if across:
+        raise ProvisionError(
+            f"the local backend cannot run under Airflow's {', '.join(across)} (executor setting {executor!r}): "
+            "its supervisor would be a child of one worker, and a release, on_kill or retry on another "
+            "worker could not stop it. Use the hosts or ec2 backend, or set MXPIPE_SINGLE_HOST=1 if every "
+            "worker of this deployment is this one host")
+
+
 class LocalCluster(Cluster):
     backend = "local"
 
-    def __init__(self, cluster_id: str, spec: ClusterSpec, home: str | None = None) -> None:
-        super().__init__(cluster_id, spec, home)
+    def __init__(self, cluster_id: str, spec: ClusterSpec, home: str | None = None,
+                 records: str | None = None) -> None:
+        super().__init__(cluster_id, spec, home, records)
         self.host = LOOPBACK
         self.python = spec.image or sys.executable
 
     @classmethod
-    def provision(cls, spec: ClusterSpec, home: str | None = None) -> "LocalCluster":
+    def provision(cls, spec: ClusterSpec, home: str | None = None, *, records: str | None = None) -> "LocalCluster":
         """Create (or, on a retry, find) the cluster of ``spec.run_tag``. Idempotent."""
-        cluster = cls(cluster_id_for(spec.run_tag), spec, home)
+        cluster = cls(cluster_id_for(spec.run_tag), spec, home, records)
         if cluster.exists():
             log.info("cluster %s already provisioned; reusing it", cluster.cluster_id)
             return cluster
@@ -75,7 +103,8 @@ class LocalCluster(Cluster):
         log.info("host check passed in %.1fs", time.monotonic() - started)
 
     def extra_description(self) -> dict[str, Any]:
-        return {"host": self.host}
+        # Its home, unlike other backends': every process of a local cluster is on this host.
+        return {"host": self.host, "home": self.home}
 
     def scheduler_address(self) -> tuple[str, int]:
         return self.host, free_port(self.host)

@@ -13,7 +13,8 @@ address only. The layout (``HOSTS``):
     airflow   Airflow's API server, scheduler and DAG processor (CeleryExecutor)
     triggerer the triggerer
     worker1/2 a Celery worker each
-    train1-3  sshd: the machines of the ``hosts`` backend (``hosts.json`` in each worker's home)
+    train1-3  sshd: the machines of the ``hosts`` backend (``hosts.json`` in each worker's home;
+              the client key in every home that reaches them, named ``~/ssh/...`` in it)
 
 Settings come from one place, ``TopologySettings`` (and the secrets generated once into
 ``<root>/credentials.json``); ``compose_env`` renders the same settings as the env file of
@@ -414,19 +415,26 @@ def start_training_hosts(root: Path, settings: TopologySettings) -> list[GroupRe
         config.write_text(netns.sshd_config(settings.address(host), host_key, authorized, folder))
         handles.append(_launch(root, settings, host, "sshd", [sshd, "-D", "-e", "-f", str(config)],
                                _host_env(root, settings, host, {})))
-    for worker in WORKERS:
-        home = host_home(root, worker)
+    # One hosts list for every worker, its key paths under "~" (infra.transport): a cluster
+    # record written on one worker reaches the hosts from the other with that one's own copy, the
+    # triggerer (a deferred train task's on_kill stops the job from there) with its own, and the
+    # supervisor on the first training host (HOME: its state_dir) with its own.
+    hosts = [{"name": host, "address": settings.address(host), "transport": "ssh", "ssh_user": "root",
+              "ssh_key": "~/ssh/id_ed25519", "known_hosts": "~/ssh/known_hosts",
+              "python": sys.executable, "workdir": str(REPO_ROOT),
+              "state_dir": str(host_home(root, host) / "roles")} for host in TRAINING_HOSTS]
+    for home in [host_home(root, h) for h in (*WORKERS, "triggerer")] + [Path(h["state_dir"]) for h in hosts]:
         ssh = home / "ssh"
         ssh.mkdir(parents=True, exist_ok=True)
         for name in ("id_ed25519", "id_ed25519.pub"):
             shutil.copy(keys / name, ssh / name)
         (ssh / "known_hosts").write_text("".join(known))
-        hosts = [{"name": host, "address": settings.address(host), "transport": "ssh", "ssh_user": "root",
-                  "ssh_key": str(ssh / "id_ed25519"), "known_hosts": str(ssh / "known_hosts"),
-                  "python": sys.executable, "workdir": str(REPO_ROOT),
-                  "state_dir": str(host_home(root, host) / "roles")} for host in TRAINING_HOSTS]
-        (home / "hosts.json").write_text(json.dumps(hosts, indent=2))
-    probe = [HostSpec.from_dict(h) for h in json.loads((host_home(root, WORKERS[0]) / "hosts.json").read_text())]
+    for worker in WORKERS:
+        (host_home(root, worker) / "hosts.json").write_text(json.dumps(hosts, indent=2))
+    # Probed with the first worker's copy of the key, as its tasks will reach them.
+    probe = [HostSpec.from_dict({**h, "ssh_key": str(host_home(root, WORKERS[0]) / "ssh" / "id_ed25519"),
+                                 "known_hosts": str(host_home(root, WORKERS[0]) / "ssh" / "known_hosts")})
+             for h in hosts]
     for spec, handle in zip(probe, handles):
         wait_until(lambda spec=spec: run_on(spec, "true", timeout_s=10), START_TIMEOUT_S["sshd"],
                    f"sshd on {spec.name}", handle=handle, interval_s=0.5)

@@ -11,7 +11,10 @@ same command for both and only the carrier differs:
   on the host itself (``python -m common.procs kill-records``). With ``known_hosts`` the host
   keys are pinned: only that file is consulted and an unknown or changed key is refused
   (``StrictHostKeyChecking=yes``); without it, ``ssh_options`` decide (default: trust on first
-  use, ``accept-new``).
+  use, ``accept-new``). ``ssh_key`` and ``known_hosts`` may start with ``~``, expanded with the
+  ``HOME`` of the process that connects: one hosts list then names each machine's own copy of
+  the key (an Airflow worker's, the supervisor's on the first host), so a cluster record written
+  on one host works on every other.
 - ``netns``: ``ip netns exec NS sh -c 'COMMAND'``: a host that is a network namespace of this
   machine (tests: several hosts with their own addresses, linked by veth pairs and a bridge).
   It shares this machine's filesystem and process table; the network is what is separate.
@@ -19,6 +22,7 @@ same command for both and only the carrier differs:
 """
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 from typing import Any, Literal, get_args
@@ -71,12 +75,13 @@ def host_argv(host: HostSpec, command: str) -> list[str]:
     if host.known_hosts:
         # Before ssh_options: for each option ssh keeps the first value it is given, so a pinned
         # known_hosts cannot be loosened by the default accept-new.
-        argv += ["-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={host.known_hosts}",
+        argv += ["-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={os.path.expanduser(host.known_hosts)}",
                  "-o", "GlobalKnownHostsFile=/dev/null"]
     for opt in host.ssh_options:
         argv += ["-o", opt]
     if host.ssh_key:
-        argv += ["-o", "IdentitiesOnly=yes", "-i", host.ssh_key]
+        # Expanded here, not by ssh: ssh expands "~" from the password database, not HOME.
+        argv += ["-o", "IdentitiesOnly=yes", "-i", os.path.expanduser(host.ssh_key)]
     target = f"{host.ssh_user}@{host.address}" if host.ssh_user else host.address
     return argv + [target, command]
 

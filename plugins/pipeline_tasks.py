@@ -321,10 +321,26 @@ def provision(config: Mapping[str, Any], params: Mapping[str, Any], dag_id: str,
     from infra.cluster import provision as provision_cluster
 
     spec = cluster_spec(config, params, dag_id, run_id)
+    if spec.backend == "local":
+        _refuse_local_across_workers()
     try:
         return provision_cluster(spec).describe()
     except (ProvisionError, ValueError) as exc:
         raise RuntimeError(f"provision ({spec.backend}): {exc}") from exc
+
+
+def _refuse_local_across_workers() -> None:
+    """The local backend under an executor whose tasks may run on other hosts fails without a
+    retry (``infra.local_cluster.refuse_across_hosts``): it would half-work."""
+    from airflow.sdk.configuration import conf
+
+    from infra.cluster import ProvisionError
+    from infra.local_cluster import refuse_across_hosts
+
+    try:
+        refuse_across_hosts(conf.get("core", "executor", fallback="LocalExecutor"), single_host=settings().single_host)
+    except ProvisionError as exc:
+        raise fail_without_retry(f"provision: {exc}") from exc
 
 
 def teardown(cluster: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,6 +1,10 @@
 """The training DAG run through the namespace topology (``infra.topology``) over the REST API,
 and the proof that ``down`` left nothing: no namespace, no uplink, no process of the topology.
 
+``cross_worker_release`` provisions a cluster from one Celery worker's host and reaps it (its
+supervisor stopped over ssh) from the other's; ``worker_files`` lists what of clusters and jobs
+each worker's home holds (nothing: they live in S3).
+
 ``python -m testkit.topology_runs --root R [--backend hosts]`` runs one DAG run on a topology
 that is up and prints its task states (by hand, beside ``python -m infra.topology up``).
 """
@@ -54,9 +58,112 @@ def run_training_dag(root: Path, csv: bytes, *, backend: str = "hosts", timeout_
         log = client.request("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/train/logs/1",
                              params={"full_content": "true"}).json()
     train_log = json.dumps(log.get("content", ""))
+    settings = TopologySettings.model_validate_json((root / "topology.json").read_text())
+    # The workers whose parts the train task's log holds (its first part, before it deferred,
+    # and the part after the trigger fired), named by their addresses in the log's sources.
+    train_workers = sorted(w for w in ("worker1", "worker2") if settings.address(w) in train_log)
     return {"run_id": run_id, "state": state, "states": states, "seconds": round(seconds, 1),
             "registered": registered, "hostnames": hosts, "train_log_chars": len(train_log),
-            "train_log_names_the_job": "started training job" in train_log}
+            "train_log_names_the_job": "started training job" in train_log, "train_log_workers": train_workers}
+
+
+# Run in a Celery worker's namespace with its environment: provision a hosts cluster whose TTL
+# runs out at once and start, through it, a stand-in for the job's supervisor on the first
+# training host (over ssh), which lives until something stops it.
+_PROVISION_ON_WORKER = """
+import json, sys
+from infra import hosts_cluster
+from infra.cluster import ClusterSpec, provision
+from infra.cluster_settings import cluster_options
+hosts_cluster.supervise_argv = lambda python, *_: [python, "-c", "import time; time.sleep(600)"]
+spec = ClusterSpec(run_tag=sys.argv[1], workers=1, servers=1, backend="hosts", ttl_s=1.0,
+                   options=cluster_options("hosts"))
+cluster = provision(spec)
+cluster.start_supervisor("s3://unused/job.json", job_id="stand-in", attempt=1, env={})
+print(json.dumps({"cluster_id": cluster.cluster_id, "record": cluster.record_uri}))
+"""
+
+
+def _on_worker(root: Path, worker: str, argv: list[str], timeout_s: float = 180.0) -> str:
+    """``argv`` (after the interpreter) in ``worker``'s namespace, with its Airflow host's
+    environment and S3 as its tasks get it (the aws_default connection's key pair)."""
+    import subprocess
+
+    from infra.stack_config import REPO_ROOT
+    from infra.topology import airflow_host_env, secrets
+
+    settings = TopologySettings.model_validate_json((root / "topology.json").read_text())
+    creds = secrets(root)
+    env = {**airflow_host_env(root, settings, creds, worker), "AWS_ENDPOINT_URL_S3": settings.s3_endpoint,
+           "AWS_ACCESS_KEY_ID": creds["access_key"], "AWS_SECRET_ACCESS_KEY": creds["secret_key"],
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    out = subprocess.run(["ip", "netns", "exec", settings.namespace(worker), sys.executable, *argv], env=env,
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"{worker}: {argv[:2]} failed ({out.returncode}): {out.stderr[-2000:]}")
+    return out.stdout
+
+
+def _stand_ins(cluster_id: str) -> list[int]:
+    """Pids of the stand-in supervisor of ``cluster_id`` (on a training host: the namespaces
+    share this machine's process table)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.environ().get("MXPIPE_CLUSTER") == cluster_id and "time.sleep(600)" in " ".join(
+                    proc.info["cmdline"] or []):
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def cross_worker_release(root: Path, *, wait_s: float = 30.0) -> dict[str, Any]:
+    """A cluster provisioned, and its supervisor started, by ``worker1``; found, reaped (its
+    supervisor stopped over ssh) by ``worker2``'s reaper; and nothing of it left for either.
+    What each step saw, and the seconds it took."""
+    import uuid
+
+    tag = f"mxnet_training--cross-{uuid.uuid4().hex[:8]}"
+    t0 = time.monotonic()
+    made = json.loads(_on_worker(root, "worker1", ["-c", _PROVISION_ON_WORKER, tag]).splitlines()[-1])
+    cid = made["cluster_id"]
+    provisioned_s = time.monotonic() - t0
+    # The start returns before the stand-in runs (and records itself): bounded wait for it.
+    deadline = time.monotonic() + wait_s
+    while not _stand_ins(cid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    running = bool(_stand_ins(cid))
+    time.sleep(1.5)  # its TTL (1 s) runs out
+    seen_by_worker2 = [json.loads(line)["cluster_id"] for line in
+                       _on_worker(root, "worker2", ["-m", "infra.cluster", "leaked"]).splitlines() if line.strip()]
+    t1 = time.monotonic()
+    reaped = json.loads(_on_worker(root, "worker2", ["-m", "infra.cluster", "reap"]).splitlines()[-1])["reaped"]
+    reap_s = time.monotonic() - t1
+    deadline = time.monotonic() + wait_s
+    while _stand_ins(cid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left_on_worker1 = [json.loads(line)["cluster_id"] for line in
+                       _on_worker(root, "worker1", ["-m", "infra.cluster", "leaked"]).splitlines() if line.strip()]
+    return {"cluster_id": cid, "record": made["record"], "supervisor_started": running,
+            "seen_by_worker2": cid in seen_by_worker2, "reaped_by_worker2": cid in reaped,
+            "supervisor_left": _stand_ins(cid), "record_left": storage.exists(made["record"]),
+            "seen_by_worker1_after": cid in left_on_worker1, "provision_s": round(provisioned_s, 1),
+            "reap_s": round(reap_s, 1)}
+
+
+def worker_files(root: Path) -> dict[str, list[str]]:
+    """Files of clusters and jobs on each Celery worker's disk (none should be: they live in S3)."""
+    from infra.topology import WORKERS, host_home
+
+    out = {}
+    for worker in WORKERS:
+        home = host_home(root, worker) / "mxpipe"
+        out[worker] = sorted(str(p.relative_to(home)) for sub in ("clusters", "jobs") for p in (home / sub).rglob("*")
+                             if p.is_file())
+    return out
 
 
 def leftovers(settings: TopologySettings) -> dict[str, Any]:

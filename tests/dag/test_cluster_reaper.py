@@ -28,7 +28,8 @@ def test_reaper_dag_tears_down_an_expired_cluster(tmp_path, nothing_left):
 
 
 def _reap_through_airflow(tmp_path, home, cluster):
-    env = airflow_env(home, AIRFLOW_HOME=str(tmp_path / "airflow"))
+    # The records where the cluster above wrote its own (a home of its own: no S3 here).
+    env = airflow_env(home, AIRFLOW_HOME=str(tmp_path / "airflow"), MXPIPE_CLUSTER_RECORDS=str(home / "clusters"))
     env.pop("MXPIPE_EC2_FILE", None)
     result, _ = run_dag(env, None, dag_id="cluster_reaper", xcom_tasks=("reap",), timeout=300)
     assert result["dag"]["timetable"] == "CronTriggerTimetable", result["dag"]

@@ -67,6 +67,8 @@ def test_template_security_properties(template):
     statements = template["InstanceRole"]["Properties"]["Policies"][0]["PolicyDocument"]["Statement"]
     s3_objects = next(s for s in statements if s["Sid"] == "ReadWriteTheRunPrefix")
     assert s3_objects["Resource"] == {"Fn::Sub": "${ArtifactBucket.Arn}/${ArtifactPrefix}/*"}
+    records = next(s for s in statements if s["Sid"] == "ReadWriteTheClusterRecords")
+    assert records["Resource"] == {"Fn::Sub": "${ArtifactBucket.Arn}/clusters/*"}
     data = template["LaunchTemplate"]["Properties"]["LaunchTemplateData"]
     assert data["MetadataOptions"]["HttpTokens"] == "required"
     assert data["BlockDeviceMappings"][0]["Ebs"]["Encrypted"] is True

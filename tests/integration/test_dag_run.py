@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 from common import storage
@@ -19,8 +20,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def airflow_env(s3_server, mlflow_server, tmp_path_factory):
+    # Cluster records of their own: "nothing left" below means this module's runs left none.
     return dag_runs.airflow_env(tmp_path_factory.mktemp("mxpipe-home"),
                                 MXPIPE_ARTIFACT_ROOT=f"s3://{s3_server.bucket}/dag-runs",
+                                MXPIPE_CLUSTER_RECORDS=f"s3://{s3_server.bucket}/dag-run-clusters-{uuid.uuid4().hex}",
                                 MLFLOW_TRACKING_URI=mlflow_server.tracking_uri)
 
 
@@ -59,6 +62,7 @@ def test_full_run_with_a_worker_killed_three_times_restarts_in_place_and_registe
     assert all(t["state"] == "success" for t in tasks.values()), tasks
     assert all((tmp_path / f"fault-fired-{s}").exists() for s in KILLS), "a kill never fired"
     assert tasks["train"]["try_number"] == 1  # three restarts in place, no Airflow retry
+    assert list(storage.list_uris(airflow_env["MXPIPE_CLUSTER_RECORDS"])) == []  # released: no record left
     assert not os.path.exists(os.path.join(airflow_env["MXPIPE_HOME"], "clusters")) or \
         os.listdir(os.path.join(airflow_env["MXPIPE_HOME"], "clusters")) == []
 

@@ -179,7 +179,7 @@ def test_a_spot_notice_releases_its_instance_with_or_without_a_replacement(moto,
         assert {h.instance_id for h in smaller if h.kind == "worker"} == set(cluster.instance_ids)
         assert all(env["DMLC_NUM_WORKER"] == "2" for env in _role_envs(ssm, smaller).values())
         # What another process attaches to (the cluster record) is the smaller cluster.
-        record = json.loads((tmp_path / "clusters" / cluster.cluster_id / "cluster.json").read_text())
+        record = json.loads((tmp_path / "clusters" / f"{cluster.cluster_id}.json").read_text())
         assert attach(record["description"]).instance_ids == cluster.instance_ids
         assert record["description"]["spec"]["workers"] == 2
 
@@ -232,7 +232,7 @@ def test_missing_launch_template_fails_provision_and_leaves_nothing(moto, ec2, t
     with pytest.raises(ProvisionError, match="ec2 provision"):
         provision(_spec(moto, "mxnet_training--run-c", launch_template="no-such-template"), home=str(tmp_path))
     assert _live(ec2, **{TAG_CLUSTER: "mxnet_training--run-c"}) == []
-    assert not os.path.exists(tmp_path / "clusters" / "mxnet_training--run-c")
+    assert not os.path.exists(tmp_path / "clusters" / "mxnet_training--run-c.json")
 
 
 def test_reaper_terminates_only_what_outlived_its_ttl(moto, ec2, tmp_path):

@@ -215,7 +215,7 @@ def test_unreachable_host_fails_provision_with_its_name(hosts, tmp_path):
     with pytest.raises(ProvisionError, match="ghost"):
         provision(ClusterSpec(run_tag=f"hosts-test--bad-{bad['transport']}-{SUFFIX}", workers=1, servers=1,
                               backend="hosts", options={"hosts": [bad]}), home=str(tmp_path))
-    assert not os.path.exists(tmp_path / "clusters" / f"hosts-test--bad-{bad['transport']}-{SUFFIX}")
+    assert not os.path.exists(tmp_path / "clusters" / f"hosts-test--bad-{bad['transport']}-{SUFFIX}.json")
 
 
 @needs_sshd

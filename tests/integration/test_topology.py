@@ -1,19 +1,23 @@
 """The scaled-out deployment on network-namespace hosts (``infra.topology``), brought up as
 ``make topology`` does, the training DAG run on digits through the REST API (``hosts`` backend:
 the supervisor and roles on the training hosts, the tasks on the two Celery workers), and
-brought down: no namespace, uplink or process of the topology is left.
+brought down: no namespace, uplink or process of the topology is left. Between the two, a
+cluster provisioned on one Celery worker's host is found and released (its supervisor stopped
+over ssh) by the other's reaper: no worker reads what another wrote on its disk.
 
 Its own tier (``-m topology``, ``make test-topology``): several minutes and most of the
 machine, so not part of ``make test``."""
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
+from common import storage
 from infra import netns
 from infra.topology import TopologySettings, down, up
-from testkit.topology_runs import leftovers, run_training_dag
+from testkit.topology_runs import cross_worker_release, leftovers, run_training_dag, worker_files
 
 pytestmark = pytest.mark.topology
 
@@ -29,6 +33,9 @@ def _missing() -> str:
 
 
 @pytest.mark.skipif(bool(_missing()), reason=_missing() or "ok")
+# Beyond the default 900 s: bringing it up and down takes minutes of its own, and the DAG run
+# is bounded by 900 s by itself.
+@pytest.mark.timeout(2400)
 def test_training_dag_runs_on_the_topology_and_down_leaves_nothing(digits_csv):
     settings = TopologySettings()
     # Not pytest's tmp_path: its mode-0700 parents keep out PostgreSQL's own user.
@@ -37,14 +44,29 @@ def test_training_dag_runs_on_the_topology_and_down_leaves_nothing(digits_csv):
     try:
         up(root, settings)
         result = run_training_dag(root, digits_csv, backend="hosts", timeout_s=900)
+        # The release (on either worker) removed the run's cluster record from S3.
+        records = list(storage.list_uris(f"s3://{settings.bucket}/clusters"))
+        # No disk shared by the workers: what one provisioned, the other's reaper finds and
+        # releases, stopping the job's supervisor on the training host; and neither home holds
+        # a record of a cluster or job (they are in S3).
+        cross = cross_worker_release(root)
+        files = worker_files(root)
+        print(json.dumps({"dag_run": {k: result[k] for k in ("seconds", "hostnames", "train_log_workers")},
+                          "cross_worker": cross}))
     finally:
         stopped = down(root)
         shutil.rmtree(root, ignore_errors=True)
     assert result["state"] == "success", result
-    assert set(result["states"].values()) == {"success"}
+    states = dict(result["states"])
+    assert states.pop("reuse") == "skipped"  # the branch not taken: this run trains
+    assert set(states.values()) == {"success"}, states
     assert result["registered"]["test_accuracy"] > 0.85
-    # The tasks ran on the workers' hosts, named by their addresses.
+    # The tasks ran on the workers' hosts, named by their addresses (a skipped task has none).
     workers = {settings.address("worker1"), settings.address("worker2")}
-    assert set(result["hostnames"].values()) <= workers, result["hostnames"]
+    assert {h for h in result["hostnames"].values() if h} <= workers, result["hostnames"]
+    assert records == [], records
+    assert cross["supervisor_started"] and cross["seen_by_worker2"] and cross["reaped_by_worker2"], cross
+    assert (cross["supervisor_left"], cross["record_left"], cross["seen_by_worker1_after"]) == ([], False, False), cross
+    assert files == {"worker1": [], "worker2": []}, files
     assert stopped
     assert leftovers(settings) == {"namespaces": [], "uplink": False, "processes": []}

@@ -63,17 +63,49 @@ def test_reaper_tears_down_only_expired_clusters(tmp_path, nothing_left):
     assert reap(home=str(tmp_path), now=later) == [expired.cluster_id]
     proc.wait(timeout=10)
     nothing_left.check("the reaper")
-    assert os.path.exists(fresh.state_dir) and not os.path.exists(expired.state_dir)
+    assert fresh.exists() and not expired.exists() and not os.path.exists(expired.state_dir)
     # older_than_s: only what expired more than that long ago.
     assert find_leaked(3600, home=str(tmp_path), now=time.time() + 3700) == []
     fresh.teardown()
 
 
 def test_unreadable_record_is_reaped_after_a_grace_period(tmp_path):
-    (tmp_path / "clusters" / "broken").mkdir(parents=True)
+    (tmp_path / "clusters").mkdir(parents=True)
+    (tmp_path / "clusters" / "broken.json").write_text("{not json")
     assert find_leaked(home=str(tmp_path)) == []
     leaks = find_leaked(home=str(tmp_path), now=time.time() + 3600)
     assert [(leak.cluster_id, leak.backend) for leak in leaks] == [("broken", "unknown")]
+    assert reap(home=str(tmp_path), now=time.time() + 3600) == ["broken"]
+    assert not (tmp_path / "clusters" / "broken.json").exists()
+
+
+def test_records_live_beside_the_artifact_root_unless_set(monkeypatch, tmp_path):
+    from infra.cluster import records_root
+
+    monkeypatch.delenv("MXPIPE_CLUSTER_RECORDS", raising=False)
+    monkeypatch.setenv("MXPIPE_ARTIFACT_ROOT", "s3://bucket/runs")
+    assert records_root() == "s3://bucket/clusters"
+    monkeypatch.setenv("MXPIPE_ARTIFACT_ROOT", "s3://bucket")
+    assert records_root() == "s3://bucket/clusters"
+    monkeypatch.setenv("MXPIPE_ARTIFACT_ROOT", str(tmp_path / "art" / "runs"))
+    assert records_root() == str(tmp_path / "art" / "clusters")
+    monkeypatch.setenv("MXPIPE_CLUSTER_RECORDS", "s3://other/records")
+    assert records_root() == "s3://other/records"
+    assert records_root(str(tmp_path)) == str(tmp_path / "clusters")  # a harness's own home
+
+
+def test_the_local_backend_is_refused_under_a_multi_host_executor():
+    from infra.cluster import ProvisionError
+    from infra.local_cluster import refuse_across_hosts
+
+    for executor in ("LocalExecutor", "airflow.executors.local_executor.LocalExecutor", "SequentialExecutor"):
+        refuse_across_hosts(executor, single_host=False)
+    for executor in ("CeleryExecutor", "LocalExecutor,CeleryExecutor",
+                     "airflow.providers.celery.executors.celery_executor.CeleryExecutor",
+                     "KubernetesExecutor", "edge:airflow.providers.edge3.executors.EdgeExecutor"):
+        with pytest.raises(ProvisionError, match="local backend cannot run under Airflow's .*Executor"):
+            refuse_across_hosts(executor, single_host=False)
+    refuse_across_hosts("CeleryExecutor", single_host=True)  # MXPIPE_SINGLE_HOST: the deployment says so
 
 
 def test_the_backend_registry_is_the_configs_backend_list():
@@ -201,6 +233,8 @@ def test_hosts_supervisor_starts_detached_on_the_first_host_apart_from_the_roles
     assert line.startswith("cd /opt/p && (setsid nohup /py -m common.procs exec-role --record /s/jobs/c/procs/1-x.json "
                            "--env-file /s/jobs/c/env --env-key 1-x -- /py -m training supervise s3://b/job.json "
                            "--job-id 1-x --attempt 1 > /s/jobs/c/1-x.log 2>&1 < /dev/null &)")
+    # and returns once it has recorded itself, which is how any stop_job finds it
+    assert line.endswith("test -f /s/jobs/c/procs/1-x.json")
     # the roles' kill-records folder (what the supervisor's own stops clear) does not hold it
     assert not "/s/jobs/c".startswith(cluster._remote_dir(cluster.hosts[0]))
 
@@ -256,3 +290,42 @@ def test_ec2_supervisor_script_runs_it_detached_on_rank_0_with_its_env_in_a_file
                          "/opt/mxpipe/.venv/bin/python -m training supervise s3://b/job.json --job-id 2-y "
                          f"--attempt 2 > {folder}/2-y.log 2>&1 < /dev/null &)")
     assert cluster.job_cluster() == {"factory": "infra.cluster:attach", "description": cluster.describe()}
+
+
+def test_the_provision_task_refuses_the_local_backend_on_a_celery_deployment(monkeypatch):
+    """Under the CeleryExecutor the provision task fails at once (no retry), naming the backend
+    and the executor, before anything is provisioned; MXPIPE_SINGLE_HOST lets it through."""
+    from common.config import recipe
+    from plugins import pipeline_tasks
+    from plugins.failures import fail_without_retry
+
+    provisioned = []
+    monkeypatch.setattr("infra.cluster.provision", lambda spec, *a, **kw: provisioned.append(spec) or _Described())
+    monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "CeleryExecutor")
+    monkeypatch.delenv("MXPIPE_SINGLE_HOST", raising=False)
+    config = pipeline_tasks.config_xcom(recipe("debug", "s3://b/d.csv"))
+    with pytest.raises(type(fail_without_retry("")), match="local backend cannot run under Airflow's CeleryExecutor"):
+        pipeline_tasks.provision(config, {}, "mxnet_training", "manual__1")
+    assert provisioned == []
+    monkeypatch.setenv("MXPIPE_SINGLE_HOST", "1")
+    assert pipeline_tasks.provision(config, {}, "mxnet_training", "manual__1") == {"backend": "local"}
+    monkeypatch.delenv("MXPIPE_SINGLE_HOST")
+    monkeypatch.setenv("AIRFLOW__CORE__EXECUTOR", "LocalExecutor")
+    assert pipeline_tasks.provision(config, {}, "mxnet_training", "manual__1") == {"backend": "local"}
+    assert [spec.backend for spec in provisioned] == ["local", "local"]
+
+
+class _Described:
+    def describe(self) -> dict:
+        return {"backend": "local"}
+
+
+def test_ssh_key_paths_under_home_are_each_connecting_hosts_own(monkeypatch):
+    """A hosts list with "~/" paths names, on every host that reads the cluster's record, that
+    host's own copy of the key (ssh itself would expand "~" from the password database)."""
+    host = HostSpec(name="a", address="10.1.2.3", ssh_key="~/ssh/id", known_hosts="~/ssh/known_hosts")
+    for home in ("/homes/worker1", "/homes/worker2"):
+        monkeypatch.setenv("HOME", home)
+        argv = host_argv(host, "true")
+        assert argv[argv.index("-i") + 1] == f"{home}/ssh/id"
+        assert f"UserKnownHostsFile={home}/ssh/known_hosts" in argv

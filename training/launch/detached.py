@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from common import storage
 from common.job_log import log_prefix, read_new
 from common.config import TrainConfig
+from common.settings import settings
 from training.launch.job import JobSpec
 from training.launch.launcher import JobFailed, JobStopped, RoleCluster
 from training.launch.status import FAILED, FINAL_STATES, STOPPED, JobStatus, read_status
@@ -78,7 +79,11 @@ def local_cluster(cluster_id: str, cfg: TrainConfig, *, home: str = "",
     spec = {"run_tag": cluster_id, "workers": max(1, c.num_workers), "servers": max(1, c.num_servers),
             "options": {"worker_argv": list(worker_argv)} if worker_argv else {},
             **({"image": python} if python else {})}
-    description = {"backend": "local", "cluster_id": cluster_id, "spec": spec, **({"home": home} if home else {})}
+    # Never provisioned, so never recorded: its records folder is this host's, not the
+    # deployment's (infra.cluster.records_root), so a teardown needs no S3.
+    records = os.path.join(home or settings().local_home, "clusters")
+    description = {"backend": "local", "cluster_id": cluster_id, "spec": spec, "records": records,
+                   **({"home": home} if home else {})}
     return {"factory": INFRA_FACTORY, "description": description}
 
 
