@@ -148,9 +148,9 @@ class SuiteRunner:
     expected row count, so at most a few), then run on each batch."""
 
     def __init__(self, kind: str) -> None:
+        self.gx = _import_gx()  # first: it quiets GX's loggers before any GX module loads
         from great_expectations.data_context.types.base import ProgressBarsConfig
 
-        self.gx = _import_gx()
         self.kind = kind
         self.context = self.gx.get_context(mode="ephemeral")
         self.context.variables.progress_bars = ProgressBarsConfig(globally=False)
