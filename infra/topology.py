@@ -355,6 +355,21 @@ def _airflow_cmd(settings: TopologySettings, host: str, component: str) -> list[
     return [airflow, component, *(["--skip-serve-logs"] if component == "scheduler" else [])]
 
 
+# Seconds before an Airflow server that exited is started again (``_restarting``).
+RESTART_DELAY_S = 5
+
+
+def _restarting(cmd: list[str]) -> list[str]:
+    """``cmd`` started again whenever it exits, as ``restart: unless-stopped`` does in
+    docker/compose.yaml: Airflow's scheduler, DAG processor and triggerer exit on a lost database
+    connection (measured: a PostgreSQL restart, 2.7 s without connections, ended all three, and
+    the run stalled until someone started them). ``down`` stops the loop with its server: the
+    session's SIGTERM ends the non-interactive shell at once (an untrapped signal)."""
+    loop = (f'while :; do "$@"; echo "{cmd[1] if len(cmd) > 1 else cmd[0]} exited with status $?; '
+            f'starting it again in {RESTART_DELAY_S} s"; sleep {RESTART_DELAY_S}; done')
+    return ["sh", "-c", loop, "restarting", *cmd]
+
+
 def start_airflow_hosts(root: Path, settings: TopologySettings, creds: Mapping[str, str],
                         echo: Callable[[str], None]) -> list[GroupRecord]:
     envs = {host: airflow_host_env(root, settings, creds, host) for host in AIRFLOW_HOSTS}
@@ -370,13 +385,14 @@ def start_airflow_hosts(root: Path, settings: TopologySettings, creds: Mapping[s
         raise ServiceError(f"airflow db migrate failed (rc={rc}):\n{migrate.log_tail()}")
     echo("airflow db migrated (PostgreSQL)")
     since = time.time()
-    handles = [_launch(root, settings, host, f"airflow-{comp}", _airflow_cmd(settings, host, comp), envs[host],
+    handles = [_launch(root, settings, host, f"airflow-{comp}", _restarting(_airflow_cmd(settings, host, comp)), envs[host],
                        port=settings.airflow_port if comp == "api-server" else None)
                for host, comps in AIRFLOW_HOSTS.items() for comp in comps]
 
     def ready() -> bool:
         for h in handles:
-            if not h.is_running():
+            # A server that fails at its start would be started again and again: fail at once.
+            if not h.is_running() or " exited with status " in h.log_tail():
                 raise ServiceError(f"{h.name} exited; log tail:\n{h.log_tail()}")
         return _airflow_ready(settings.airflow_url, ("scheduler", "dag-processor", "triggerer"), since)
 
@@ -408,7 +424,7 @@ def restart_airflow_server(root: Path, host: str, component: str) -> GroupRecord
         raise ValueError(f"{host} runs {AIRFLOW_HOSTS.get(host, ())}, not {component!r}")
     log = host_home(root, host) / "logs" / f"airflow-{component}.log"
     offset = log.stat().st_size if log.exists() else 0
-    handle = _launch(root, settings, host, f"airflow-{component}", _airflow_cmd(settings, host, component),
+    handle = _launch(root, settings, host, f"airflow-{component}", _restarting(_airflow_cmd(settings, host, component)),
                      airflow_host_env(root, settings, secrets(root), host),
                      port=settings.airflow_port if component == "api-server" else None)
     if component == "celery-worker":
