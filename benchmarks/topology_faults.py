@@ -15,7 +15,7 @@ Needs root and the topology's Debian packages; takes the machine. Another sessio
 topology (one prefix, one set of namespaces): run it under the shared lock,
 
     flock /work/wt/topology.lock .venv/bin/python benchmarks/topology_faults.py \\
-        [--faults worker_shard,triggerer,...] [--json benchmarks/topology_faults.json]
+        [--faults worker_shard,triggerer,...] [--json benchmarks/topology_faults.json] [--keep-logs DIR]
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from testkit.topology_runs import leftovers  # noqa: E402
 DEFAULT_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "topology_faults.json")
 
 
-def run(faults: list[str], json_path: str | None) -> dict[str, Any]:
+def run(faults: list[str], json_path: str | None, keep_logs: str | None = None) -> dict[str, Any]:
     from testkit.digits import digits_csv
 
     csv = digits_csv()
@@ -66,6 +66,9 @@ def run(faults: list[str], json_path: str | None) -> dict[str, Any]:
             write_json(json_path, result)  # every run kept, should a later one break the topology
     finally:
         result["down_ok"] = down(root)
+        if keep_logs:  # every host's server logs, for a look after the topology is gone
+            for logs in (root / "hosts").glob("*/logs"):
+                shutil.copytree(logs, Path(keep_logs) / logs.parent.name, dirs_exist_ok=True)
         result["left"] = leftovers(settings)
         shutil.rmtree(root, ignore_errors=True)
     result["total_s"] = round(time.monotonic() - t0, 1)
@@ -81,13 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {list(FAULTS)}")
     parser.add_argument("--json", default=DEFAULT_JSON)
+    parser.add_argument("--keep-logs", help="copy every host's server logs into this folder at the end")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     faults = [f for f in args.faults.split(",") if f]
     unknown = set(faults) - set(FAULTS)
     if unknown:
         parser.error(f"unknown faults {sorted(unknown)}")
-    result = run(faults, args.json)
+    result = run(faults, args.json, args.keep_logs)
     print(json.dumps({"baseline_s": result["baseline"]["seconds"], "summary": result["summary"],
                       "down_ok": result["down_ok"]}, indent=2))
     ok = result["down_ok"] and result["baseline"]["state"] == "success" and all(

@@ -30,6 +30,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -203,21 +204,31 @@ def _restart_postgres(ctx: FaultContext) -> dict[str, Any]:
     t_stop = ctx.note("PostgreSQL fast shutdown and start")
     restart_postgres(ctx.root)
     t_up = ctx.note("PostgreSQL up again")
+    back = datetime.now(timezone.utc)
 
     def healthy() -> bool:
+        """The database answers and the scheduler, triggerer and DAG processor have each
+        heartbeaten since PostgreSQL came back (a heartbeat of before would still read healthy
+        for [scheduler] scheduler_health_check_threshold seconds while the server was dead)."""
         try:
             health = ctx.client.request("GET", "/monitor/health").json()
         except Exception as exc:  # the API server itself may answer 500 while its pool reconnects
             log.info("health: %s", exc)
             return False
-        return all(health.get(c, {}).get("status") == "healthy" for c in ("metadatabase", "scheduler", "triggerer"))
+        if health.get("metadatabase", {}).get("status") != "healthy":
+            return False
+        for component in ("scheduler", "triggerer", "dag_processor"):
+            beat = health.get(component, {}).get(f"latest_{component}_heartbeat")
+            if not beat or datetime.fromisoformat(beat) <= back:
+                return False
+        return True
 
     deadline = time.monotonic() + WAIT_TIMEOUT_S
     while not healthy():
         if time.monotonic() > deadline:
             raise TimeoutError("Airflow not healthy after PostgreSQL's restart")
         time.sleep(1.0)
-    t_healthy = ctx.note("Airflow healthy (database, scheduler, triggerer)")
+    t_healthy = ctx.note("Airflow healthy: the scheduler, triggerer and DAG processor heartbeat again")
     return {"postgres_down_s": round(t_up - t_stop, 1), "restart_to_healthy_s": round(t_healthy - t_up, 1),
             "recovery_s": round(t_healthy - t_stop, 1)}
 
