@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -391,8 +392,9 @@ def start_airflow_hosts(root: Path, settings: TopologySettings, creds: Mapping[s
 
     def ready() -> bool:
         for h in handles:
-            # A server that fails at its start would be started again and again: fail at once.
-            if not h.is_running() or " exited with status " in h.log_tail():
+            # A server that fails at its start is started again and again: say so (the loop's
+            # line, not its command line, which the log's first line quotes).
+            if not h.is_running() or re.search(r"exited with status \d+; starting it again", h.log_tail()):
                 raise ServiceError(f"{h.name} exited; log tail:\n{h.log_tail()}")
         return _airflow_ready(settings.airflow_url, ("scheduler", "dag-processor", "triggerer"), since)
 
