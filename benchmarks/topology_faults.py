@@ -12,9 +12,9 @@ model's parameter file, by sha256) equal the baseline's. The topology is brought
 end, whatever happened (``down`` fails if anything is left).
 
 Needs root and the topology's Debian packages; takes the machine. Another session may use the
-topology (one prefix, one set of namespaces): run it under the shared lock,
+topology (one prefix, one set of namespaces): run it under a lock they take too,
 
-    flock /work/wt/topology.lock .venv/bin/python benchmarks/topology_faults.py \\
+    flock <lock file> .venv/bin/python benchmarks/topology_faults.py \\
         [--faults worker_shard,triggerer,...] [--json benchmarks/topology_faults.json] [--keep-logs DIR]
 """
 from __future__ import annotations
