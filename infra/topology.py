@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -92,6 +93,7 @@ class TopologySettings(BaseModel):
     airflow_port: int = 8080
     worker_concurrency: int = Field(2, ge=1)
     retry_delay_s: int = Field(30, ge=0)
+    task_heartbeat_timeout_s: int = Field(30, ge=10, description="[scheduler] task_instance_heartbeat_timeout")
 
     def address(self, host: str) -> str:
         return f"{self.subnet}.{HOSTS[host]}"
@@ -328,6 +330,12 @@ def airflow_host_env(root: Path, settings: TopologySettings, creds: Mapping[str,
                                   f"{settings.redis_port}/0",
         ("celery", "result_backend"): "db+" + settings.postgres_uri(pg, settings.airflow_db, scheme="postgresql"),
         ("celery", "worker_concurrency"): str(settings.worker_concurrency),
+        # A task whose worker host died stops heartbeating: the scheduler fails it (and so retries
+        # it on the other worker) once this many seconds pass. The default, 300 s, left a run
+        # waiting 5 minutes per lost worker; heartbeats come every few seconds
+        # ([workers] min_heartbeat_interval), so 30 s still spares a task on a loaded machine.
+        ("scheduler", "task_instance_heartbeat_timeout"): str(settings.task_heartbeat_timeout_s),
+        ("scheduler", "task_instance_heartbeat_timeout_detection_interval"): "5",
     }
     env.update({f"AIRFLOW__{s.upper()}__{k.upper()}": v for (s, k), v in conf.items()})
     env.update(connections_env(s3_endpoint=settings.s3_endpoint, access_key=creds["access_key"],
@@ -349,6 +357,21 @@ def _airflow_cmd(settings: TopologySettings, host: str, component: str) -> list[
     return [airflow, component, *(["--skip-serve-logs"] if component == "scheduler" else [])]
 
 
+# Seconds before an Airflow server that exited is started again (``_restarting``).
+RESTART_DELAY_S = 5
+
+
+def _restarting(cmd: list[str]) -> list[str]:
+    """``cmd`` started again whenever it exits, as ``restart: unless-stopped`` does in
+    docker/compose.yaml: Airflow's scheduler, DAG processor and triggerer exit on a lost database
+    connection (measured: a PostgreSQL restart, 2.7 s without connections, ended all three, and
+    the run stalled until someone started them). ``down`` stops the loop with its server: the
+    session's SIGTERM ends the non-interactive shell at once (an untrapped signal)."""
+    loop = (f'while :; do "$@"; echo "{cmd[1] if len(cmd) > 1 else cmd[0]} exited with status $?; '
+            f'starting it again in {RESTART_DELAY_S} s"; sleep {RESTART_DELAY_S}; done')
+    return ["sh", "-c", loop, "restarting", *cmd]
+
+
 def start_airflow_hosts(root: Path, settings: TopologySettings, creds: Mapping[str, str],
                         echo: Callable[[str], None]) -> list[GroupRecord]:
     envs = {host: airflow_host_env(root, settings, creds, host) for host in AIRFLOW_HOSTS}
@@ -364,13 +387,15 @@ def start_airflow_hosts(root: Path, settings: TopologySettings, creds: Mapping[s
         raise ServiceError(f"airflow db migrate failed (rc={rc}):\n{migrate.log_tail()}")
     echo("airflow db migrated (PostgreSQL)")
     since = time.time()
-    handles = [_launch(root, settings, host, f"airflow-{comp}", _airflow_cmd(settings, host, comp), envs[host],
+    handles = [_launch(root, settings, host, f"airflow-{comp}", _restarting(_airflow_cmd(settings, host, comp)), envs[host],
                        port=settings.airflow_port if comp == "api-server" else None)
                for host, comps in AIRFLOW_HOSTS.items() for comp in comps]
 
     def ready() -> bool:
         for h in handles:
-            if not h.is_running():
+            # A server that fails at its start is started again and again: say so (the loop's
+            # line, not its command line, which the log's first line quotes).
+            if not h.is_running() or re.search(r"exited with status \d+; starting it again", h.log_tail()):
                 raise ServiceError(f"{h.name} exited; log tail:\n{h.log_tail()}")
         return _airflow_ready(settings.airflow_url, ("scheduler", "dag-processor", "triggerer"), since)
 
@@ -381,10 +406,43 @@ def start_airflow_hosts(root: Path, settings: TopologySettings, creds: Mapping[s
     return handles
 
 
-def _celery_ready(root: Path, host: str) -> bool:
-    """Celery prints "<node> ready." once it consumes from the broker."""
+def _celery_ready(root: Path, host: str, since: int = 0) -> bool:
+    """Celery prints "<node> ready." once it consumes from the broker (``since``: a log offset,
+    the start of this start's lines)."""
     log = host_home(root, host) / "logs" / "airflow-celery-worker.log"
-    return log.exists() and f"{host}@" in log.read_text(errors="replace") and " ready." in log.read_text(errors="replace")
+    if not log.exists():
+        return False
+    with open(log, "rb") as fh:
+        fh.seek(since)
+        text = fh.read().decode(errors="replace")
+    return f"{host}@" in text and " ready." in text
+
+
+def restart_airflow_server(root: Path, host: str, component: str) -> GroupRecord:
+    """Start ``component`` (``celery-worker``, ``triggerer``, …) on ``host`` again, as ``up``
+    did, after its processes died (a fault run kills a host's processes): its record replaces the
+    dead one, so ``down`` stops the new server. Waits until a Celery worker consumes again."""
+    settings = TopologySettings.model_validate_json((root / "topology.json").read_text())
+    if component not in AIRFLOW_HOSTS.get(host, ()):
+        raise ValueError(f"{host} runs {AIRFLOW_HOSTS.get(host, ())}, not {component!r}")
+    log = host_home(root, host) / "logs" / f"airflow-{component}.log"
+    offset = log.stat().st_size if log.exists() else 0
+    handle = _launch(root, settings, host, f"airflow-{component}", _restarting(_airflow_cmd(settings, host, component)),
+                     airflow_host_env(root, settings, secrets(root), host),
+                     port=settings.airflow_port if component == "api-server" else None)
+    if component == "celery-worker":
+        wait_until(lambda: _celery_ready(root, host, offset), START_TIMEOUT_S["worker"], f"Celery worker on {host}",
+                   handle=handle, interval_s=1.0)
+    return handle
+
+
+def restart_postgres(root: Path) -> GroupRecord:
+    """PostgreSQL stopped (fast shutdown: every client's connection is cut) and started again."""
+    settings = TopologySettings.model_validate_json((root / "topology.json").read_text())
+    old = load_handle(host_home(root, "db"), "postgres")
+    if old is not None and not stop_postgres(root, old):
+        raise ServiceError("PostgreSQL did not stop")
+    return start_postgres(root, settings, secrets(root))
 
 
 def start_training_hosts(root: Path, settings: TopologySettings) -> list[GroupRecord]:

@@ -15,7 +15,8 @@ import every package of the project. What it holds:
   supervisor), or a worker script run as a ps-lite job, with nothing left behind;
 - ``netns_hosts``: throwaway hosts in network namespaces for the ``hosts`` backend;
 - ``topology_runs``: the training DAG run through the namespace topology (``infra.topology``), and
-  what of the topology is left on the machine after ``down``;
+  what of the topology is left on the machine after ``down``; ``topology_faults``: issue 27's
+  faults (a worker host, the triggerer host, PostgreSQL, the S3 link) injected into such runs;
 - ``chaos`` / ``chaos_outage`` / ``chaos_net``: the chaos harness (R1–R4) that
   ``benchmarks/chaos.py`` runs and the chaos tests share; ``constrained_links``: jobs on
   namespace hosts behind rate-limited links (``benchmarks/constrained_links.py``);

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -30,8 +31,6 @@ def run_training_dag(root: Path, csv: bytes, *, backend: str = "hosts", timeout_
     """Put ``csv`` in the topology's S3, trigger the training DAG on it (debug recipe, two
     workers, one server on ``backend``), wait for the end; the run's state, task states,
     seconds, and the ``register`` task's result."""
-    import os
-
     env = client_env(root)
     # The S3 client of common.storage reads the standard AWS variables: this process is a client
     # of the topology's S3 on this machine, as a person's shell would be.
@@ -164,6 +163,19 @@ def worker_files(root: Path) -> dict[str, list[str]]:
         out[worker] = sorted(str(p.relative_to(home)) for sub in ("clusters", "jobs") for p in (home / sub).rglob("*")
                              if p.is_file())
     return out
+
+
+def missing_tools() -> str:
+    """Why the topology cannot come up on this machine ("" if it can): root, Debian packages."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return "needs root (ip netns)"
+    tools = {"redis-server": "redis-server", "sshd": "openssh-server", "setpriv": "util-linux"}
+    missing = [pkg for tool, pkg in tools.items() if not shutil.which(tool, path=netns.SBIN_PATH)]
+    if not (shutil.which("initdb") or list(Path("/usr/lib/postgresql").glob("*/bin/initdb"))):
+        missing.append("postgresql")
+    return f"missing Debian packages {missing} (scripts/bootstrap.sh installs them)" if missing else ""
 
 
 def leftovers(settings: TopologySettings) -> dict[str, Any]:

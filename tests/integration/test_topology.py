@@ -8,31 +8,20 @@ over ssh) by the other's reaper: no worker reads what another wrote on its disk.
 Its own tier (``-m topology``, ``make test-topology``): several minutes and most of the
 machine, so not part of ``make test``."""
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
+
 from common import storage
-from infra import netns
 from infra.topology import TopologySettings, down, up
-from testkit.topology_runs import cross_worker_release, leftovers, run_training_dag, worker_files
+from testkit.topology_runs import cross_worker_release, leftovers, missing_tools, run_training_dag, worker_files
 
 pytestmark = pytest.mark.topology
 
 
-def _missing() -> str:
-    if os.geteuid() != 0:
-        return "needs root (ip netns)"
-    tools = {"redis-server": "redis-server", "sshd": "openssh-server", "setpriv": "util-linux"}
-    missing = [pkg for tool, pkg in tools.items() if not shutil.which(tool, path=netns.SBIN_PATH)]
-    if not (shutil.which("initdb") or list(Path("/usr/lib/postgresql").glob("*/bin/initdb"))):
-        missing.append("postgresql")
-    return f"missing Debian packages {missing} (scripts/bootstrap.sh installs them)" if missing else ""
-
-
-@pytest.mark.skipif(bool(_missing()), reason=_missing() or "ok")
+@pytest.mark.skipif(bool(missing_tools()), reason=missing_tools() or "ok")
 # Beyond the default 900 s: bringing it up and down takes minutes of its own, and the DAG run
 # is bounded by 900 s by itself.
 @pytest.mark.timeout(2400)

@@ -1,6 +1,7 @@
 """The namespace topology's settings (infra.topology): one source for the topology and
 docker/compose.yaml's env file, and the Airflow configuration each host gets from it."""
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,25 @@ def test_airflow_hosts_share_the_database_broker_and_secrets_but_name_themselves
     assert worker["MXPIPE_HOST_ADDRESS"] == settings.address("worker1")
     assert worker["AIRFLOW__CORE__HOSTNAME_CALLABLE"] == "infra.netns.host_address"
     assert worker["MXPIPE_HOME"].startswith(worker["HOME"])
+    # A dead worker host's task is retried in seconds, not after the default 300 s.
+    assert envs["airflow"]["AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT"] == str(settings.task_heartbeat_timeout_s)
+
+
+def test_an_airflow_server_that_exits_is_started_again_and_stops_with_its_session(tmp_path, monkeypatch):
+    """As compose's ``restart: unless-stopped``: the scheduler exits when PostgreSQL restarts."""
+    from infra import topology
+    from infra.processes import launch
+    from testkit.waits import wait_for
+
+    monkeypatch.setattr(topology, "RESTART_DELAY_S", 0)
+    runs = tmp_path / "runs"
+    cmd = topology._restarting(["sh", "-c", f"echo run >> {runs}; sleep 0.2; exit 1"])
+    handle = launch("exits", cmd, {"PATH": "/usr/bin:/bin"}, tmp_path)
+    try:
+        wait_for(lambda: runs.exists() and len(runs.read_text().splitlines()) >= 3, timeout_s=30, what="3 starts")
+        assert "exited with status 1; starting it again" in handle.log_tail()
+    finally:
+        assert handle.stop(timeout=10)
+    after = runs.read_text()
+    time.sleep(0.5)  # longer than a round of the loop (0.2 s and no delay)
+    assert runs.read_text() == after  # stopped: no start after the session's SIGTERM
