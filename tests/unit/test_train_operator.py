@@ -136,7 +136,7 @@ def test_submit_reconnects_to_a_live_job_rather_than_starting_a_second(monkeypat
     import plugins.pipeline_tasks as tasks
 
     status_uri = str(tmp_path / "status.json")
-    monkeypatch.setattr(tasks, "prepare_job", lambda *a: {"status_uri": status_uri, "cluster": {"backend": "x"}})
+    monkeypatch.setattr(tasks, "prepare_job", lambda *a, **k: {"status_uri": status_uri, "cluster": {"backend": "x"}})
     live = JobStatus(state=RUNNING, job_id="1-first", heartbeat=time.time(), started_at=123.0)
     (tmp_path / "status.json").write_bytes(live.to_json())
     op = _operator()
