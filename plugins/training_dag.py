@@ -96,6 +96,12 @@ def training_dag(dag_id: str, *, train_timeout_s: float, dagrun_timeout_s: float
     return mxnet_training()
 
 
+# The data step's tasks retry once, for infrastructure errors only (a lost Celery worker host,
+# a storage hiccup): each rewrites the same content-addressed files or finds its own committed
+# result, and a data failure fails without a retry (AirflowFailException) whatever this says.
+DATA_RETRY = {"retries": 1, "retry_delay": timedelta(seconds=5)}
+
+
 def _part_task(step: str) -> Any:
     """The mapped task of one sharding step per part of the source (``shard_count`` or
     ``shard_part``: ``pipeline_tasks``' function of that name). A data failure fails without a
@@ -103,8 +109,7 @@ def _part_task(step: str) -> Any:
     finds its own committed manifest)."""
     run_step = getattr(pipeline_tasks, step)
 
-    @task(task_id=step, map_index_template="part {{ task.op_kwargs['part'] }}", retries=1,
-          retry_delay=timedelta(seconds=5))
+    @task(task_id=step, map_index_template="part {{ task.op_kwargs['part'] }}", **DATA_RETRY)
     @with_connections
     def part_task(part: int, planned: dict, config: dict) -> str:
         return run_step(config, planned, part)
@@ -117,7 +122,7 @@ def checked_shards(sweep_cap: int | None = None) -> tuple[Any, Any, Any]:
     tasks, then merged), validate every shard, then the whole set; the shards, the run's config
     (the shard task's XCom) and the validation's result. ``sweep_cap``: the run is a sweep of at
     most that many trials at once, checked by the first task before anything is sharded."""
-    @task
+    @task(**DATA_RETRY)
     @with_connections
     def shard(params: dict | None = None) -> dict:
         dag_id, run_id, _ = _ids()
@@ -127,7 +132,7 @@ def checked_shards(sweep_cap: int | None = None) -> tuple[Any, Any, Any]:
 
     # Airflow maps only over a task's whole return value: this hands the part indices over (an
     # empty list, when the shards are reused or the source is an image folder, skips the parts).
-    @task
+    @task(**DATA_RETRY)
     def shard_parts(planned: dict) -> list:
         return planned["parts"]
 
@@ -136,7 +141,7 @@ def checked_shards(sweep_cap: int | None = None) -> tuple[Any, Any, Any]:
     shard_count, shard_part = _part_task("shard_count"), _part_task("shard_part")
 
     # none_failed: it also runs when the parts were skipped (reused shards, an image folder).
-    @task(outlets=[SHARDS], trigger_rule="none_failed", retries=1, retry_delay=timedelta(seconds=5))
+    @task(outlets=[SHARDS], trigger_rule="none_failed", **DATA_RETRY)
     @with_connections
     def shard_merge(planned: dict, config: dict) -> dict:
         dag_id, run_id, _ = _ids()
@@ -145,13 +150,13 @@ def checked_shards(sweep_cap: int | None = None) -> tuple[Any, Any, Any]:
         return out
 
     # Airflow maps only over a task's whole return value: this hands the shard list over.
-    @task
+    @task(**DATA_RETRY)
     def shard_names(shards: dict) -> list:
         return shards["shard_names"]
 
     # One task per shard (named by the shard); a data failure fails it without a retry
     # (AirflowFailException); the one retry is for infrastructure errors.
-    @task(map_index_template="{{ task.op_kwargs['shard_name'] }}", retries=1, retry_delay=timedelta(seconds=5))
+    @task(map_index_template="{{ task.op_kwargs['shard_name'] }}", **DATA_RETRY)
     @with_connections
     def validate_shard(shard_name: str, shards: dict, config: dict) -> dict:
         dag_id, run_id, _ = _ids()
@@ -159,7 +164,7 @@ def checked_shards(sweep_cap: int | None = None) -> tuple[Any, Any, Any]:
 
     # Runs when the shards exist and every shard task is done, even failed ones: it writes the
     # whole report and fails with every failure listed; provision runs only if it succeeds.
-    @task(trigger_rule="all_done_min_one_success")
+    @task(trigger_rule="all_done_min_one_success", **DATA_RETRY)
     @with_connections
     def validate(shards: dict, config: dict) -> dict:
         dag_id, run_id, _ = _ids()
