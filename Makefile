@@ -34,7 +34,7 @@ topology-status:
 # Its test tier: up, the training DAG through the REST API, the cheap faults (triggerer, S3 link), down
 # (not part of `make test`).
 test-topology: setup
-	$(PY) -m pytest -m topology tests/integration/test_topology.py tests/integration/test_topology_faults.py
+	$(PY) -m pytest -m topology tests/integration/test_topology.py tests/integration/test_topology_review.py tests/integration/test_topology_faults.py
 
 status:
 	$(PY) -m infra.services status

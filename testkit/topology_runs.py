@@ -27,20 +27,21 @@ from infra.topology import TopologySettings, client_env
 DAG_ID = "mxnet_training"
 
 
-def run_training_dag(root: Path, csv: bytes, *, backend: str = "hosts", timeout_s: float = 900.0) -> dict[str, Any]:
-    """Put ``csv`` in the topology's S3, trigger the training DAG on it (debug recipe, two
-    workers, one server on ``backend``), wait for the end; the run's state, task states,
-    seconds, and the ``register`` task's result."""
+def run_training_dag(root: Path, csv: bytes, *, backend: str = "hosts", timeout_s: float = 900.0,
+                     key: str = "topology-test/digits.csv", conf: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Put ``csv`` in the topology's S3 under ``key``, trigger the training DAG on it (debug
+    recipe, two workers, one server on ``backend``; ``conf`` over that), wait for the end; the
+    run's state, task states, seconds, and the ``register`` task's result."""
     env = client_env(root)
     # The S3 client of common.storage reads the standard AWS variables: this process is a client
     # of the topology's S3 on this machine, as a person's shell would be.
     os.environ.update({"AWS_ENDPOINT_URL_S3": env["s3_endpoint"], "AWS_ACCESS_KEY_ID": env["access_key"],
                        "AWS_SECRET_ACCESS_KEY": env["secret_key"], "AWS_DEFAULT_REGION": "us-east-1"})
-    uri = f"s3://{env['bucket']}/topology-test/digits.csv"
+    uri = f"s3://{env['bucket']}/{key}"
     storage.put_bytes(uri, csv)
     wait_for_dag(env["airflow_url"], DAG_ID, timeout_s=300, dag_file="mxnet_training.py")
     conf = {"dataset_uri": uri, "recipe": "debug", "registered_model_name": "digits-topology",
-            "backend": backend, "num_workers": 2, "num_servers": 1}
+            "backend": backend, "num_workers": 2, "num_servers": 1, **(conf or {})}
     t0 = time.monotonic()
     run_id = trigger_dag_run(env["airflow_url"], DAG_ID, conf)
     state = wait_for_dag_run(env["airflow_url"], DAG_ID, run_id, timeout_s=timeout_s, poll_s=5)
