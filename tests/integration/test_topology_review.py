@@ -32,6 +32,7 @@ def test_a_table_of_its_own_trains_on_the_topology_and_its_approved_review_makes
     settings = TopologySettings()
     # Not pytest's tmp_path: its mode-0700 parents keep out PostgreSQL's own user.
     root = Path(tempfile.mkdtemp(prefix="mxpipe-topology-"))
+    root.chmod(0o755)
     try:
         t0 = time.monotonic()
         up(root, settings)
