@@ -149,3 +149,21 @@ def test_the_factory_builds_the_dag_under_another_id_with_its_own_limits(dag):
         (90.0, 300.0, False)
     with pytest.raises(ValueError, match="mxnet_training_probe: a timeout must be >= 0"):
         training_dag("mxnet_training_probe", train_timeout_s=-1, dagrun_timeout_s=0, deferrable=True)
+
+
+def test_a_new_deployment_waits_for_the_next_cron_time():
+    """Decoded as the scheduler decodes it, the schedule of a DAG with no run yet plans the next
+    cron time, even a minute after the last one (Airflow 3.3 reads run_immediately=False like
+    None: the past time at once when it is within a tenth of the period)."""
+    from datetime import datetime, timedelta, timezone
+
+    from airflow.serialization.serialized_objects import decode_timetable, encode_timetable
+    from airflow.timetables.base import TimeRestriction
+
+    from plugins.training_dag import _schedule
+
+    fired = datetime.now(timezone.utc) - timedelta(minutes=1)
+    timetable = decode_timetable(encode_timetable(_schedule(f"{fired.minute} * * * *")))
+    first = timetable.next_dagrun_info(last_automated_data_interval=None,
+                                       restriction=TimeRestriction(earliest=None, latest=None, catchup=False))
+    assert first.run_after > datetime.now(timezone.utc), first
