@@ -89,19 +89,11 @@ def validate_shard(manifest_prefix: str, shard_name: str, cfg: "TrainConfig", *,
             blocks = record_codec.iter_blocks(idx, rec, width, rows_per_chunk)
             first = next(blocks, None)
         except (DataError, ValueError) as exc:  # ValueError: a record of the wrong width
-            problem = {"expectation": "shard_files_match_manifest", "column": None, "shard": shard_name,
-                       "unexpected_count": 1, "examples": [str(exc)], "message": f"{shard_name}: {exc}"}
-            result.update(success=False, rows=0, evaluated=1, failures=[problem],
-                          checks=[_integrity(False, [problem])],
-                          great_expectations={"skipped": "the shard files failed their integrity check"})
-            return ShardOutcome(_finish(result, started), None)
+            return _files_failed(result, shard_name, exc, started)
         if first is None:  # an empty shard: one empty batch, which the suite fails
             first = record_codec.Shard(np.empty((0, width), np.float32), np.empty(0, np.int32),
                                        np.empty(0, np.int64), np.empty(0, np.uint64))
-        runner, results, counts, html = SuiteRunner(kind), [], {}, None
-        label_counts: dict[int, int] = {}
-        label_rows: dict[int, int] = {}
-        row_ids, hashes, start = [], [], 0
+        runner, results, tally, html, start = SuiteRunner(kind), [], _Tally(), None, 0
         for shard in _chain(first, blocks):
             frame, spec, chunk_counts = _frame(manifest, entry, shard, cfg)
             # This chunk's share of the manifest's count: a short or long shard fails in its last chunk.
@@ -113,25 +105,16 @@ def validate_shard(manifest_prefix: str, shard_name: str, cfg: "TrainConfig", *,
                 ge_chunk = runner.run(spec, frame)
             del frame
             results.append(ge_chunk)
-            for column, per in chunk_counts.items():
-                into = counts.setdefault(column, {})
-                for name, n in per.items():
-                    into[name] = into.get(name, 0) + n
-            labels, first_at, n_each = np.unique(shard.labels, return_index=True, return_counts=True)
-            for k, i, n in zip(labels.tolist(), first_at.tolist(), n_each.tolist()):
-                label_counts[k] = label_counts.get(k, 0) + n
-                label_rows.setdefault(k, int(shard.row_ids[i]))
-            row_ids.append(shard.row_ids.astype(np.int64))
-            if spec.has_ids:
-                hashes.append(shard.id_hashes)
+            tally.add(shard, chunk_counts, spec.has_ids)
             start += len(shard.labels)
     ge_result = results[0] if len(results) == 1 else merge_results(results, entry["count"])
-    all_rows = np.concatenate(row_ids)
+    all_rows = np.concatenate(tally.row_ids)
     if len(results) > 1:
         mark_duplicates(ge_result, "row_id", all_rows)
         if spec.has_ids:
-            mark_duplicates(ge_result, "id_hash", np.concatenate(hashes))
-    failures = ge_failures(ge_result, counts, manifest["classes"])
+            mark_duplicates(ge_result, "id_hash", np.concatenate(tally.hashes))
+    failures = ge_failures(ge_result, tally.counts, manifest["classes"])
+    label_counts, label_rows = tally.label_counts, tally.label_rows
     observed = {str(k): label_counts[k] for k in sorted(label_counts)}
     hist_check = _histogram_check(entry, observed)
     failures += hist_check["failures"]
@@ -143,8 +126,42 @@ def validate_shard(manifest_prefix: str, shard_name: str, cfg: "TrainConfig", *,
                   great_expectations=ge_result, chunks=len(results))
     if html is not None:
         result["_html"] = html
-    ids = np.stack([np.concatenate(hashes), all_rows.astype(np.uint64)], axis=1) if spec.has_ids else None
+    ids = np.stack([np.concatenate(tally.hashes), all_rows.astype(np.uint64)], axis=1) if spec.has_ids else None
     return ShardOutcome(_finish(result, started), ids)
+
+
+@dataclasses.dataclass
+class _Tally:
+    """What a shard's chunks add up to: per-column counts of bad values, rows per label and a
+    source row of each, the row ids and id hashes (checked for repeats across chunks)."""
+
+    counts: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    label_counts: dict[int, int] = dataclasses.field(default_factory=dict)
+    label_rows: dict[int, int] = dataclasses.field(default_factory=dict)
+    row_ids: list[np.ndarray] = dataclasses.field(default_factory=list)
+    hashes: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+    def add(self, shard: Any, chunk_counts: dict[str, dict[str, int]], has_ids: bool) -> None:
+        for column, per in chunk_counts.items():
+            into = self.counts.setdefault(column, {})
+            for name, n in per.items():
+                into[name] = into.get(name, 0) + n
+        labels, first_at, n_each = np.unique(shard.labels, return_index=True, return_counts=True)
+        for k, i, n in zip(labels.tolist(), first_at.tolist(), n_each.tolist()):
+            self.label_counts[k] = self.label_counts.get(k, 0) + n
+            self.label_rows.setdefault(k, int(shard.row_ids[i]))
+        self.row_ids.append(shard.row_ids.astype(np.int64))
+        if has_ids:
+            self.hashes.append(shard.id_hashes)
+
+
+def _files_failed(result: dict[str, Any], shard_name: str, exc: Exception, started: float) -> ShardOutcome:
+    """The outcome of a shard whose files do not match the manifest: one integrity failure, no GX run."""
+    problem = {"expectation": "shard_files_match_manifest", "column": None, "shard": shard_name,
+               "unexpected_count": 1, "examples": [str(exc)], "message": f"{shard_name}: {exc}"}
+    result.update(success=False, rows=0, evaluated=1, failures=[problem], checks=[_integrity(False, [problem])],
+                  great_expectations={"skipped": "the shard files failed their integrity check"})
+    return ShardOutcome(_finish(result, started), None)
 
 
 def _chain(first: Any, rest: Any) -> Any:
