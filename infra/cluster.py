@@ -27,10 +27,13 @@ The supervisor (``python -m training supervise``) runs detached where the cluste
 local backend as a session of its own on this host, on ``hosts`` on the first host, on ``ec2``
 on the rank-0 instance through SSM. It is started through ``python -m common.procs exec-role``
 (it leads a recorded process group, output to a log file) under a ``jobs`` folder kept apart
-from the roles' records, so the supervisor's own ``stop_roles`` never signals it; ``stop_job``
-sends it SIGTERM (``kill-records`` with a grace long enough for rank 0's emergency checkpoint),
-then stops any role it left. ``job_cluster()`` is what a job document carries so the supervisor
-can attach to this cluster (``training.launch.supervise``).
+from the roles' records, so the supervisor's own ``stop_roles`` never signals it. The start
+returns once that record exists (``local`` writes it before the start returns; ``hosts`` and
+``ec2`` run ``detached_supervisor_command``, which waits for it, bounded), since ``stop_job``
+finds the supervisor by it alone. ``stop_job`` sends it SIGTERM (``kill-records`` with a grace
+long enough for rank 0's emergency checkpoint), then stops any role it left. ``job_cluster()``
+is what a job document carries so the supervisor can attach to this cluster
+(``training.launch.supervise``).
 """
 from __future__ import annotations
 
