@@ -8,7 +8,8 @@ decide the model, a custom network's code, the warm start), it goes to ``reuse``
 names that version and records the reuse in MLflow; provision, train, release and register show
 as skipped, and its log says which run and version matched. The ``force`` Param trains anyway.
 ``train`` is ``plugins.train_operator.TrainJobOperator``: it starts the job's supervisor detached
-on the cluster and defers while the job runs.
+on the cluster and defers while the job runs; every attempt loads the warm start ``check_reuse``
+resolved (the run resolves it once).
 
 This file reads like a config: Airflow's SDK and the project's light task module, nothing heavy,
 no I/O at parse time. The schedule comes from ``MXPIPE_SCHEDULE`` (a cron expression; ``none``

@@ -27,10 +27,13 @@ The supervisor (``python -m training supervise``) runs detached where the cluste
 local backend as a session of its own on this host, on ``hosts`` on the first host, on ``ec2``
 on the rank-0 instance through SSM. It is started through ``python -m common.procs exec-role``
 (it leads a recorded process group, output to a log file) under a ``jobs`` folder kept apart
-from the roles' records, so the supervisor's own ``stop_roles`` never signals it; ``stop_job``
-sends it SIGTERM (``kill-records`` with a grace long enough for rank 0's emergency checkpoint),
-then stops any role it left. ``job_cluster()`` is what a job document carries so the supervisor
-can attach to this cluster (``training.launch.supervise``).
+from the roles' records, so the supervisor's own ``stop_roles`` never signals it. The start
+returns once that record exists (``local`` writes it before the start returns; ``hosts`` and
+``ec2`` run ``detached_supervisor_command``, which waits for it, bounded), since ``stop_job``
+finds the supervisor by it alone. ``stop_job`` sends it SIGTERM (``kill-records`` with a grace
+long enough for rank 0's emergency checkpoint), then stops any role it left. ``job_cluster()``
+is what a job document carries so the supervisor can attach to this cluster
+(``training.launch.supervise``).
 """
 from __future__ import annotations
 
@@ -38,7 +41,9 @@ import importlib
 import json
 import logging
 import os
+import math
 import posixpath
+import shlex
 import shutil
 import time
 from abc import ABC, abstractmethod
@@ -63,11 +68,37 @@ CLUSTER_FACTORY = "infra.cluster:attach"
 # checkpoint, the supervisor's own stop of the other roles, and a margin. Waiting ends as soon
 # as the supervisor has exited, so a generous bound costs nothing.
 STOP_JOB_GRACE_S = 90.0
+# How long a detached supervisor's start waits for it to record itself on its machine (an
+# interpreter's start and a file write: seconds even on a loaded machine or a fresh instance).
+SUPERVISOR_RECORD_TIMEOUT_S = 30.0
+_RECORD_POLL_S = 0.2
 
 
 def supervise_argv(python: str, job_uri: str, job_id: str, attempt: int) -> list[str]:
     """The supervisor's command line (``python -m training supervise``)."""
     return [python, "-m", "training", "supervise", job_uri, "--job-id", job_id, "--attempt", str(attempt)]
+
+
+def detached_supervisor_command(workdir: str, argv: Sequence[str], record: str, log_path: str, *,
+                                timeout_s: float = SUPERVISOR_RECORD_TIMEOUT_S) -> str:
+    """The POSIX shell line, run on the supervisor's machine, that starts ``argv`` (``python -m
+    common.procs exec-role --record RECORD … -- python -m training supervise …``) detached from
+    ``workdir`` (``setsid nohup``, its output in ``log_path``), then ends once it has written
+    ``record``: status 0; after ``timeout_s`` without it, status 1 with the log's last lines on
+    standard error. The ``hosts`` backend runs it over its transport, ``ec2`` through SSM.
+
+    Why wait: ``stop_job`` (``on_kill`` right after the start, a release on another worker)
+    finds the supervisor by that record only, and a start that returned before it was written
+    let such a stop stop nothing and leave the supervisor running. The shell's own loop keeps
+    it one remote call."""
+    polls = max(1, math.ceil(timeout_s / _RECORD_POLL_S))
+    rec, out = shlex.quote(record), shlex.quote(log_path)
+    why = shlex.quote(f"the supervisor did not record itself in {record} within {timeout_s:.0f}s; "
+                      f"the end of its log {log_path}:")
+    return (f"cd {shlex.quote(workdir)} && "
+            f"(setsid nohup {shlex.join(argv)} > {out} 2>&1 < /dev/null &) && "
+            f"i=0; while [ ! -f {rec} ] && [ $i -lt {polls} ]; do sleep {_RECORD_POLL_S}; i=$((i+1)); done; "
+            f"test -f {rec} || {{ echo {why} >&2; tail -n 20 {out} >&2; exit 1; }}")
 
 
 class ProvisionError(RuntimeError):

@@ -40,11 +40,17 @@ the cluster's own and the security group admits ps-lite traffic only from its me
 The detached supervisor runs on the rank-0 instance (``start_supervisor``): one SSM command
 writes its environment to a 0600 file and starts ``setsid nohup python -m common.procs exec-role
 … -- python -m training supervise …`` in the background under ``<state_dir>/jobs/<cluster>/``,
-so the command itself ends at once and the supervisor outlives it. The instance profile must
+then ends once the supervisor has recorded itself there (the hosts backend's start too:
+``infra.cluster.detached_supervisor_command``); the supervisor outlives it.
+``start_supervisor`` returns only when that command has ended well (polled, bounded): a stop
+right after the start finds the supervisor by that record; a supervisor that never records
+itself raises an error naming the instance, with its log's last lines. The instance profile must
 allow the supervisor's own SSM calls (``ssm:SendCommand``, ``ssm:GetCommandInvocation``,
 ``ssm:CancelCommand`` on the cluster's instances). ``stop_job`` sends ``kill-records`` for that
-folder (SIGTERM, then SIGKILL after the grace) and waits, bounded, for the command to end. moto
-cannot run commands, so the scripts are unit-tested as text (``supervisor_script``).
+folder (SIGTERM, then SIGKILL after the grace), waits, bounded, for the command to end and
+returns what it stopped. moto runs no command: the scripts are unit-tested as text
+(``supervisor_script``), and run on this machine by a stand-in for the instance's SSM agent in
+``tests/integration/test_ec2_cluster.py``.
 
 Teardown terminates every instance tagged with the cluster and waits, bounded (boto3's
 ``instance_terminated`` waiter), until they are gone; ``reap_expired`` terminates any instance
@@ -57,6 +63,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import posixpath
 import shlex
 import time
@@ -72,8 +79,8 @@ from common.roles import JobLaunch, Role, role_argv, role_env
 from common.procs.identity import ProcessIdentity
 from common.procs.spot import SPOT_NOTICE_ENV, SPOT_WATCH_ENV, notice_folder
 from common.procs.watchdog import supervised_by_record
-from infra.cluster import (STOP_JOB_GRACE_S, Cluster, ClusterSpec, ProvisionError, SupervisorHostLost,
-                           cluster_id_for, supervise_argv)
+from infra.cluster import (STOP_JOB_GRACE_S, SUPERVISOR_RECORD_TIMEOUT_S, Cluster, ClusterSpec, ProvisionError,
+                           SupervisorHostLost, cluster_id_for, detached_supervisor_command, supervise_argv)
 from infra.strict_settings import StrictSettings
 
 log = logging.getLogger(__name__)
@@ -82,6 +89,15 @@ TAG_CLUSTER, TAG_RUN, TAG_EXPIRES, TAG_MANAGED = "mxpipe:cluster", "mxpipe:run",
 # The time (epoch seconds) a spot notice said the instance goes: no provision reuses it.
 TAG_RECLAIMED = "mxpipe:reclaimed"
 LIVE_STATES = ["pending", "running"]
+# How long SSM may take to deliver a command to an instance (send_command's TimeoutSeconds) and
+# a margin for the SSM calls around it; what a command then runs has bounds of its own.
+SSM_DELIVERY_TIMEOUT_S = 60
+SSM_MARGIN_S = 60.0
+
+
+def _ssm_bound_s(run_s: float) -> float:
+    """How long to wait for an SSM command that runs at most ``run_s`` to have ended."""
+    return SSM_DELIVERY_TIMEOUT_S + run_s + SSM_MARGIN_S
 NOT_TERMINATED = ["pending", "running", "stopping", "stopped", "shutting-down"]
 
 
@@ -454,45 +470,69 @@ class Ec2Cluster(Cluster):
         return posixpath.join(self.opts.state_dir, "jobs", self.cluster_id)
 
     def supervisor_script(self, job_uri: str, job_id: str, attempt: int, env: dict[str, str]) -> list[str]:
-        """The SSM commands that start the supervisor detached on the rank-0 instance."""
+        """The SSM commands that start the supervisor detached on the rank-0 instance; the last
+        ends once it has recorded itself (``infra.cluster.detached_supervisor_command``)."""
         env_file = posixpath.join(self.jobs_dir, "env")
-        argv = [self.opts.python, "-m", "common.procs", "exec-role",
-                "--record", posixpath.join(self.jobs_dir, "procs", f"{job_id}.json"),
+        record = posixpath.join(self.jobs_dir, "procs", f"{job_id}.json")
+        argv = [self.opts.python, "-m", "common.procs", "exec-role", "--record", record,
                 "--env-file", env_file, "--env-key", job_id, "--",
                 *supervise_argv(self.opts.python, job_uri, job_id, attempt)]
-        log_path = shlex.quote(posixpath.join(self.jobs_dir, f"{job_id}.log"))
         return [f"umask 077 && mkdir -p {shlex.quote(self.jobs_dir)}",
                 f"cat > {shlex.quote(env_file)} <<'MXPIPE_ENV'\n{json.dumps({job_id: env})}\nMXPIPE_ENV",
-                f"cd {shlex.quote(self.opts.workdir)} && "
-                f"(setsid nohup {shlex.join(argv)} > {log_path} 2>&1 < /dev/null &)"]
+                detached_supervisor_command(self.opts.workdir, argv, record,
+                                            posixpath.join(self.jobs_dir, f"{job_id}.log"),
+                                            timeout_s=SUPERVISOR_RECORD_TIMEOUT_S)]
+
+    def _on_rank_0(self, what: str, commands: list[str], *, run_s: float) -> SsmRole:
+        """Run ``commands`` on the rank-0 instance through SSM and wait, bounded, until the
+        command has ended (its delivery, then at most ``run_s``); the handle says how it ended
+        (``returncode`` None: not within the bound)."""
+        resp = self.ssm.send_command(
+            InstanceIds=[self.instance_ids[0]], DocumentName="AWS-RunShellScript",
+            Comment=f"mxpipe {self.cluster_id} {what}"[:100], TimeoutSeconds=SSM_DELIVERY_TIMEOUT_S,
+            Parameters={"commands": commands, "executionTimeout": [str(math.ceil(run_s))]})
+        command = SsmRole(what, "command", self.addresses[0], self.instance_ids[0], resp["Command"]["CommandId"],
+                          self.ssm, self.opts.status_poll_s)
+        deadline = time.monotonic() + _ssm_bound_s(run_s)
+        while command.poll() is None and time.monotonic() < deadline:
+            time.sleep(self.opts.status_poll_s)
+        return command
 
     def start_supervisor(self, job_uri: str, *, job_id: str, attempt: int, env: dict[str, str]) -> dict[str, Any]:
+        """Start it detached on the rank-0 instance and return once it has recorded itself there
+        (bounded): SSM runs a command apart from the caller, so returning at ``send_command``
+        let a stop right after it (``on_kill``, a release) find nothing and leave it running."""
         # Instance profile credentials, never the launching process's keys.
         base = {"PATH": "/usr/local/bin:/usr/bin:/bin", "MXPIPE_CLUSTER": self.cluster_id,
                 **{k: v for k, v in env.items() if not k.startswith("AWS_")}}
-        self.ssm.send_command(InstanceIds=[self.instance_ids[0]], DocumentName="AWS-RunShellScript",
-                              Comment=f"mxpipe {self.cluster_id} supervise {job_id}"[:100], TimeoutSeconds=60,
-                              Parameters={"commands": self.supervisor_script(job_uri, job_id, attempt, base)})
-        log.info("started supervisor of job %s on %s", job_id, self.instance_ids[0])
-        return {"job_id": job_id, "host": self.addresses[0],
-                "log": posixpath.join(self.jobs_dir, f"{job_id}.log")}
+        instance, address = self.instance_ids[0], self.addresses[0]
+        # The script's own bound is SUPERVISOR_RECORD_TIMEOUT_S; the rest is for a slow mkdir or cd.
+        run_s = SUPERVISOR_RECORD_TIMEOUT_S + 30
+        command = self._on_rank_0(f"supervise {job_id}", self.supervisor_script(job_uri, job_id, attempt, base),
+                                  run_s=run_s)
+        if command.returncode != 0:
+            ended = (f"ended {command.status} (exit code {command.returncode})" if command.returncode is not None
+                     else f"did not end within {_ssm_bound_s(run_s):.0f}s")
+            raise RuntimeError(f"the supervisor of job {job_id} did not start on instance {instance} ({address}) of "
+                               f"{self.cluster_id}: its SSM command {command.command_id} {ended}: "
+                               f"{command.output.strip()[-1000:] or 'no output'}")
+        log.info("started supervisor of job %s on %s", job_id, instance)
+        return {"job_id": job_id, "host": address, "log": posixpath.join(self.jobs_dir, f"{job_id}.log")}
 
     def stop_job(self, *, grace_s: float = STOP_JOB_GRACE_S) -> list[str]:
         if not self.instance_ids:
             return []
-        resp = self.ssm.send_command(
-            InstanceIds=[self.instance_ids[0]], DocumentName="AWS-RunShellScript",
-            Comment=f"mxpipe {self.cluster_id} stop job"[:100], TimeoutSeconds=60,
-            Parameters={"commands": [f"cd {shlex.quote(self.opts.workdir)} && {shlex.quote(self.opts.python)} -m "
-                                     f"common.procs kill-records {shlex.quote(self.jobs_dir)} --grace-s {grace_s}"],
-                        "executionTimeout": [str(int(grace_s) + 60)]})
-        waiter = SsmRole("supervisor", "supervisor", self.addresses[0], self.instance_ids[0],
-                         resp["Command"]["CommandId"], self.ssm, self.opts.status_poll_s)
-        deadline = time.monotonic() + grace_s + 60
-        while waiter.poll() is None and time.monotonic() < deadline:
-            time.sleep(self.opts.status_poll_s)
+        command = self._on_rank_0("stop job", [
+            f"cd {shlex.quote(self.opts.workdir)} && {shlex.quote(self.opts.python)} -m common.procs kill-records "
+            f"{shlex.quote(self.jobs_dir)} --grace-s {grace_s}"], run_s=grace_s + 60)
         self.stop_roles([], grace_s=5.0)
-        return ["supervisor"] if waiter.returncode == 0 else []
+        # What kill-records stopped (its last line): [] when no supervisor was recorded.
+        try:
+            return list(json.loads(command.output.strip().splitlines()[-1])["stopped"])
+        except (IndexError, ValueError, KeyError, TypeError):
+            log.warning("stop of the job of %s: no answer from kill-records on %s (SSM command %s %s)",
+                        self.cluster_id, self.instance_ids[0], command.command_id, command.status or "not ended")
+            return []
 
     # -- teardown ---------------------------------------------------------------------------
 
@@ -524,6 +564,7 @@ class SsmRole:
     ssm: Any = field(repr=False)
     status_poll_s: float = 2.0
     returncode: int | None = None
+    status: str = ""  # the invocation's last Status ("InProgress", "Success", "Failed", ...)
     closed: bool = False  # set by stop_roles: the output reader stops polling
     _checked: float = 0.0
     _output: str = ""
@@ -538,7 +579,7 @@ class SsmRole:
             log.debug("invocation %s not visible yet: %s", self.command_id, exc)
             return
         self._output = inv.get("StandardOutputContent", "") + inv.get("StandardErrorContent", "")
-        status = inv["Status"]
+        status = self.status = inv["Status"]
         if status == "Success":
             self.returncode = 0
         elif status in ("Failed", "TimedOut", "Cancelled", "Undeliverable", "Terminated"):
@@ -548,6 +589,11 @@ class SsmRole:
     def poll(self) -> int | None:
         self._refresh()
         return self.returncode
+
+    @property
+    def output(self) -> str:
+        """Its standard output and error as last read (SSM gives them once the command ended)."""
+        return self._output
 
     @property
     def stdout(self) -> Iterator[str]:

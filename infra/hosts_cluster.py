@@ -49,16 +49,13 @@ from typing import Any
 from common.procs import GroupSpawner, ProcessRole, kill_groups, kill_recorded
 from common.procs.watchdog import supervised_by
 from common.roles import JobLaunch, Role, role_argv, role_env
-from infra.cluster import (STOP_JOB_GRACE_S, Cluster, ClusterSpec, ProvisionError, cluster_id_for,
-                           supervise_argv)
+from infra.cluster import (STOP_JOB_GRACE_S, SUPERVISOR_RECORD_TIMEOUT_S, Cluster, ClusterSpec, ProvisionError,
+                           cluster_id_for, detached_supervisor_command, supervise_argv)
 from infra.transport import HostSpec, exit_status, host_argv, in_workdir, role_command, run_on
 
 log = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_S = 60.0
-# How long a supervisor's start waits for it to record itself on its host (an interpreter's
-# start and a file write; seconds even on a loaded machine).
-SUPERVISOR_RECORD_TIMEOUT_S = 30.0
 REMOTE_CMD_TIMEOUT_S = 60.0
 # The environment a remote role starts from; the job adds what it forwards (common.roles).
 REMOTE_BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -241,16 +238,9 @@ class HostsCluster(Cluster):
         argv = [host.python, "-m", "common.procs", "exec-role", "--record",
                 posixpath.join(folder, "procs", f"{job_id}.json"), "--env-file", posixpath.join(folder, "env"),
                 "--env-key", job_id, "--", *supervise_argv(host.python, job_uri, job_id, attempt)]
-        log_path = shlex.quote(posixpath.join(folder, f"{job_id}.log"))
-        record = shlex.quote(posixpath.join(folder, "procs", f"{job_id}.json"))
-        # Then wait, bounded, until it has recorded itself: a stop_job from anywhere (on_kill
-        # right after the start, from another worker) finds it by that record only, and would
-        # otherwise stop nothing and leave it running. The shell's own loop: one transport call.
-        polls = int(SUPERVISOR_RECORD_TIMEOUT_S / 0.2)
-        return (f"cd {shlex.quote(host.workdir)} && "
-                f"(setsid nohup {shlex.join(argv)} > {log_path} 2>&1 < /dev/null &) && "
-                f"i=0; while [ ! -f {record} ] && [ $i -lt {polls} ]; do sleep 0.2; i=$((i+1)); done; "
-                f"test -f {record}")
+        # It returns once the supervisor has recorded itself, which is how any stop_job finds it.
+        return detached_supervisor_command(host.workdir, argv, posixpath.join(folder, "procs", f"{job_id}.json"),
+                                           posixpath.join(folder, f"{job_id}.log"), timeout_s=SUPERVISOR_RECORD_TIMEOUT_S)
 
     def start_supervisor(self, job_uri: str, *, job_id: str, attempt: int, env: dict[str, str]) -> dict[str, Any]:
         host = self.hosts[0]

@@ -30,10 +30,14 @@ reuse), ``shard_count`` and ``shard_part`` run once per part of the source as ma
 ``shard_merge`` assembles the shards, commits the manifest and returns the shard pointers every
 later task reads (``shard_in_process`` runs the four in one process).
 
-Warm start is resolved by ``train``, for the job it starts; the shard XCom carries only shard
-pointers. ``shard`` checks the reference first all the same, before anything is written or
-provisioned, so a run naming a missing run, model, version or alias fails at once, not after a
-cluster was provisioned for it.
+The warm start is resolved once per run, by ``check_reuse``: the checkpoint it resolves to is
+one of the run's training inputs, and the same resolution goes to ``train`` (the
+``WARM_START_XCOM_KEY`` XCom, the operator's templated ``warm_start``), whose every attempt
+loads it; resolving again there could load another checkpoint than the one the reuse decision
+and the registered version's input tags name (a ``models:/…@alias`` moved in between). A
+sweep's trials, which have no reuse check, resolve it in their train task. ``shard`` checks
+the reference first all the same, before anything is written or provisioned, so a run naming
+a missing run, model, version or alias fails at once, not after a cluster was provisioned for it.
 
 Unchanged inputs are not trained again: ``check_reuse`` (after validation, before anything is
 provisioned) finds a version an earlier successful run registered from the same training
@@ -75,6 +79,9 @@ LIVE_RUN_XCOM_KEY = "mlflow_run_url"
 # earlier version it reuses (``Reusable`` as a dict; None: the run trains).
 INPUTS_XCOM_KEY = "inputs"
 REUSABLE_XCOM_KEY = "reusable"
+# The reuse check's XCom of the warm start it resolved ({"reference", "checkpoint"}), which the
+# train task's every attempt loads: the run resolves its warm start once.
+WARM_START_XCOM_KEY = "warm_start"
 
 
 def run_paths(dag_id: str, run_id: str) -> RunPaths:
@@ -115,7 +122,7 @@ def shard(params: Mapping[str, Any], dag_id: str, run_id: str,
           sweep_cap: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Resolve the config and plan the sharding: ``(config XCom, plan)``. In order: the warm
     start is checked (before anything is written or provisioned, so a typo in the reference fails
-    at once; train resolves it again for the job it starts), the config and a custom network's
+    at once; ``check_reuse`` resolves it for the run), the config and a custom network's
     code are staged (``training.train_job.stage_run``), and the sharding is planned
     (``data_checks.parts.plan``: reuse of unchanged shards, the source's columns, the parts, whose
     number is the ``shard_parts`` Param, else ``MXPIPE_SHARD_PARTS``, else one per 256 MB).
@@ -229,19 +236,20 @@ def _refuse_bad_warm_start() -> Iterator[None]:
 def check_reuse(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[str, Any], dag_id: str,
                 run_id: str) -> dict[str, Any]:
     """The run's training inputs and the registered version an earlier successful run trained on
-    the same ones (``training.tracking.reuse.find_reusable``): ``{"inputs", "reusable", "reason"}``,
-    ``reusable`` None when the run must train (no match, or the ``force`` Param). The inputs: the
-    manifest digest and custom network code the shard task recorded, the config's
+    the same ones (``training.tracking.reuse.find_reusable``): ``{"inputs", "reusable", "reason",
+    "warm_start"}``, ``reusable`` None when the run must train (no match, or the ``force`` Param).
+    The inputs: the manifest digest and custom network code the shard task recorded, the config's
     ``model_digest`` and the checkpoint the warm start resolves to now (a ``models:/…@alias``
-    whose alias moved is another input)."""
+    whose alias moved is another input). ``warm_start`` is that resolution (``{"reference",
+    "checkpoint"}``), the one ``train`` loads (``prepare_job``)."""
     from training.loop.resume import model_digest
     from training.tracking.reuse import TrainingInputs, find_reusable
     from training.tracking.server import tracking_uri
 
     cfg = load_config(config)
     code = shards.get("model_code") or {}
-    inputs = TrainingInputs.of(shards["manifest_digest"], model_digest(cfg), code.get("sha256"),
-                               warm_start_checkpoint(params, dag_id, run_id, cfg))
+    warm = warm_start_checkpoint(params, dag_id, run_id, cfg)
+    inputs = TrainingInputs.of(shards["manifest_digest"], model_digest(cfg), code.get("sha256"), warm)
     name = params["registered_model_name"]
     search = find_reusable(tracking_uri(), name, inputs)
     reason = search.explain(inputs, name)
@@ -251,7 +259,8 @@ def check_reuse(config: Mapping[str, Any], params: Mapping[str, Any], shards: di
     log.info("%s; %s", reason, "reusing it: provision and train are skipped (the force Param trains anyway)"
              if reusable is not None else "training")
     return {"inputs": dataclasses.asdict(inputs), "reason": reason,
-            "reusable": dataclasses.asdict(reusable) if reusable is not None else None}
+            "reusable": dataclasses.asdict(reusable) if reusable is not None else None,
+            "warm_start": {"reference": params.get("warm_start") or "", "checkpoint": warm}}
 
 
 def reuse(inputs: Mapping[str, Any], reusable: Mapping[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
@@ -384,22 +393,32 @@ def open_live_run(job: Mapping[str, Any]) -> str:
 
 def prepare_job(config: Mapping[str, Any], params: Mapping[str, Any], cluster: dict[str, Any],
                 shards: dict[str, Any], dag_id: str, run_id: str, try_number: int, *,
-                pruning: Mapping[str, Any] | None = None,
+                warm_start: Mapping[str, Any] | None = None, pruning: Mapping[str, Any] | None = None,
                 tracking_tags: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Write the attempt's job document (``training.train_job.prepare_attempt``: config, where to
     read and write, its status record, the cluster its supervisor attaches to, provisioned again
-    for a retry); returns the pointers the training operator keeps. A sweep trial's ``run_id``
-    is its run key (``plugins.sweep_tasks.trial_run_id``), with its pruning and the tags of its
-    MLflow run."""
+    for a retry); returns the pointers the training operator keeps. ``warm_start``: the reuse
+    check's resolution (``check_reuse``'s ``{"reference", "checkpoint"}``), which the job loads
+    whatever the reference resolves to by now; None: resolved here from the Param (a sweep
+    trial, which has no reuse check). A sweep trial's ``run_id`` is its run key
+    (``plugins.sweep_tasks.trial_run_id``), with its pruning and the tags of its MLflow run."""
     from infra.cluster import attach
     from training.train_job import AttemptRequest, prepare_attempt
 
-    request = AttemptRequest(config=load_config(config), paths=run_paths(dag_id, run_id), attempt=try_number,
+    cfg = load_config(config)
+    checkpoint: Mapping[str, Any] | None
+    if warm_start is not None:
+        checkpoint = warm_start["checkpoint"]
+        if checkpoint:
+            log.info("warm start %s: %s step %s, as the reuse check resolved it", warm_start["reference"],
+                     checkpoint["prefix"], checkpoint["step"])
+    else:
+        checkpoint = warm_start_checkpoint(params, dag_id, run_id, cfg)
+    request = AttemptRequest(config=cfg, paths=run_paths(dag_id, run_id), attempt=try_number,
                              shards_prefix=shards["shards_prefix"], model_code=shards.get("model_code"),
-                             warm_start=params.get("warm_start") or "", pruning=dict(pruning or {}),
+                             warm_start=checkpoint, pruning=dict(pruning or {}),
                              tracking_tags=dict(tracking_tags or {}))
-    with _refuse_bad_warm_start():
-        return prepare_attempt(request, attach(cluster))
+    return prepare_attempt(request, attach(cluster))
 
 
 def register(config: Mapping[str, Any], params: Mapping[str, Any], shards: dict[str, Any], trained: dict[str, Any],

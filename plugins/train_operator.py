@@ -61,10 +61,11 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
     """Train on the provisioned cluster: a detached supervised job, polled while deferred."""
 
     external_id_key = "train_job"
-    template_fields = ("cluster", "shards", "config", "trial")
+    template_fields = ("cluster", "shards", "config", "trial", "warm_start")
 
-    def __init__(self, *, cluster: Any, shards: Any, config: Any = None, trial: Any = None, poll_s: float = POLL_S,
-                 stale_after_s: float | None = None, deferrable: bool = True, **kwargs: Any) -> None:
+    def __init__(self, *, cluster: Any, shards: Any, config: Any = None, trial: Any = None, warm_start: Any = None,
+                 poll_s: float = POLL_S, stale_after_s: float | None = None, deferrable: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if (config is None) == (trial is None):
             raise ValueError("give the run's config, or a sweep trial (which carries its own), not both")
@@ -75,6 +76,9 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
         self.config = config
         # A sweep trial (plugins.sweep_tasks.plan_trials): its config, run key, pruning and MLflow tags.
         self.trial = trial
+        # The reuse check's warm start ({"reference", "checkpoint"}: plugins.pipeline_tasks.check_reuse),
+        # loaded by every attempt; None: the job resolves the warm_start Param itself (a sweep trial).
+        self.warm_start = warm_start
         self.poll_s = poll_s
         self.deferrable = deferrable
         self.stale_after_s = stale_after_s
@@ -129,7 +133,8 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
         dag_id, run_id, try_number = context["dag"].dag_id, self._run_key(context), context["ti"].try_number
         trial = self.trial or {}
         job = prepare_job(self._config(), context["params"], self.cluster, self.shards, dag_id, run_id, try_number,
-                          pruning=trial.get("pruning"), tracking_tags=trial.get("tracking_tags"))
+                          warm_start=self.warm_start, pruning=trial.get("pruning"),
+                          tracking_tags=trial.get("tracking_tags"))
         current = self._status(job)
         if current is not None and current.live(stale_after_s=self._stale_after_s()):
             # task_state_store lost the id (a crash between submit and persist): never a second job.

@@ -231,6 +231,7 @@ def _train_and_register(shards: Any, config: Any, checked: Any, *, retry_delay: 
         ti = get_current_context()["ti"]
         ti.xcom_push(key=pipeline_tasks.INPUTS_XCOM_KEY, value=decision["inputs"])
         ti.xcom_push(key=pipeline_tasks.REUSABLE_XCOM_KEY, value=decision["reusable"])
+        ti.xcom_push(key=pipeline_tasks.WARM_START_XCOM_KEY, value=decision["warm_start"])
         return REUSE_TASK if decision["reusable"] else PROVISION_TASK
 
     @setup
@@ -260,7 +261,9 @@ def _train_and_register(shards: Any, config: Any, checked: Any, *, retry_delay: 
     inputs = decision[pipeline_tasks.INPUTS_XCOM_KEY]
     cluster = provision(config)
     decision >> cluster
-    trained = TrainJobOperator(task_id="train", cluster=cluster, shards=shards, config=config, retries=2,
+    # The warm start the reuse decision was made on, for every attempt (resolved once per run).
+    trained = TrainJobOperator(task_id="train", cluster=cluster, shards=shards, config=config,
+                               warm_start=decision[pipeline_tasks.WARM_START_XCOM_KEY], retries=2,
                                retry_delay=retry_delay, retry_exponential_backoff=True,
                                execution_timeout=_limit(train_timeout_s), deferrable=deferrable,
                                poll_s=poll_s).output

@@ -4,12 +4,13 @@ what a succeeded job hands on to registration.
 ``stage_run`` writes the run's config and stages a custom network's code before the data is
 read; ``check_model_fits`` builds that network for the sharded data. ``prepare_attempt`` writes
 one attempt's ``JobSpec`` (``training.launch.job``): the resolved config, where to read the
-shards and write checkpoints, the model and metrics, the warm start
-(``training.tracking.warm_start``), a custom network's staged code, the status record, the
-cluster the supervisor attaches to (provisioned again for a retry: ``for_attempt``) and the
-live MLflow run's settings (``live_tracking``); it reports the step the attempt resumes from
-(``training.checkpoint``). ``job_result`` reads a succeeded job's metrics into the small dict
-of pointers the register step takes.
+shards and write checkpoints, the model and metrics, the warm start's checkpoint (resolved
+once per DAG run by the caller with ``resolve_warm_start``: ``training.tracking.warm_start``),
+a custom network's staged code, the status record, the cluster the supervisor attaches to
+(provisioned again for a retry: ``for_attempt``) and the live MLflow run's settings
+(``live_tracking``); it reports the step the attempt resumes from (``training.checkpoint``).
+``job_result`` reads a succeeded job's metrics into the small dict of pointers the register
+step takes.
 
 A top-level module of ``training`` because it joins its parts (launch, checkpoint, tracking);
 Airflow-free: the training DAG's train task calls it through ``plugins.pipeline_tasks``. The
@@ -51,7 +52,11 @@ class AttemptRequest:
     attempt: int  # 1, 2, ... (the train task's try number)
     shards_prefix: str
     model_code: Mapping[str, str] | None = None  # a staged custom network: {"uri", "sha256"}
-    warm_start: str = ""  # a run id of the same DAG or a models:/ reference; empty: none
+    # The checkpoint the warm start loads, as ``resolve_warm_start`` returned it ({"run_id",
+    # "prefix", "step", ...}); None: none. Resolved by the caller, once per DAG run, not here: a
+    # ``models:/…@alias`` may move between two resolutions, and every attempt must load the
+    # checkpoint the run's reuse decision was made on.
+    warm_start: Mapping[str, Any] | None = None
     # A sweep trial: its pruning (JobSpec.pruning) and the tags of its live MLflow run (the
     # sweep's parent run: mlflow.parentRunId); empty for a training run.
     pruning: Mapping[str, Any] = field(default_factory=dict)
@@ -130,7 +135,7 @@ def prepare_attempt(request: AttemptRequest, cluster: AttemptCluster) -> dict[st
 
     cfg, paths = request.config, request.paths
     # The job loads it only while this run has no checkpoint of its own (training.loop.worker).
-    warm = resolve_warm_start(request.warm_start, paths, cfg)
+    warm = request.warm_start
     # The cluster places the roles and picks the scheduler's address for this attempt.
     backend = cluster.for_attempt(request.attempt)
     code = request.model_code or {}

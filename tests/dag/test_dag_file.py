@@ -35,11 +35,16 @@ def test_structure(dag):
     assert tasks["provision"].is_setup and tasks["release"].is_teardown
     # Nothing is provisioned before the data has passed validation and the reuse check chose to train.
     assert "validate" in tasks["check_reuse"].upstream_task_ids
-    assert tasks["check_reuse"].downstream_task_ids == {"provision", "register", "reuse"}
+    assert tasks["check_reuse"].downstream_task_ids == {"provision", "train", "register", "reuse"}
+    # train loads the warm start check_reuse resolved (one resolution per run: the reuse
+    # decision's, whatever the reference names by the time train or its retry starts)
+    warm = tasks["train"].warm_start
+    assert (warm.operator.task_id, warm.key) == ("check_reuse", "warm_start") and "warm_start" in tasks[
+        "train"].template_fields
     assert type(tasks["check_reuse"]).__name__ == "_BranchPythonDecoratedOperator"
     assert {"provision", "train"} <= tasks["release"].upstream_task_ids
-    # register is downstream of provision, so the branch to provision does not skip it.
-    assert "register" in tasks["provision"].get_flat_relative_ids(upstream=False)
+    # register and train are downstream of provision, so the branch to provision skips neither.
+    assert {"train", "register"} <= tasks["provision"].get_flat_relative_ids(upstream=False)
     assert tasks["train"].retries >= 2
     # The data step retries once, for a lost worker host (a data failure never retries).
     data_step = ("shard", "shard_parts", "shard_count", "shard_part", "shard_merge", "shard_names",

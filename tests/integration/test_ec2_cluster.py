@@ -5,11 +5,16 @@ What moto does and does not model, so what these tests prove: launch templates, 
 requests, tags, instance states, status checks, SSM ``send_command`` /
 ``get_command_invocation`` (it runs nothing and reports every command ``Success``), terminate.
 It neither stores the placement group of an instance nor honours ``ClientToken``, so
-idempotency is shown through the run's tags (a retry finds and reuses its instances). After
-every test, the moto server has no instance left that is not terminated.
+idempotency is shown through the run's tags (a retry finds and reuses its instances). Where what
+a command does is under test (the detached supervisor's start and stop), ``LocalSsmAgent`` runs
+the commands on this machine in the instance's agent's place. After every test, the moto server
+has no instance left that is not terminated.
 """
 import json
 import os
+import posixpath
+import shlex
+import sys
 import time
 
 import boto3
@@ -18,14 +23,17 @@ from infra.cluster import ClusterSpec, ProvisionError, SupervisorHostLost, attac
 from infra.ec2_cluster import (TAG_CLUSTER, TAG_EXPIRES, TAG_RECLAIMED, TAG_RUN, Ec2Options, _wait, find_expired,
                                reap_expired)
 from common.procs.identity import ProcessIdentity
+from common.procs.records import live_records
 from common.procs.spot import SPOT_NOTICE_ENV, SPOT_WATCH_ENV
 from common.procs.watchdog import SUPERVISOR_ENV
 from common.roles import JobLaunch
-from tests.integration.moto_server import moto_server
+from infra import ec2_cluster
+from tests.integration.moto_server import LocalSsmAgent, moto_server
 
 pytestmark = pytest.mark.integration
 
 REGION = "us-east-1"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +141,83 @@ def _role_envs(ssm, handles):
         script = "\n".join(commands[h.command_id]["Parameters"]["commands"])
         envs[h.name] = json.loads(script.split("<<'MXPIPE_ENV'\n", 1)[1].split("\nMXPIPE_ENV", 1)[0])[h.name]
     return envs
+
+
+def _stand_in_supervisor(python: str, job_uri: str, job_id: str, attempt: int) -> list[str]:
+    """What the backend starts detached in the supervisor's place: a process that lives until it
+    is stopped (the start and stop under test are the backend's, not the supervisor's)."""
+    return [python, "-c", "import time; time.sleep(300)"]
+
+
+def _cold_python(tmp_path) -> str:
+    """This interpreter, except that ``exec-role`` (which records the supervisor) starts 2 s
+    late, as on a fresh instance's cold disk: the stop then certainly comes before the record
+    unless the start waits for it, rather than depending on which of two interpreters is quicker."""
+    path = tmp_path / "python"
+    path.write_text(f'#!/bin/sh\ncase " $* " in *" exec-role "*) sleep 2;; esac\nexec {shlex.quote(sys.executable)} "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.fixture
+def agent(tmp_path):
+    agent = LocalSsmAgent(str(tmp_path / "ssm"))
+    yield agent
+    agent.close()
+
+
+def test_a_stop_right_after_the_supervisors_start_finds_and_stops_it(moto, ec2, tmp_path, monkeypatch, agent,
+                                                                     nothing_left):
+    """moto stands in for the EC2 and SSM APIs (nothing runs on EC2 here) and ``LocalSsmAgent``
+    for the rank-0 instance's SSM agent: the supervisor's start and the stop run on this machine,
+    its state folder under tmp_path. The start returns once the supervisor has recorded itself,
+    so a stop right after it (``on_kill``, a release on another worker) finds and stops it;
+    before, the start returned at ``send_command``, the stop found no record, said it had stopped
+    the supervisor, and left it running."""
+    monkeypatch.setattr(ec2_cluster, "supervise_argv", _stand_in_supervisor)
+    spec = _spec(moto, "mxnet_training--supervise", workers=1, servers=1, python=_cold_python(tmp_path),
+                 workdir=REPO, state_dir=str(tmp_path / "state"))
+    cluster = provision(spec, home=str(tmp_path))
+    agent.attach(cluster.ssm)
+    procs = posixpath.join(cluster.jobs_dir, "procs")
+    nothing_left.records(procs)
+    try:
+        t0 = time.monotonic()
+        where = cluster.start_supervisor("s3://mxpipe/runs/x/job.json", job_id="1-x", attempt=1, env={"X": "1"})
+        started_s = time.monotonic() - t0
+        assert where["host"] == cluster.addresses[0]
+        assert [r.name for r in live_records([procs])] == ["1-x"]  # recorded before the start returned
+        # The stop from another process: the cluster as its description attaches it.
+        elsewhere = attach(cluster.describe())
+        agent.attach(elsewhere.ssm)
+        assert elsewhere.stop_job(grace_s=5.0) == ["1-x"]
+        assert live_records([procs]) == []
+        assert 2.0 <= started_s < 30, started_s  # the cold start, waited for; far from the bound
+    finally:
+        cluster.teardown()
+
+
+def test_a_supervisor_that_never_records_itself_fails_its_start_naming_the_instance(
+        moto, ec2, tmp_path, monkeypatch, agent):
+    """No interpreter where the options say (a bad AMI, a wrong ``python``): the start fails
+    after its bound with the instance and the end of the supervisor's log, instead of returning
+    as if a supervisor ran."""
+    monkeypatch.setattr(ec2_cluster, "SUPERVISOR_RECORD_TIMEOUT_S", 1.0)
+    spec = _spec(moto, "mxnet_training--no-supervisor", workers=1, servers=1, python=str(tmp_path / "no-python"),
+                 workdir=REPO, state_dir=str(tmp_path / "state"))
+    cluster = provision(spec, home=str(tmp_path))
+    agent.attach(cluster.ssm)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as failed:
+            cluster.start_supervisor("s3://mxpipe/runs/x/job.json", job_id="1-y", attempt=1, env={})
+        assert time.monotonic() - t0 < 20
+        message = str(failed.value)
+        assert f"did not start on instance {cluster.instance_ids[0]} ({cluster.addresses[0]})" in message
+        assert "ended Failed (exit code 1)" in message and "did not record itself" in message
+        assert "no-python" in message  # nohup's complaint, from the supervisor's log
+    finally:
+        cluster.teardown()
 
 
 def test_a_spot_notice_releases_its_instance_with_or_without_a_replacement(moto, ec2, tmp_path):

@@ -233,8 +233,11 @@ def test_hosts_supervisor_starts_detached_on_the_first_host_apart_from_the_roles
     assert line.startswith("cd /opt/p && (setsid nohup /py -m common.procs exec-role --record /s/jobs/c/procs/1-x.json "
                            "--env-file /s/jobs/c/env --env-key 1-x -- /py -m training supervise s3://b/job.json "
                            "--job-id 1-x --attempt 1 > /s/jobs/c/1-x.log 2>&1 < /dev/null &)")
-    # and returns once it has recorded itself, which is how any stop_job finds it
-    assert line.endswith("test -f /s/jobs/c/procs/1-x.json")
+    # and returns once it has recorded itself, which is how any stop_job finds it (bounded: 30 s)
+    assert "while [ ! -f /s/jobs/c/procs/1-x.json ] && [ $i -lt 150 ]; do sleep 0.2;" in line
+    assert line.endswith("test -f /s/jobs/c/procs/1-x.json || { echo 'the supervisor did not record itself in "
+                         "/s/jobs/c/procs/1-x.json within 30s; the end of its log /s/jobs/c/1-x.log:' >&2; "
+                         "tail -n 20 /s/jobs/c/1-x.log >&2; exit 1; }")
     # the roles' kill-records folder (what the supervisor's own stops clear) does not hold it
     assert not "/s/jobs/c".startswith(cluster._remote_dir(cluster.hosts[0]))
 
@@ -285,10 +288,13 @@ def test_ec2_supervisor_script_runs_it_detached_on_rank_0_with_its_env_in_a_file
     head, body, end = script[1].split("\n")
     assert head == f"cat > {folder}/env <<'MXPIPE_ENV'" and end == "MXPIPE_ENV"
     assert json.loads(body) == {"2-y": {"MXPIPE_CLUSTER": "c", "X": "it's"}}
-    assert script[2] == (f"cd /opt/mxpipe && (setsid nohup /opt/mxpipe/.venv/bin/python -m common.procs exec-role "
-                         f"--record {folder}/procs/2-y.json --env-file {folder}/env --env-key 2-y -- "
-                         "/opt/mxpipe/.venv/bin/python -m training supervise s3://b/job.json --job-id 2-y "
-                         f"--attempt 2 > {folder}/2-y.log 2>&1 < /dev/null &)")
+    assert script[2].startswith(f"cd /opt/mxpipe && (setsid nohup /opt/mxpipe/.venv/bin/python -m common.procs "
+                                f"exec-role --record {folder}/procs/2-y.json --env-file {folder}/env --env-key 2-y -- "
+                                "/opt/mxpipe/.venv/bin/python -m training supervise s3://b/job.json --job-id 2-y "
+                                f"--attempt 2 > {folder}/2-y.log 2>&1 < /dev/null &) && ")
+    # and, as the hosts backend's start, ends once the supervisor has recorded itself (bounded)
+    assert f"while [ ! -f {folder}/procs/2-y.json ] && [ $i -lt 150 ]; do sleep 0.2;" in script[2]
+    assert f"test -f {folder}/procs/2-y.json || {{ echo 'the supervisor did not record itself" in script[2]
     assert cluster.job_cluster() == {"factory": "infra.cluster:attach", "description": cluster.describe()}
 
 

@@ -174,3 +174,57 @@ def test_the_log_line_names_a_reused_versions_review_outcome():
     rejected = dataclasses.replace(MATCH, review="rejected")
     assert "(MLflow run abc, review: rejected)" in Search(rejected).explain(INPUTS, "digits")
     assert "review" not in Search(MATCH).explain(INPUTS, "digits")
+
+
+# ------------------------------------------------------------------ one warm start per run
+
+def test_every_train_attempt_loads_the_warm_start_the_reuse_check_resolved_though_the_alias_moved(
+        monkeypatch, tmp_path):
+    """``models:/digits@champion`` names one checkpoint at the reuse check, another once train
+    starts (a new champion registered in between) and another at train's retry: each attempt's
+    job loads the reuse check's, the checkpoint the run's inputs (and so its version's input
+    tags) name. The registry is faked: each resolution of the alias finds the next champion.
+    The operator gets check_reuse's XCom as the training DAG renders it (tests/dag checks the
+    wiring); its prepare_job and the job document are real, on a local cluster and local storage."""
+    from infra.cluster import ClusterSpec
+    from infra.local_cluster import LocalCluster
+    from plugins import pipeline_tasks
+    from plugins.train_operator import TrainJobOperator
+    from training.launch.job import JobSpec
+    from training.tracking import warm_start
+
+    champions = iter(range(1, 10))
+
+    def moving_alias(source, **_):
+        n = next(champions)
+        return SimpleNamespace(as_dict=lambda: {"run_id": f"run-{n}", "prefix": f"s3://b/run-{n}/checkpoints",
+                                                "step": 10 * n, "model": "digits", "version": str(n)})
+
+    monkeypatch.setattr(warm_start, "resolve_checkpoint", moving_alias)
+    monkeypatch.setattr(reuse, "find_reusable", lambda uri, name, inputs: Search(None))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    monkeypatch.setenv("MXPIPE_ARTIFACT_ROOT", str(tmp_path / "artifacts"))
+    monkeypatch.setenv("MXPIPE_LIVE_TRACKING", "0")
+    params = {"registered_model_name": "digits", "warm_start": "models:/digits@champion"}
+    shards = {"manifest_digest": "m" * 64, "model_code": None, "shards_prefix": "s3://b/shards/m"}
+    config = pipeline_tasks.config_xcom(BASE)
+
+    decision = pipeline_tasks.check_reuse(config, params, shards, "dag", "run")
+    assert decision["inputs"]["warm_start"] == "s3://b/run-1/checkpoints@10"
+    assert decision["warm_start"]["checkpoint"]["prefix"] == "s3://b/run-1/checkpoints"
+
+    cluster = LocalCluster("dag--run", ClusterSpec(run_tag="dag--run", workers=1, servers=1), str(tmp_path / "home"))
+    cluster.write_record()
+    started = []
+    monkeypatch.setattr(LocalCluster, "start_supervisor",
+                        lambda self, job_uri, **kw: started.append(job_uri) or {"host": "here"})
+    op = TrainJobOperator(task_id="train", cluster=cluster.describe(), shards=shards, config=config,
+                          warm_start=decision[pipeline_tasks.WARM_START_XCOM_KEY])
+    try:
+        for try_number in (1, 2):  # the first attempt, then a retry (its job's supervisor gone)
+            ti = SimpleNamespace(try_number=try_number, xcom_push=lambda **kw: None)
+            job = op.submit_job({"dag": SimpleNamespace(dag_id="dag"), "run_id": "run", "ti": ti, "params": params})
+            assert JobSpec.load(job["job_uri"]).warm_start_prefix == "s3://b/run-1/checkpoints", try_number
+    finally:
+        cluster.remove_record()
+    assert len(started) == 2
