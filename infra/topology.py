@@ -42,6 +42,7 @@ namespace.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -57,6 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.cli import parser as cli_parser
 from common.procs import GroupRecord
+from common.settings import Settings
 from infra import netns
 from infra.airflow_service import _airflow_ready, airflow_env
 from infra.processes import http_get, launch, load_handle, stop_all, wait_until
@@ -68,6 +70,7 @@ from infra.stack_config import (
     ServiceError,
     StackConfig,
     _write_private,
+    artifact_root,
     connections_env,
     load_credentials,
     mxpipe_home,
@@ -91,6 +94,12 @@ COMPOSE_SECRETS = {"postgres_password": "POSTGRES_PASSWORD", "access_key": "S3_A
                    "airflow_jwt_secret": "AIRFLOW_JWT_SECRET", "airflow_api_secret_key": "AIRFLOW_API_SECRET_KEY"}
 
 
+# The embedded stack's defaults (infra.stack_config.StackConfig, common.settings.Settings) that the
+# topology keeps: its servers on their own addresses take the same ports, bucket and retry delay.
+_STACK = {f.name: f.default for f in dataclasses.fields(StackConfig)}
+_RETRY_DELAY_S = Settings.model_fields["retry_delay_s"].default
+
+
 class TopologySettings(BaseModel):
     """The deployment's settings: names, ports, databases; shared with ``docker/compose.yaml``."""
 
@@ -103,12 +112,13 @@ class TopologySettings(BaseModel):
     mlflow_db: str = "mlflow"
     postgres_port: int = 5432
     redis_port: int = 6379
-    s3_port: int = 8333
-    bucket: str = "mxpipe"
-    mlflow_port: int = 5000
-    airflow_port: int = 8080
+    s3_port: int = _STACK["s3_port"]
+    bucket: str = _STACK["bucket"]
+    mlflow_port: int = _STACK["mlflow_port"]
+    airflow_port: int = _STACK["airflow_port"]
     worker_concurrency: int = Field(2, ge=1)
-    retry_delay_s: int = Field(30, ge=0)
+    # Whole seconds: the compose env file has the value as written here.
+    retry_delay_s: int = Field(int(_RETRY_DELAY_S), ge=0)
     task_heartbeat_timeout_s: int = Field(30, ge=10, description="[scheduler] task_instance_heartbeat_timeout")
 
     def address(self, host: str) -> str:
@@ -143,6 +153,12 @@ class TopologySettings(BaseModel):
 
     def postgres_uri(self, password: str, db: str, scheme: str = "postgresql+psycopg2") -> str:
         return f"{scheme}://{self.postgres_user}:{password}@{self.address('db')}:{self.postgres_port}/{db}"
+
+
+def s3_env(settings: TopologySettings, creds: Mapping[str, str]) -> dict[str, str]:
+    """The AWS variables of a client of the topology's S3 (boto3 and common.storage read them)."""
+    return {"AWS_ENDPOINT_URL_S3": settings.s3_endpoint, "AWS_ACCESS_KEY_ID": creds["access_key"],
+            "AWS_SECRET_ACCESS_KEY": creds["secret_key"], "AWS_DEFAULT_REGION": REGION}
 
 
 def secrets(root: Path) -> dict[str, str]:
@@ -352,8 +368,7 @@ def start_mlflow(root: Path, settings: TopologySettings, creds: Mapping[str, str
            # addresses, which the bridge's are.
            "--host", settings.address("mlflow"), "--port", str(settings.mlflow_port), "--workers", "1"]
     env = _host_env(root, settings, "mlflow", {
-        "MLFLOW_S3_ENDPOINT_URL": settings.s3_endpoint, "AWS_ACCESS_KEY_ID": creds["access_key"],
-        "AWS_SECRET_ACCESS_KEY": creds["secret_key"], "AWS_DEFAULT_REGION": REGION,
+        **s3_env(settings, creds), "MLFLOW_S3_ENDPOINT_URL": settings.s3_endpoint,
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     handle = _launch(root, settings, "mlflow", "mlflow", cmd, env, port=settings.mlflow_port)
     wait_until(lambda: http_get(f"{settings.mlflow_uri}/health", 5)[0] == 200, START_TIMEOUT_S["mlflow"],
@@ -400,7 +415,7 @@ def airflow_host_env(root: Path, settings: TopologySettings, creds: Mapping[str,
     env.update({f"AIRFLOW__{s.upper()}__{k.upper()}": v for (s, k), v in conf.items()})
     env.update(connections_env(s3_endpoint=settings.s3_endpoint, access_key=creds["access_key"],
                                secret_key=creds["secret_key"], mlflow_uri=settings.mlflow_uri))
-    env.update({"MXPIPE_ARTIFACT_ROOT": f"s3://{settings.bucket}/runs", "MXPIPE_SCHEDULE": "none",
+    env.update({"MXPIPE_ARTIFACT_ROOT": artifact_root(settings.bucket), "MXPIPE_SCHEDULE": "none",
                 "MXPIPE_RETRY_DELAY_S": str(settings.retry_delay_s),
                 "MXPIPE_HOSTS_FILE": str(shared_config(root) / "hosts.json")})
     return _host_env(root, settings, host, env)

@@ -28,16 +28,22 @@ from infra.topology import TopologySettings, client_env
 DAG_ID = "mxnet_training"
 
 
+def use_topology_s3(root: Path) -> dict[str, Any]:
+    """This process a client of the topology's S3 on this machine, as a person's shell would be
+    (common.storage's S3 client reads the AWS variables); ``client_env``'s URLs and key pair."""
+    from infra.topology import s3_env, secrets
+
+    settings = TopologySettings.model_validate_json((root / "topology.json").read_text())
+    os.environ.update(s3_env(settings, secrets(root)))
+    return client_env(root)
+
+
 def run_training_dag(root: Path, csv: bytes, *, backend: str = "hosts", timeout_s: float = 900.0,
                      key: str = "topology-test/digits.csv", conf: dict[str, Any] | None = None) -> dict[str, Any]:
     """Put ``csv`` in the topology's S3 under ``key``, trigger the training DAG on it (debug
     recipe, two workers, one server on ``backend``; ``conf`` over that), wait for the end; the
     run's state, task states, seconds, and the ``register`` task's result."""
-    env = client_env(root)
-    # The S3 client of common.storage reads the standard AWS variables: this process is a client
-    # of the topology's S3 on this machine, as a person's shell would be.
-    os.environ.update({"AWS_ENDPOINT_URL_S3": env["s3_endpoint"], "AWS_ACCESS_KEY_ID": env["access_key"],
-                       "AWS_SECRET_ACCESS_KEY": env["secret_key"], "AWS_DEFAULT_REGION": "us-east-1"})
+    env = use_topology_s3(root)
     uri = f"s3://{env['bucket']}/{key}"
     storage.put_bytes(uri, csv)
     wait_for_dag(env["airflow_url"], DAG_ID, timeout_s=300, dag_file="mxnet_training.py")
@@ -91,13 +97,11 @@ def _on_worker(root: Path, worker: str, argv: list[str], timeout_s: float = 180.
     its tasks get it (the aws_default connection's key pair)."""
     import subprocess
 
-    from infra.topology import airflow_host_env, host_command, secrets
+    from infra.topology import airflow_host_env, host_command, s3_env, secrets
 
     settings = TopologySettings.model_validate_json((root / "topology.json").read_text())
     creds = secrets(root)
-    env = {**airflow_host_env(root, settings, creds, worker), "AWS_ENDPOINT_URL_S3": settings.s3_endpoint,
-           "AWS_ACCESS_KEY_ID": creds["access_key"], "AWS_SECRET_ACCESS_KEY": creds["secret_key"],
-           "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {**airflow_host_env(root, settings, creds, worker), **s3_env(settings, creds)}
     out = subprocess.run(host_command(root, settings, worker, [sys.executable, *argv]), env=env,
                          capture_output=True, text=True, timeout=timeout_s)
     if out.returncode != 0:
