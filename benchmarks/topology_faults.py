@@ -33,7 +33,7 @@ from typing import Any
 # The checkout on the path (run as ``python benchmarks/<script>.py``): testkit and the packages.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from infra.topology import TopologySettings, down, up  # noqa: E402
+from infra.topology import HOSTS, TopologySettings, down, host_records, up  # noqa: E402
 from testkit.result_file import write_json  # noqa: E402
 from testkit.topology_faults import FAULTS, fault_run, same_params  # noqa: E402
 from testkit.topology_runs import leftovers  # noqa: E402
@@ -67,8 +67,9 @@ def run(faults: list[str], json_path: str | None, keep_logs: str | None = None) 
     finally:
         result["down_ok"] = down(root)
         if keep_logs:  # every host's server logs, for a look after the topology is gone
-            for logs in (root / "hosts").glob("*/logs"):
-                shutil.copytree(logs, Path(keep_logs) / logs.parent.name, dirs_exist_ok=True)
+            for host in HOSTS:
+                if (host_records(root, host) / "logs").is_dir():
+                    shutil.copytree(host_records(root, host) / "logs", Path(keep_logs) / host, dirs_exist_ok=True)
         result["left"] = leftovers(settings)
         shutil.rmtree(root, ignore_errors=True)
     result["total_s"] = round(time.monotonic() - t0, 1)

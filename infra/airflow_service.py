@@ -46,13 +46,16 @@ AIRFLOW_LOGS_PREFIX = "airflow-logs"
 def airflow_env(home: str | os.PathLike[str], *, api_port: int = 8080,
                 dags_folder: str | os.PathLike[str] | None = None,
                 plugins_folder: str | os.PathLike[str] | None = None,
-                parallelism: int = 4, remote_log_folder: str = "") -> dict[str, str]:
+                parallelism: int = 4, remote_log_folder: str = "",
+                creds: Mapping[str, str] | None = None) -> dict[str, str]:
     """Everything Airflow needs, as ``AIRFLOW_HOME`` + ``AIRFLOW__SECTION__KEY`` variables.
     ``remote_log_folder`` (``s3://bucket/prefix``): the task logs go there too, through the Amazon
-    provider's remote logging with the ``aws_default`` connection (``remote_logging_conf``)."""
+    provider's remote logging with the ``aws_default`` connection (``remote_logging_conf``).
+    ``creds``: the Airflow secrets (default: ``home``'s ``credentials.json``, generated on first
+    use); a deployment whose homes start empty passes its own, so nothing is written there."""
     root = mxpipe_home(home)
     af_home = root / "airflow"
-    creds = load_credentials(root)
+    creds = load_credentials(root) if creds is None else creds
     base_url = f"http://{HOST}:{api_port}"
     pythonpath = [str(REPO_ROOT)] + [p for p in settings().pythonpath.split(os.pathsep) if p]
     conf = {

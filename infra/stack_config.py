@@ -154,9 +154,14 @@ def stack_env(home: str | os.PathLike[str] | None = None) -> dict[str, str]:
         "AWS_SECRET_ACCESS_KEY": creds["secret_key"],
         "AWS_DEFAULT_REGION": REGION,
         "MLFLOW_TRACKING_URI": cfg.mlflow_uri,
-        "MXPIPE_ARTIFACT_ROOT": f"s3://{cfg.bucket}/runs",
+        "MXPIPE_ARTIFACT_ROOT": artifact_root(cfg.bucket),
         "AIRFLOW_HOME": str(cfg.home / "airflow"),
     }
+
+
+def artifact_root(bucket: str) -> str:
+    """The artifact root (``MXPIPE_ARTIFACT_ROOT``) of a stack whose S3 bucket is ``bucket``."""
+    return f"s3://{bucket}/runs"
 
 
 # The stack's S3 connection (Airflow's and the Amazon provider's default id).
@@ -182,7 +187,7 @@ def airflow_task_env(home: str | os.PathLike[str] | None = None) -> dict[str, st
     creds = load_credentials(cfg.home)
     return {**connections_env(s3_endpoint=cfg.s3_endpoint, access_key=creds["access_key"],
                               secret_key=creds["secret_key"], mlflow_uri=cfg.mlflow_uri),
-            "MXPIPE_ARTIFACT_ROOT": f"s3://{cfg.bucket}/runs"}
+            "MXPIPE_ARTIFACT_ROOT": artifact_root(cfg.bucket)}
 
 
 _DROPPED_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",

@@ -2,9 +2,8 @@
 
 ``python -m infra.topology up|down|status|compose-env`` (``make topology`` / ``make
 topology-down``). Every host is a network namespace on one bridge (``infra.netns``), reached from
-this machine over an uplink veth; it has a home folder of its own under ``<root>/hosts/<host>/``
-(its logs, pid files, data, ``HOME`` and ``MXPIPE_HOME``), and its servers listen on its own
-address only. The layout (``HOSTS``):
+this machine over an uplink veth, and its servers listen on its own address only. The layout
+(``HOSTS``):
 
     db        PostgreSQL: Airflow's metadata database and MLflow's backend store (two databases)
     broker    Redis: Celery's broker
@@ -13,19 +12,37 @@ address only. The layout (``HOSTS``):
     airflow   Airflow's API server, scheduler and DAG processor (CeleryExecutor)
     triggerer the triggerer
     worker1/2 a Celery worker each
-    train1-3  sshd: the machines of the ``hosts`` backend (``hosts.json`` in each worker's home;
-              the client key in every home that reaches them, named ``~/ssh/...`` in it)
+    train1-3  sshd: the machines of the ``hosts`` backend (``etc/hosts.json``)
+
+The folders of ``<root>``:
+
+    hosts/<host>/    the host's home (``HOME``, ``MXPIPE_HOME`` under it, its servers' data); empty
+                     when the host starts: whatever is in it, the host's own processes wrote
+    etc/             the deployment's configuration, one copy for every host (read-only there):
+                     the hosts list, the ssh client key and pinned host keys, each training host's
+                     sshd files, PostgreSQL's pg_hba.conf
+    records/<host>/  what this machine keeps of the host's servers, as a supervisor outside the
+                     host would: their console output (logs/) and pid records (run/)
+    credentials.json the secrets, generated once; the hosts get them in their environment
+
+Each host's processes run in a mount namespace of their own (``host_command``) in which ``<root>``
+holds only the host's own home and ``etc/``: a read of another host's file fails (no such file)
+as it would between machines, while the checkout and its environment stay where they are. So
+Airflow's configuration is all ``AIRFLOW__SECTION__KEY`` variables (``airflow_host_env``), and a
+cluster record, a job's log or a task log reaches another host through S3, PostgreSQL or HTTP only.
 
 Settings come from one place, ``TopologySettings`` (and the secrets generated once into
 ``<root>/credentials.json``); ``compose_env`` renders the same settings as the env file of
 ``docker/compose.yaml`` (``docker/env.example`` is that file with placeholder secrets, and a
-test checks it is current). Programs come from Debian (postgres, redis-server, sshd) and the
-project's environment (weed, mlflow, airflow). ``<root>/topology.json`` records what was brought
-up, so ``down`` stops exactly that: every server by its process group, then every namespace
-and the uplink, and it fails naming any process that was still running in a namespace.
+test checks it is current). Programs come from Debian (postgres, redis-server, sshd, util-linux's
+unshare and mount) and the project's environment (weed, mlflow, airflow). ``<root>/topology.json``
+records what was brought up, so ``down`` stops exactly that: every server by its process group,
+then every namespace and the uplink, and it fails naming any process that was still running in a
+namespace.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -41,6 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.cli import parser as cli_parser
 from common.procs import GroupRecord
+from common.settings import Settings
 from infra import netns
 from infra.airflow_service import _airflow_ready, airflow_env
 from infra.processes import http_get, launch, load_handle, stop_all, wait_until
@@ -52,6 +70,7 @@ from infra.stack_config import (
     ServiceError,
     StackConfig,
     _write_private,
+    artifact_root,
     connections_env,
     load_credentials,
     mxpipe_home,
@@ -75,6 +94,12 @@ COMPOSE_SECRETS = {"postgres_password": "POSTGRES_PASSWORD", "access_key": "S3_A
                    "airflow_jwt_secret": "AIRFLOW_JWT_SECRET", "airflow_api_secret_key": "AIRFLOW_API_SECRET_KEY"}
 
 
+# The embedded stack's defaults (infra.stack_config.StackConfig, common.settings.Settings) that the
+# topology keeps: its servers on their own addresses take the same ports, bucket and retry delay.
+_STACK = {f.name: f.default for f in dataclasses.fields(StackConfig)}
+_RETRY_DELAY_S = Settings.model_fields["retry_delay_s"].default
+
+
 class TopologySettings(BaseModel):
     """The deployment's settings: names, ports, databases; shared with ``docker/compose.yaml``."""
 
@@ -87,12 +112,13 @@ class TopologySettings(BaseModel):
     mlflow_db: str = "mlflow"
     postgres_port: int = 5432
     redis_port: int = 6379
-    s3_port: int = 8333
-    bucket: str = "mxpipe"
-    mlflow_port: int = 5000
-    airflow_port: int = 8080
+    s3_port: int = _STACK["s3_port"]
+    bucket: str = _STACK["bucket"]
+    mlflow_port: int = _STACK["mlflow_port"]
+    airflow_port: int = _STACK["airflow_port"]
     worker_concurrency: int = Field(2, ge=1)
-    retry_delay_s: int = Field(30, ge=0)
+    # Whole seconds: the compose env file has the value as written here.
+    retry_delay_s: int = Field(int(_RETRY_DELAY_S), ge=0)
     task_heartbeat_timeout_s: int = Field(30, ge=10, description="[scheduler] task_instance_heartbeat_timeout")
 
     def address(self, host: str) -> str:
@@ -129,6 +155,12 @@ class TopologySettings(BaseModel):
         return f"{scheme}://{self.postgres_user}:{password}@{self.address('db')}:{self.postgres_port}/{db}"
 
 
+def s3_env(settings: TopologySettings, creds: Mapping[str, str]) -> dict[str, str]:
+    """The AWS variables of a client of the topology's S3 (boto3 and common.storage read them)."""
+    return {"AWS_ENDPOINT_URL_S3": settings.s3_endpoint, "AWS_ACCESS_KEY_ID": creds["access_key"],
+            "AWS_SECRET_ACCESS_KEY": creds["secret_key"], "AWS_DEFAULT_REGION": REGION}
+
+
 def secrets(root: Path) -> dict[str, str]:
     """The deployment's secrets: the stack's (``load_credentials``) plus PostgreSQL's and Redis'
     passwords, generated once into ``<root>/credentials.json`` (mode 0600)."""
@@ -162,6 +194,17 @@ def host_home(root: Path, host: str) -> Path:
     return root / "hosts" / host
 
 
+def shared_config(root: Path) -> Path:
+    """``<root>/etc``: the configuration every host reads (read-only on the hosts)."""
+    return root / "etc"
+
+
+def host_records(root: Path, host: str) -> Path:
+    """This machine's records of ``host``'s servers: ``logs/<name>.log`` and ``run/<name>.json``
+    (``infra.processes.launch``'s layout), outside the host's home and out of its sight."""
+    return root / "records" / host
+
+
 def _host_env(root: Path, settings: TopologySettings, host: str, extra: Mapping[str, str]) -> dict[str, str]:
     """The ambient environment cleaned (``service_env``), the host's own ``HOME`` and
     ``MXPIPE_HOME``, and a tag naming the topology (``leftovers`` looks for it)."""
@@ -170,11 +213,40 @@ def _host_env(root: Path, settings: TopologySettings, host: str, extra: Mapping[
                         "MXPIPE_HOST_ADDRESS": settings.address(host), **extra})
 
 
+# Run by ``host_command`` as root in the host's fresh mount namespace ($1 the topology's root, $2
+# the host, then the command). A tmpfs is built up at <root>/.view with the host's home and etc/
+# (read-only) bound into it, moved over <root> (so the other homes and this machine's records
+# vanish) and made read-only: writing where another host's home was fails too. Then the command
+# is exec'd, keeping the pid ``launch`` recorded. Mounts, not permissions: every host runs as root.
+_HOST_VIEW = r"""set -e
+root=$1 host=$2; shift 2
+view="$root/.view"
+mount -t tmpfs -o mode=0755,size=1m "topology-$host" "$view"
+mkdir -p "$view/hosts/$host" "$view/etc"
+mount --bind "$root/hosts/$host" "$view/hosts/$host"
+mount --bind -o ro "$root/etc" "$view/etc"
+mount --move "$view" "$root"
+mount -o remount,ro,bind "$root"
+cd "$root/hosts/$host"
+exec "$@"
+"""
+
+
+def host_command(root: Path, settings: TopologySettings, host: str, cmd: list[str]) -> list[str]:
+    """``cmd`` as a process of ``host``: in its network namespace (``ip netns exec``, which execs
+    it) and a private mount namespace (``unshare``, which execs it too) where ``<root>`` shows the
+    host's own home and ``etc/`` only (``_HOST_VIEW``). What the host's processes start (an ssh
+    session of sshd, a Celery task) inherits both."""
+    return ["ip", "netns", "exec", settings.namespace(host), "unshare", "--mount", "--propagation", "private",
+            "sh", "-c", _HOST_VIEW, "host-view", str(root), host, *cmd]
+
+
 def _launch(root: Path, settings: TopologySettings, host: str, name: str, cmd: list[str],
             env: Mapping[str, str], port: int | None = None) -> GroupRecord:
-    """``cmd`` on ``host``: ``ip netns exec`` execs it, so the recorded session is the server's."""
-    home = host_home(root, host)
-    return launch(name, ["ip", "netns", "exec", settings.namespace(host), *cmd], env, home, port=port, cwd=home)
+    """``cmd`` on ``host`` (``host_command``), its output and pid record in ``host_records``: the
+    recorded session is the server's, since every step of the way execs the next."""
+    return launch(name, host_command(root, settings, host, cmd), env, host_records(root, host), port=port,
+                  cwd=host_home(root, host))
 
 
 def _as_postgres(*cmd: str) -> list[str]:
@@ -196,26 +268,30 @@ def start_postgres(root: Path, settings: TopologySettings, creds: Mapping[str, s
     home = host_home(root, "db")
     data = home / "pgdata"
     user = pwd.getpwnam("postgres")
+    # Who may connect comes with the configuration (etc/), not from a file written into the home.
+    hba = shared_config(root) / "pg_hba.conf"
+    hba.write_text(f"local all all scram-sha-256\nhost all all {settings.subnet}.0/24 scram-sha-256\n")
     if not (data / "PG_VERSION").exists():
-        data.mkdir(parents=True, exist_ok=True)
-        pwfile = home / "pg.pw"
-        pwfile.write_text(creds["postgres_password"] + "\n")
-        for path in (home, data, pwfile):
-            os.chown(path, user.pw_uid, user.pw_gid)
-        out = subprocess.run(_as_postgres(_pg_bin("initdb"), "-D", str(data), "-U", settings.postgres_user,
-                                          "--auth=scram-sha-256", f"--pwfile={pwfile}", "-E", "UTF8"),
-                             capture_output=True, text=True, timeout=120)
-        if out.returncode != 0:
+        os.chown(home, user.pw_uid, user.pw_gid)
+        # initdb on the db host, as PostgreSQL's user, the password through its own pipe: a
+        # --pwfile in the home would be a file written there before the host started, and
+        # /dev/stdin of a pipe root made is closed to that user.
+        initdb = _launch(root, settings, "db", "initdb", _as_postgres(
+            "sh", "-c", 'printf "%s\\n" "$PGPASSWORD" | "$@" --pwfile=/dev/stdin', "initdb", _pg_bin("initdb"),
+            "-D", str(data), "-U", settings.postgres_user, "--auth=scram-sha-256", "-E", "UTF8"),
+            _host_env(root, settings, "db", {"PGPASSWORD": creds["postgres_password"]}))
+        try:
+            rc = initdb.wait(120)
+        finally:
+            initdb.stop(timeout=10)
+        if rc != 0:
             # Typically a parent folder the postgres user cannot enter (a mode-0700 temp folder).
-            raise ServiceError(f"initdb as the postgres user failed in {data}: {out.stderr.strip()[-500:]}")
-        pwfile.unlink()
-        with open(data / "pg_hba.conf", "a") as fh:
-            fh.write(f"host all all {settings.subnet}.0/24 scram-sha-256\n")
+            raise ServiceError(f"initdb as the postgres user failed in {data}:\n{initdb.log_tail()}")
     cmd = _as_postgres(_pg_bin("postgres"), "-D", str(data), "-c", f"listen_addresses={settings.address('db')}",
-                       "-p", str(settings.postgres_port), "-c", f"unix_socket_directories={data}")
+                       "-p", str(settings.postgres_port), "-c", f"unix_socket_directories={data}",
+                       "-c", f"hba_file={hba}")
     handle = _launch(root, settings, "db", "postgres", cmd, _host_env(root, settings, "db", {}),
                      port=settings.postgres_port)
-    os.chown(handle.log_path or "", user.pw_uid, user.pw_gid)
 
     # psql, not a Python driver: infra needs none of its own (Airflow's and MLflow's come with
     # the airflow-image group), and the client ships with the server's Debian packages.
@@ -236,12 +312,13 @@ def start_postgres(root: Path, settings: TopologySettings, creds: Mapping[str, s
     return handle
 
 
-def stop_postgres(root: Path, handle: GroupRecord) -> bool:
-    """A fast shutdown first (``pg_ctl stop -m fast``: the postmaster ends its children in
-    order), then the session as every server's."""
+def stop_postgres(root: Path, settings: TopologySettings, handle: GroupRecord) -> bool:
+    """A fast shutdown first (``pg_ctl stop -m fast`` on the db host: the postmaster ends its
+    children in order), then the session as every server's."""
     if handle.is_running():
-        subprocess.run(_as_postgres(_pg_bin("pg_ctl"), "stop", "-D", str(host_home(root, "db") / "pgdata"),
-                                    "-m", "fast", "-t", "30"), capture_output=True, timeout=60)
+        pg_ctl = _as_postgres(_pg_bin("pg_ctl"), "stop", "-D", str(host_home(root, "db") / "pgdata"), "-m", "fast",
+                              "-t", "30")
+        subprocess.run(host_command(root, settings, "db", pg_ctl), capture_output=True, timeout=60)
     return handle.stop(timeout=10)
 
 
@@ -274,7 +351,6 @@ def start_seaweedfs(root: Path, settings: TopologySettings, creds: Mapping[str, 
     s3 host's address, with the deployment's key pair enforced."""
     cfg = StackConfig(home=host_home(root, "s3"), bucket=settings.bucket, s3_port=settings.s3_port,
                       s3_host=settings.address("s3"))
-    (cfg.home / "s3").mkdir(parents=True, exist_ok=True)
     env = _host_env(root, settings, "s3", {"AWS_ACCESS_KEY_ID": creds["access_key"],
                                            "AWS_SECRET_ACCESS_KEY": creds["secret_key"]})
     handle = _launch(root, settings, "s3", "s3", weed_command(cfg), env, port=settings.s3_port)
@@ -292,8 +368,7 @@ def start_mlflow(root: Path, settings: TopologySettings, creds: Mapping[str, str
            # addresses, which the bridge's are.
            "--host", settings.address("mlflow"), "--port", str(settings.mlflow_port), "--workers", "1"]
     env = _host_env(root, settings, "mlflow", {
-        "MLFLOW_S3_ENDPOINT_URL": settings.s3_endpoint, "AWS_ACCESS_KEY_ID": creds["access_key"],
-        "AWS_SECRET_ACCESS_KEY": creds["secret_key"], "AWS_DEFAULT_REGION": REGION,
+        **s3_env(settings, creds), "MLFLOW_S3_ENDPOINT_URL": settings.s3_endpoint,
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     handle = _launch(root, settings, "mlflow", "mlflow", cmd, env, port=settings.mlflow_port)
     wait_until(lambda: http_get(f"{settings.mlflow_uri}/health", 5)[0] == 200, START_TIMEOUT_S["mlflow"],
@@ -312,9 +387,9 @@ def airflow_host_env(root: Path, settings: TopologySettings, creds: Mapping[str,
     CeleryExecutor, PostgreSQL, Redis and the bridge addresses), and what its tasks find in
     their environment: the S3 and MLflow connections, the artifact root, the hosts file."""
     home = host_home(root, host)
-    # The same secrets on every Airflow host (the JWTs one host signs, another checks).
-    _write_private(home / "credentials.json", json.dumps(dict(creds), indent=2))
-    env = airflow_env(home, api_port=settings.airflow_port)
+    # The same secrets on every Airflow host (the JWTs one host signs, another checks), in the
+    # environment as the rest: nothing is written into the home.
+    env = airflow_env(home, api_port=settings.airflow_port, creds=creds)
     api = settings.airflow_url
     pg = creds["postgres_password"]
     conf = {
@@ -340,8 +415,9 @@ def airflow_host_env(root: Path, settings: TopologySettings, creds: Mapping[str,
     env.update({f"AIRFLOW__{s.upper()}__{k.upper()}": v for (s, k), v in conf.items()})
     env.update(connections_env(s3_endpoint=settings.s3_endpoint, access_key=creds["access_key"],
                                secret_key=creds["secret_key"], mlflow_uri=settings.mlflow_uri))
-    env.update({"MXPIPE_ARTIFACT_ROOT": f"s3://{settings.bucket}/runs", "MXPIPE_SCHEDULE": "none",
-                "MXPIPE_RETRY_DELAY_S": str(settings.retry_delay_s), "MXPIPE_HOSTS_FILE": str(home / "hosts.json")})
+    env.update({"MXPIPE_ARTIFACT_ROOT": artifact_root(settings.bucket), "MXPIPE_SCHEDULE": "none",
+                "MXPIPE_RETRY_DELAY_S": str(settings.retry_delay_s),
+                "MXPIPE_HOSTS_FILE": str(shared_config(root) / "hosts.json")})
     return _host_env(root, settings, host, env)
 
 
@@ -409,7 +485,7 @@ def start_airflow_hosts(root: Path, settings: TopologySettings, creds: Mapping[s
 def _celery_ready(root: Path, host: str, since: int = 0) -> bool:
     """Celery prints "<node> ready." once it consumes from the broker (``since``: a log offset,
     the start of this start's lines)."""
-    log = host_home(root, host) / "logs" / "airflow-celery-worker.log"
+    log = host_records(root, host) / "logs" / "airflow-celery-worker.log"
     if not log.exists():
         return False
     with open(log, "rb") as fh:
@@ -425,7 +501,7 @@ def restart_airflow_server(root: Path, host: str, component: str) -> GroupRecord
     settings = TopologySettings.model_validate_json((root / "topology.json").read_text())
     if component not in AIRFLOW_HOSTS.get(host, ()):
         raise ValueError(f"{host} runs {AIRFLOW_HOSTS.get(host, ())}, not {component!r}")
-    log = host_home(root, host) / "logs" / f"airflow-{component}.log"
+    log = host_records(root, host) / "logs" / f"airflow-{component}.log"
     offset = log.stat().st_size if log.exists() else 0
     handle = _launch(root, settings, host, f"airflow-{component}", _restarting(_airflow_cmd(settings, host, component)),
                      airflow_host_env(root, settings, secrets(root), host),
@@ -439,18 +515,20 @@ def restart_airflow_server(root: Path, host: str, component: str) -> GroupRecord
 def restart_postgres(root: Path) -> GroupRecord:
     """PostgreSQL stopped (fast shutdown: every client's connection is cut) and started again."""
     settings = TopologySettings.model_validate_json((root / "topology.json").read_text())
-    old = load_handle(host_home(root, "db"), "postgres")
-    if old is not None and not stop_postgres(root, old):
+    old = load_handle(host_records(root, "db"), "postgres")
+    if old is not None and not stop_postgres(root, settings, old):
         raise ServiceError("PostgreSQL did not stop")
     return start_postgres(root, settings, secrets(root))
 
 
 def start_training_hosts(root: Path, settings: TopologySettings) -> list[GroupRecord]:
-    """sshd on each training host, and in each worker's home the client key, the pinned host
-    keys and ``hosts.json`` (the ``hosts`` backend's machines, ``MXPIPE_HOSTS_FILE``)."""
+    """sshd on each training host, and in ``etc/`` (every host's, read-only) the client key, the
+    pinned host keys, each host's sshd files and ``hosts.json`` (the ``hosts`` backend's
+    machines, ``MXPIPE_HOSTS_FILE``): provisioning, as a configuration manager lays it out, not
+    files written into a home."""
     from infra.transport import HostSpec, run_on
 
-    keys = root / "ssh"
+    keys = shared_config(root) / "ssh"
     keys.mkdir(parents=True, exist_ok=True)
     client_key = keys / "id_ed25519"
     if not client_key.exists():
@@ -461,7 +539,7 @@ def start_training_hosts(root: Path, settings: TopologySettings) -> list[GroupRe
     os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation folder
     handles, known = [], []
     for host in TRAINING_HOSTS:
-        folder = host_home(root, host) / "sshd"
+        folder = shared_config(root) / "sshd" / host
         folder.mkdir(parents=True, exist_ok=True)
         host_key = folder / "host_ed25519"
         if not host_key.exists():
@@ -470,30 +548,20 @@ def start_training_hosts(root: Path, settings: TopologySettings) -> list[GroupRe
         shutil.copy(f"{client_key}.pub", authorized)
         known.append(f"{settings.address(host)} {' '.join(Path(f'{host_key}.pub').read_text().split()[:2])}\n")
         config = folder / "sshd_config"
-        config.write_text(netns.sshd_config(settings.address(host), host_key, authorized, folder))
+        # Its pid file in the host's own home: the one thing sshd writes.
+        config.write_text(netns.sshd_config(settings.address(host), host_key, authorized, host_home(root, host)))
         handles.append(_launch(root, settings, host, "sshd", [sshd, "-D", "-e", "-f", str(config)],
                                _host_env(root, settings, host, {})))
-    # One hosts list for every worker, its key paths under "~" (infra.transport): a cluster
-    # record written on one worker reaches the hosts from the other with that one's own copy, the
-    # triggerer (a deferred train task's on_kill stops the job from there) with its own, and the
-    # supervisor on the first training host (HOME: its state_dir) with its own.
+    (keys / "known_hosts").write_text("".join(known))
+    # One hosts list for every host that reaches the training hosts (the workers; the triggerer,
+    # whose deferred train task's on_kill stops a job; the supervisor on the first training
+    # host), naming the one key in etc/ that each of them sees at the same path.
     hosts = [{"name": host, "address": settings.address(host), "transport": "ssh", "ssh_user": "root",
-              "ssh_key": "~/ssh/id_ed25519", "known_hosts": "~/ssh/known_hosts",
+              "ssh_key": str(client_key), "known_hosts": str(keys / "known_hosts"),
               "python": sys.executable, "workdir": str(REPO_ROOT),
               "state_dir": str(host_home(root, host) / "roles")} for host in TRAINING_HOSTS]
-    for home in [host_home(root, h) for h in (*WORKERS, "triggerer")] + [Path(h["state_dir"]) for h in hosts]:
-        ssh = home / "ssh"
-        ssh.mkdir(parents=True, exist_ok=True)
-        for name in ("id_ed25519", "id_ed25519.pub"):
-            shutil.copy(keys / name, ssh / name)
-        (ssh / "known_hosts").write_text("".join(known))
-    for worker in WORKERS:
-        (host_home(root, worker) / "hosts.json").write_text(json.dumps(hosts, indent=2))
-    # Probed with the first worker's copy of the key, as its tasks will reach them.
-    probe = [HostSpec.from_dict({**h, "ssh_key": str(host_home(root, WORKERS[0]) / "ssh" / "id_ed25519"),
-                                 "known_hosts": str(host_home(root, WORKERS[0]) / "ssh" / "known_hosts")})
-             for h in hosts]
-    for spec, handle in zip(probe, handles):
+    (shared_config(root) / "hosts.json").write_text(json.dumps(hosts, indent=2))
+    for spec, handle in zip([HostSpec.from_dict(h) for h in hosts], handles):
         wait_until(lambda spec=spec: run_on(spec, "true", timeout_s=10), START_TIMEOUT_S["sshd"],
                    f"sshd on {spec.name}", handle=handle, interval_s=0.5)
     return handles
@@ -519,9 +587,13 @@ def up(root: Path, settings: TopologySettings, echo: Callable[[str], None] = pri
     root.mkdir(parents=True, exist_ok=True)
     state.write_text(settings.model_dump_json(indent=2))
     t0 = time.monotonic()
+    # The mount point of each host's view of <root> (host_command) and the shared configuration.
+    for folder in (root / ".view", shared_config(root)):
+        folder.mkdir(exist_ok=True)
     try:
         netns.add_switch(settings.switch)
         for i, host in enumerate(HOSTS):
+            # Empty on a new root: a host's own processes are the only writers of its home.
             host_home(root, host).mkdir(parents=True, exist_ok=True)
             netns.add_host(settings.switch, settings.namespace(host), f"p{i}", settings.address(host))
         netns.add_uplink(settings.switch, settings.uplink, settings.uplink_address)
@@ -549,8 +621,8 @@ def up(root: Path, settings: TopologySettings, echo: Callable[[str], None] = pri
 def _records(root: Path) -> list[tuple[str, GroupRecord]]:
     found = []
     for host in HOSTS:
-        for pid_file in sorted((host_home(root, host) / "run").glob("*.json")):
-            handle = load_handle(host_home(root, host), pid_file.stem)
+        for pid_file in sorted((host_records(root, host) / "run").glob("*.json")):
+            handle = load_handle(host_records(root, host), pid_file.stem)
             if handle is not None:
                 found.append((host, handle))
     return found
@@ -572,7 +644,7 @@ def down(root: Path, echo: Callable[[str], None] = print) -> bool:
     for tier in tiers:
         handles = [h for host, h in records if host in tier]
         if tier == ("db",):
-            stopped = all(stop_postgres(root, h) for h in handles)
+            stopped = all(stop_postgres(root, settings, h) for h in handles)
         elif tier == ("s3",):
             stopped = all(stop_s3(h) for h in handles)
         else:

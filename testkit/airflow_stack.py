@@ -83,7 +83,9 @@ def wait_until_parked(home: Path, run_id: str, task_id: str, timeout_s: float = 
     Seen here (Airflow 3.3.2): an answer that comes before that re-queues the task, the
     scheduler then takes the pausing attempt's "success" executor event for the new attempt and
     fails the task. Under load that window lasted more than 5 s after the API showed
-    ``awaiting_input``; a person never answers that fast, a test does.
+    ``awaiting_input``; a person never answers that fast, a test does. ``home``: the folder of
+    the scheduler's launch record, its output in ``logs/`` (a stack's home; a topology host's
+    ``infra.topology.host_records``).
     """
     log_file = home / "logs" / "airflow-scheduler.log"
     wanted = f"task_id={task_id}, run_id={run_id},"

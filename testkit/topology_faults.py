@@ -39,6 +39,7 @@ from common.paths import RunPaths
 from infra import netns
 from infra.airflow_client import AirflowClient, trigger_dag_run, wait_for_dag, wait_for_dag_run
 from infra.topology import (HOSTS, TopologySettings, client_env, restart_airflow_server, restart_postgres)
+from testkit.topology_runs import use_topology_s3
 
 log = logging.getLogger(__name__)
 
@@ -287,14 +288,6 @@ def params_digest(run_id: str, bucket: str) -> dict[str, Any]:
         model.update(storage.get_bytes(uri))
     return {"step": step, "checkpoint_params_sha256": digest.hexdigest(),
             "model_params_sha256": model.hexdigest() if files else None}
-
-
-def use_topology_s3(root: Path) -> dict[str, Any]:
-    """This process a client of the topology's S3 (common.storage reads the AWS variables)."""
-    env = client_env(root)
-    os.environ.update({"AWS_ENDPOINT_URL_S3": env["s3_endpoint"], "AWS_ACCESS_KEY_ID": env["access_key"],
-                       "AWS_SECRET_ACCESS_KEY": env["secret_key"], "AWS_DEFAULT_REGION": "us-east-1"})
-    return env
 
 
 def fault_run(root: Path, csv: bytes, label: str, fault: str | None = None,

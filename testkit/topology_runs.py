@@ -3,7 +3,8 @@ and the proof that ``down`` left nothing: no namespace, no uplink, no process of
 
 ``cross_worker_release`` provisions a cluster from one Celery worker's host and reaps it (its
 supervisor stopped over ssh) from the other's; ``worker_files`` lists what of clusters and jobs
-each worker's home holds (nothing: they live in S3).
+each worker's home holds (nothing: they live in S3); ``cross_host_reads`` has one worker read a
+file the other wrote into its home (it cannot: each host sees its own home only).
 
 ``python -m testkit.topology_runs --root R [--backend hosts]`` runs one DAG run on a topology
 that is up and prints its task states (by hand, beside ``python -m infra.topology up``).
@@ -27,16 +28,22 @@ from infra.topology import TopologySettings, client_env
 DAG_ID = "mxnet_training"
 
 
+def use_topology_s3(root: Path) -> dict[str, Any]:
+    """This process a client of the topology's S3 on this machine, as a person's shell would be
+    (common.storage's S3 client reads the AWS variables); ``client_env``'s URLs and key pair."""
+    from infra.topology import s3_env, secrets
+
+    settings = TopologySettings.model_validate_json((root / "topology.json").read_text())
+    os.environ.update(s3_env(settings, secrets(root)))
+    return client_env(root)
+
+
 def run_training_dag(root: Path, csv: bytes, *, backend: str = "hosts", timeout_s: float = 900.0,
                      key: str = "topology-test/digits.csv", conf: dict[str, Any] | None = None) -> dict[str, Any]:
     """Put ``csv`` in the topology's S3 under ``key``, trigger the training DAG on it (debug
     recipe, two workers, one server on ``backend``; ``conf`` over that), wait for the end; the
     run's state, task states, seconds, and the ``register`` task's result."""
-    env = client_env(root)
-    # The S3 client of common.storage reads the standard AWS variables: this process is a client
-    # of the topology's S3 on this machine, as a person's shell would be.
-    os.environ.update({"AWS_ENDPOINT_URL_S3": env["s3_endpoint"], "AWS_ACCESS_KEY_ID": env["access_key"],
-                       "AWS_SECRET_ACCESS_KEY": env["secret_key"], "AWS_DEFAULT_REGION": "us-east-1"})
+    env = use_topology_s3(root)
     uri = f"s3://{env['bucket']}/{key}"
     storage.put_bytes(uri, csv)
     wait_for_dag(env["airflow_url"], DAG_ID, timeout_s=300, dag_file="mxnet_training.py")
@@ -85,20 +92,18 @@ print(json.dumps({"cluster_id": cluster.cluster_id, "record": cluster.record_uri
 
 
 def _on_worker(root: Path, worker: str, argv: list[str], timeout_s: float = 180.0) -> str:
-    """``argv`` (after the interpreter) in ``worker``'s namespace, with its Airflow host's
-    environment and S3 as its tasks get it (the aws_default connection's key pair)."""
+    """``argv`` (after the interpreter) as a process of ``worker`` (``infra.topology.host_command``:
+    its namespaces, so it sees its own home only), with its Airflow host's environment and S3 as
+    its tasks get it (the aws_default connection's key pair)."""
     import subprocess
 
-    from infra.stack_config import REPO_ROOT
-    from infra.topology import airflow_host_env, secrets
+    from infra.topology import airflow_host_env, host_command, s3_env, secrets
 
     settings = TopologySettings.model_validate_json((root / "topology.json").read_text())
     creds = secrets(root)
-    env = {**airflow_host_env(root, settings, creds, worker), "AWS_ENDPOINT_URL_S3": settings.s3_endpoint,
-           "AWS_ACCESS_KEY_ID": creds["access_key"], "AWS_SECRET_ACCESS_KEY": creds["secret_key"],
-           "AWS_DEFAULT_REGION": "us-east-1"}
-    out = subprocess.run(["ip", "netns", "exec", settings.namespace(worker), sys.executable, *argv], env=env,
-                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
+    env = {**airflow_host_env(root, settings, creds, worker), **s3_env(settings, creds)}
+    out = subprocess.run(host_command(root, settings, worker, [sys.executable, *argv]), env=env,
+                         capture_output=True, text=True, timeout=timeout_s)
     if out.returncode != 0:
         raise RuntimeError(f"{worker}: {argv[:2]} failed ({out.returncode}): {out.stderr[-2000:]}")
     return out.stdout
@@ -152,6 +157,42 @@ def cross_worker_release(root: Path, *, wait_s: float = 30.0) -> dict[str, Any]:
             "supervisor_left": _stand_ins(cid), "record_left": storage.exists(made["record"]),
             "seen_by_worker1_after": cid in left_on_worker1, "provision_s": round(provisioned_s, 1),
             "reap_s": round(reap_s, 1)}
+
+
+# Run as a process of a host: what it finds at each path, read for real ("ok: <text>", or the
+# error's name), as JSON.
+_READ_ON_HOST = """
+import json, os, sys
+out = {}
+for path in sys.argv[1:]:
+    try:
+        out[path] = "listed: " + " ".join(sorted(os.listdir(path))) if os.path.isdir(path) else \\
+            "ok: " + open(path).read()
+    except OSError as exc:
+        out[path] = type(exc).__name__
+print(json.dumps(out))
+"""
+
+
+def cross_host_reads(root: Path) -> dict[str, Any]:
+    """A file ``worker2`` writes into its own home, read back there, and read from ``worker1``
+    (at the same path: every host sees its own home where it is); what ``worker1`` finds of the
+    homes folder and of this machine's records of ``worker2``'s servers. A host of its own file
+    system: the reads from ``worker1`` fail, and it lists its own home alone."""
+    import uuid
+
+    from infra.topology import host_home, host_records
+
+    probe = host_home(root, "worker2") / f"probe-{uuid.uuid4().hex[:8]}.txt"
+    written = _on_worker(root, "worker2", ["-c", f"open({str(probe)!r}, 'w').write('worker2 wrote this')"])
+    own = json.loads(_on_worker(root, "worker2", ["-c", _READ_ON_HOST, str(probe)]))[str(probe)]
+    record = host_records(root, "worker2") / "logs" / "airflow-celery-worker.log"
+    paths = [str(probe), str(host_home(root, "worker2")), str(root / "hosts"), str(record)]
+    other = json.loads(_on_worker(root, "worker1", ["-c", _READ_ON_HOST, *paths]))
+    return {"written": written == "" and probe.exists(), "read_on_worker2": own,
+            "worker1_reads_worker2_file": other[str(probe)], "worker1_lists_worker2_home": other[paths[1]],
+            "worker1_lists_homes": other[paths[2]], "worker1_reads_worker2_records": other[paths[3]],
+            "record_exists": record.exists()}
 
 
 def worker_files(root: Path) -> dict[str, list[str]]:

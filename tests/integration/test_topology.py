@@ -5,6 +5,10 @@ brought down: no namespace, uplink or process of the topology is left. Between t
 cluster provisioned on one Celery worker's host is found and released (its supervisor stopped
 over ssh) by the other's reaper: no worker reads what another wrote on its disk.
 
+Each host starts with its home empty (its configuration is in its environment and the shared
+``etc/``), and a process of one worker cannot read what the other wrote into its home: the
+DAG run passes with every host seeing its own home only.
+
 Its own tier (``-m topology``, ``make test-topology``): several minutes and most of the
 machine, so not part of ``make test``."""
 import json
@@ -15,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from common import storage
-from infra.topology import TopologySettings, down, up
-from testkit.topology_runs import cross_worker_release, leftovers, missing_tools, run_training_dag, worker_files
+from infra import topology
+from infra.topology import HOSTS, TopologySettings, down, host_home, up
+from testkit.topology_runs import (cross_host_reads, cross_worker_release, leftovers, missing_tools, run_training_dag,
+                                   worker_files)
 
 pytestmark = pytest.mark.topology
 
@@ -25,13 +31,32 @@ pytestmark = pytest.mark.topology
 # Beyond the default 900 s: bringing it up and down takes minutes of its own, and the DAG run
 # is bounded by 900 s by itself.
 @pytest.mark.timeout(2400)
-def test_training_dag_runs_on_the_topology_and_down_leaves_nothing(digits_csv):
+def test_training_dag_runs_on_the_topology_and_down_leaves_nothing(digits_csv, monkeypatch):
     settings = TopologySettings()
     # Not pytest's tmp_path: its mode-0700 parents keep out PostgreSQL's own user.
     root = Path(tempfile.mkdtemp(prefix="mxpipe-topology-"))
     root.chmod(0o755)
+    # What each home holds when its host's first process starts (every start goes through
+    # infra.topology._launch): nothing, since nothing but the host itself writes there.
+    at_start: dict[str, list[str]] = {}
+    launch = topology._launch
+
+    def spy(root: Path, settings: TopologySettings, host: str, *args, **kwargs):
+        at_start.setdefault(host, sorted(p.name for p in host_home(root, host).iterdir()))
+        return launch(root, settings, host, *args, **kwargs)
+
+    monkeypatch.setattr(topology, "_launch", spy)
     try:
         up(root, settings)
+        # Checked before the DAG run spends minutes: a host sees its own home only.
+        reads = cross_host_reads(root)
+        print(json.dumps({"homes_at_start": at_start, "cross_host_reads": reads}))
+        assert at_start == {host: [] for host in HOSTS}, at_start
+        assert reads["written"] and reads["read_on_worker2"] == "ok: worker2 wrote this", reads
+        assert reads["record_exists"], reads
+        assert (reads["worker1_reads_worker2_file"], reads["worker1_lists_worker2_home"],
+                reads["worker1_reads_worker2_records"]) == ("FileNotFoundError",) * 3, reads
+        assert reads["worker1_lists_homes"] == "listed: worker1", reads
         result = run_training_dag(root, digits_csv, backend="hosts", timeout_s=900)
         # The release (on either worker) removed the run's cluster record from S3.
         records = list(storage.list_uris(f"s3://{settings.bucket}/clusters"))

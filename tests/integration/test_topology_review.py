@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from infra.airflow_client import AirflowClient, trigger_dag_run, wait_for_dag, wait_for_dag_run, wait_for_task_state
-from infra.topology import TopologySettings, client_env, down, host_home, up
+from infra.topology import TopologySettings, client_env, down, host_records, up
 from testkit.airflow_stack import wait_until_parked
 from testkit.scaled_tables import scaled_classification_table
 from testkit.topology_runs import leftovers, missing_tools, run_training_dag
@@ -70,7 +70,7 @@ def _review(root: Path, version: str) -> dict:
     t0 = time.monotonic()
     run_id = trigger_dag_run(url, REVIEW, {"model_name": MODEL, "version": version})
     wait_for_task_state(url, REVIEW, run_id, "approval", "awaiting_input", timeout_s=900, poll_s=3)
-    wait_until_parked(host_home(root, "airflow"), run_id, "approval")
+    wait_until_parked(host_records(root, "airflow"), run_id, "approval")
     with AirflowClient(url) as client:
         body = client.hitl_detail(REVIEW, run_id, "approval")["body"]
         client.respond(REVIEW, run_id, "approval", ["Approve"], {"comment": "topology review"})

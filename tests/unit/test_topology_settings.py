@@ -1,6 +1,10 @@
 """The namespace topology's settings (infra.topology): one source for the topology and
 docker/compose.yaml's env file, and the Airflow configuration each host gets from it."""
+import json
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -56,6 +60,50 @@ def test_airflow_hosts_share_the_database_broker_and_secrets_but_name_themselves
     assert worker["MXPIPE_HOME"].startswith(worker["HOME"])
     # A dead worker host's task is retried in seconds, not after the default 300 s.
     assert envs["airflow"]["AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT"] == str(settings.task_heartbeat_timeout_s)
+    # All of it in the environment: the homes start empty (the topology tier checks it).
+    assert list(tmp_path.rglob("*")) == []
+    assert worker["AIRFLOW__CORE__FERNET_KEY"] == "f" and worker["AIRFLOW__API_AUTH__JWT_SECRET"] == "j"
+    assert worker["MXPIPE_HOSTS_FILE"] == str(tmp_path / "etc" / "hosts.json")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a mount namespace)")
+def test_a_host_sees_its_own_home_and_the_shared_config_only(tmp_path):
+    """``host_command``'s mount namespace, without its network namespace (``ip netns exec``)."""
+    from infra.topology import host_command, host_home, host_records, shared_config
+
+    for host in ("worker1", "worker2"):
+        host_home(tmp_path, host).mkdir(parents=True)
+    (host_home(tmp_path, "worker2") / "f").write_text("worker2's")
+    shared_config(tmp_path).mkdir()
+    (shared_config(tmp_path) / "hosts.json").write_text("[]")
+    host_records(tmp_path, "worker2").mkdir(parents=True)
+    (tmp_path / ".view").mkdir()
+    script = f"""
+import json, os, sys
+root = sys.argv[1]
+def attempt(f):
+    try:
+        return f()
+    except OSError as exc:
+        return type(exc).__name__
+print(json.dumps({{"cwd": os.getcwd(), "root": sorted(os.listdir(root)), "homes": os.listdir(root + "/hosts"),
+                  "other": attempt(lambda: open(root + "/hosts/worker2/f").read()),
+                  "records": attempt(lambda: os.listdir(root + "/records")),
+                  "config": attempt(lambda: open(root + "/etc/hosts.json").read()),
+                  "write_config": attempt(lambda: open(root + "/etc/x", "w")),
+                  "write_other": attempt(lambda: os.mkdir(root + "/hosts/worker2")),
+                  "write_own": attempt(lambda: open(root + "/hosts/worker1/mine", "w").write("1"))}}))
+"""
+    cmd = host_command(tmp_path, TopologySettings(), "worker1", [sys.executable, "-c", script, str(tmp_path)])
+    out = subprocess.run(cmd[cmd.index("unshare"):], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert seen == {"cwd": str(host_home(tmp_path, "worker1")), "root": ["etc", "hosts"], "homes": ["worker1"],
+                    "other": "FileNotFoundError", "records": "FileNotFoundError", "config": "[]",
+                    "write_config": "OSError", "write_other": "OSError", "write_own": 1}, seen
+    # What the host wrote is in its home; nothing of its view is left mounted here.
+    assert (host_home(tmp_path, "worker1") / "mine").read_text() == "1"
+    assert (host_home(tmp_path, "worker2") / "f").exists() and list((tmp_path / ".view").iterdir()) == []
 
 
 def test_an_airflow_server_that_exits_is_started_again_and_stops_with_its_session(tmp_path, monkeypatch):
