@@ -97,9 +97,11 @@ def _trial_group(shards: Any, *, parallel: int, retry_delay: timedelta, train_ti
     @task_group(group_id="trial")
     def trial_group(trial: dict) -> Any:
         # No max_active_tis_per_dagrun here: a waiting gate must not take a slot of the cap.
-        # Its timeout: the run's own limit, else Airflow's [sensors] default_timeout (None).
+        # Its timeout: the run's own limit, else Airflow's [sensors] default_timeout (None); a
+        # timeout fails it for good (AirflowSensorTimeout), the retries are for a passing API error.
         gate = TrialGateSensor(task_id="gate", trial=trial, cap=parallel, deferrable=deferrable, poll_s=poll_s,
-                               timeout=gate_timeout_s or None, map_index_template="{{ task.trial['label'] }}")
+                               timeout=gate_timeout_s or None, retries=2, retry_delay=retry_delay,
+                               map_index_template="{{ task.trial['label'] }}")
 
         @setup
         @task(map_index_template=TRIAL_LABEL, max_active_tis_per_dagrun=parallel)

@@ -37,7 +37,7 @@ def test_structure(sweep, dag):
     gate = tasks["trial.gate"]
     assert type(gate).__name__ == "TrialGateSensor" and gate.max_active_tis_per_dagrun is None
     assert gate.mode == "reschedule" and gate.deferrable and 0 < gate.timeout < float("inf")
-    assert gate.retries == 0  # a gate that timed out leaves its trial out, the sweep goes on
+    assert gate.retries >= 1  # a passing API error; a timeout fails it for good (AirflowSensorTimeout)
     # The selection runs whatever the trials' ends (a failed trial does not stop the sweep).
     assert tasks["select_best"].trigger_rule == "all_done" and "trial.train" in tasks["select_best"].upstream_task_ids
     assert {"select_best", "validate", "shard_merge"} <= tasks["register"].upstream_task_ids
