@@ -59,8 +59,9 @@ def ended_trials(task_states: Mapping[str, Mapping[str, Any]], run_id: str, task
     return ended
 
 
-def _decide(dag_id: str, run_id: str, index: int, parallel: int, task_states: Mapping[str, Any]) -> tuple[bool, list[int]]:
+def _decide(run_id: str, index: int, parallel: int, task_states: Mapping[str, Any]) -> tuple[bool, list[int]]:
     """Whether trial ``index`` may take a cluster, and the earlier trials still open."""
+    # Here, not at the top: common.sweep loads the config models, and the DAG file imports this.
     from common.sweep import may_take_cluster, open_before
 
     ended = ended_trials(task_states, run_id)
@@ -94,7 +95,7 @@ class TrialGateTrigger(BaseTrigger):
             except Exception as exc:  # noqa: BLE001 - an API hiccup is no answer: read again (the timeout bounds it)
                 self.log.warning("could not read the trials' release states: %s", exc)
             else:
-                admitted, still_open = _decide(self.dag_id, self.run_id, self.index, self.parallel, states)
+                admitted, still_open = _decide(self.run_id, self.index, self.parallel, states)
                 if admitted:
                     self.log.info("trial %d may take a cluster (open before it: %s, parallel %d)", self.index,
                                   still_open, self.parallel)
@@ -136,7 +137,7 @@ class TrialGateSensor(BaseSensorOperator):
     def poke(self, context: Context) -> bool:
         dag_id, run_id, index, parallel = self._ids(context)
         states = context["ti"].get_task_states(dag_id=dag_id, task_ids=[RELEASE_TASK], run_ids=[run_id])
-        admitted, still_open = _decide(dag_id, run_id, index, parallel, states)
+        admitted, still_open = _decide(run_id, index, parallel, states)
         self.log.info("trial %d %s: open before it %s, parallel %d", index,
                       "may take a cluster" if admitted else "waits", still_open, parallel)
         return admitted
