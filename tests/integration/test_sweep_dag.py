@@ -166,7 +166,9 @@ def test_a_sweep_with_a_killed_trial_prunes_and_registers_its_best_trial(stack, 
     # the sweep used it (2 at once), every trial let through its gate.
     most, spans = _most_holding_a_cluster(instances)
     assert most == PARALLEL, (most, spans)
-    assert all(states[f"trial.gate[{i}]"] == "success" for i in REAL + FAILING), states
+    gates = {ti["map_index"]: ti for ti in instances if ti["task_id"] == "trial.gate"}
+    assert all(gates[i]["state"] == "success" for i in REAL + FAILING), states
+    assert all(gates[i]["rendered_map_index"].startswith(f"trial {i}: ") for i in gates), gates  # its trial's label
     assert all(trains[i]["state"] == "success" for i in REAL), states
     assert all(states[f"trial.release[{i}]"] == "success" for i in REAL), states  # every cluster released
     # A failed trial does not fail the sweep: the hosts trials failed to provision, nothing trained.
