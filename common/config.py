@@ -677,8 +677,9 @@ class SweepConfig(StrictModel):
     trials: int = Field(4, ge=1, le=MAX_SWEEP_TRIALS, description="Trials of a random sweep (a grid has one per "
                                                                   "combination).")
     parallel: int = Field(2, ge=1, le=MAX_SWEEP_TRIALS,
-                          description="Trials training at once, at most the DAG's cap (`MXPIPE_SWEEP_PARALLEL`, "
-                                      "the train task's max_active_tis_per_dagrun).")
+                          description="Trials holding a cluster at once (provisioned, not yet released; the "
+                                      "trials' gates admit them in plan order), at most the DAG's cap "
+                                      "(`MXPIPE_SWEEP_PARALLEL`).")
     metric: str = Field("auto", pattern=r"^(auto|val_[a-z0-9]+)$",
                         description="The validation metric that ranks the trials (`auto`: the early-stopping "
                                     "metric).")

@@ -108,9 +108,10 @@ class Settings(BaseSettings):
                             "multi-file source, or byte ranges of one CSV file (no quoted newlines); `0`: one "
                             "per 256 MB of source, at most 8 and one per file; the shards are the same for any "
                             "number", group="dags", ge=0, le=64)
-    sweep_parallel: int = _var(2, "MXPIPE_SWEEP_PARALLEL", "The `mxnet_sweep` DAG's cap on trials training at "
-                               "once (its trial tasks' `max_active_tis_per_dagrun`, fixed when the DAG is parsed); "
-                               "a sweep asking for more (`sweep.parallel`) is refused", group="dags", ge=1, le=64)
+    sweep_parallel: int = _var(2, "MXPIPE_SWEEP_PARALLEL", "The `mxnet_sweep` DAG's cap on trials holding a "
+                               "cluster at once (also its trial tasks' `max_active_tis_per_dagrun`, fixed when the "
+                               "DAG is parsed); a run's `sweep.parallel` may be lower (its trials' gates keep it), a "
+                               "sweep asking for more is refused", group="dags", ge=1, le=64)
     gx_data_docs: bool = _var(True, "MXPIPE_GX_DATA_DOCS", "Render the Great Expectations HTML "
                               "report (`0`: JSON report only)", group="dags")
     git_sha: str | None = _var(None, "MXPIPE_GIT_SHA", "Code version tagged on the MLflow run "

@@ -11,13 +11,17 @@ set of shards.
 Optuna's ``SuccessiveHalvingPruner``): at a rung, a trial goes on when it is among the best
 ``max(1, n // eta)`` of the ``n`` trials that reached that rung so far, itself included; the
 rungs are at ``min_epochs * eta**k`` epochs (``rung_of``).
+
+``may_take_cluster`` is the rule that keeps a run's ``sweep.parallel`` trials, at most, holding
+a cluster at once: trials are admitted in plan order, trial ``i`` once fewer than ``parallel`` of
+the trials before it are still open (not yet released, whatever their end) (``open_before``).
 """
 from __future__ import annotations
 
 import itertools
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,3 +187,25 @@ def trial_value(history: Sequence[Mapping[str, Any]], name: str, best_epoch: int
     record = next((r for r in history if r.get("epoch") == best_epoch), history[-1])
     value = record.get(name)
     return float(value) if value is not None else None
+
+
+def open_before(index: int, ended: Collection[int]) -> list[int]:
+    """The trials planned before trial ``index`` that may still hold a cluster: every one whose
+    release has not ended (``ended``: the trials whose release ended, in any final state)."""
+    return [j for j in range(index) if j not in ended]
+
+
+def may_take_cluster(index: int, parallel: int, ended: Collection[int]) -> bool:
+    """Whether trial ``index`` may provision: fewer than ``parallel`` of the trials before it are
+    still open (``open_before``).
+
+    Why it bounds the clusters held at once by ``parallel``: take the highest-numbered trial
+    holding one; when it was admitted at most ``parallel - 1`` earlier trials were open, and a
+    trial once ended stays ended, so every other holder is among those few. A trial waits only
+    for trials planned before it, and trials ``0 .. parallel-1`` never wait, so every trial is
+    admitted once the ones before it end (no deadlock). Unlike fixed lanes (trial ``i`` after
+    trial ``i - parallel``) a slot freed by any earlier trial is used at once, so a slow trial
+    holds up only itself, never the trials queued behind it in its lane."""
+    if parallel < 1:
+        raise ValueError(f"parallel must be >= 1, got {parallel}")
+    return len(open_before(index, ended)) < parallel

@@ -6,6 +6,7 @@ functions so DAG files that import from here stay cheap to parse.
 - ``pipeline_tasks``: what each task of the training DAG does, in Airflow's terms.
 - ``sweep_dag``: the hyperparameter sweep DAG's definition, from the training DAG's task factories.
 - ``sweep_tasks``: what the sweep DAG's own tasks do (plan the trials, select the best one).
+- ``sweep_gate``: a sweep trial's gate: it holds the trial until the run's ``sweep.parallel`` lets it take a cluster.
 - ``params``: the training DAG's trigger form: typed, bounded, described ``Param``s.
 - ``run_config``: a training run's config from the DAG's Params, in layers.
 - ``train_operator``: the training task: a durable, deferrable operator around a detached supervisor.

@@ -2,13 +2,20 @@
 
 shard → validate (``plugins.training_dag.checked_shards``, the training DAG's own tasks; the
 first task also plans the sweep's trials and refuses a bad sweep before anything is sharded) →
-``plan_trials`` → one mapped task group per trial: ``provision`` (setup) → ``train`` (the
-training DAG's ``TrainJobOperator``, on the trial's own cluster, under the trial's run key) →
-``release`` (teardown, on success and failure) → ``select_best`` (trigger rule ``all_done``:
-a failed trial does not stop the sweep; it needs one finished trial) → ``register`` (the
-training DAG's register task: test split, MLflow run, version, model card; the review DAG runs
-the gate). At most ``parallel`` trials provision and train at once (their tasks'
-``max_active_tis_per_dagrun``; Airflow 3.3 counts a deferred train task against it).
+``plan_trials`` → one mapped task group per trial: ``gate`` (``plugins.sweep_gate``: waits,
+deferred, until the trial may take a cluster) → ``provision`` (setup) → ``train`` (the training
+DAG's ``TrainJobOperator``, on the trial's own cluster, under the trial's run key) → ``release``
+(teardown, on success and failure) → ``select_best`` (trigger rule ``all_done``: a failed trial
+does not stop the sweep; it needs one finished trial) → ``register`` (the training DAG's
+register task: test split, MLflow run, version, model card; the review DAG runs the gate).
+
+Concurrency: at most the run's ``sweep.parallel`` trials hold a cluster at once (provisioned and
+not yet released): the gates admit the trials in plan order, trial ``i`` once fewer than
+``sweep.parallel`` of the trials before it are not yet released (``common.sweep.may_take_cluster``).
+The deployment's cap ``parallel`` (``MXPIPE_SWEEP_PARALLEL``, fixed when the file is parsed) is
+the refusal bound of ``sweep.parallel`` and, as a backstop, the ``max_active_tis_per_dagrun`` of
+``provision`` and ``train`` (Airflow 3.3 counts a deferred train task against it); the gates have
+no such limit, so a waiting gate never takes a slot a running trial needs.
 
 Parse-time light like a DAG file: Airflow's SDK and the project's light task modules only.
 """
@@ -23,6 +30,7 @@ from common.settings import settings
 from plugins import callbacks, pipeline_tasks, sweep_tasks
 from plugins.connections import with_connections
 from plugins.params import sweep_params
+from plugins.sweep_gate import TrialGateSensor
 from plugins.train_operator import TrainJobOperator
 from plugins.training_dag import _ids, _limit, checked_shards, register_task
 
@@ -32,9 +40,11 @@ TRIAL_LABEL = "{{ task.op_kwargs['trial']['label'] }}"
 
 def sweep_dag(dag_id: str, *, parallel: int, train_timeout_s: float, dagrun_timeout_s: float, deferrable: bool,
               doc_md: str | None = None) -> DAG:
-    """The sweep as a DAG named ``dag_id``; ``parallel``: the most trials provisioned and trained
-    at once (a sweep asking for more is refused by its first task). The limits are the training
-    DAG's (``plugins.training_dag.training_dag``), the train timeout per trial."""
+    """The sweep as a DAG named ``dag_id``; ``parallel``: the deployment's cap on trials holding a
+    cluster at once (a sweep asking for more is refused by its first task; a run's own
+    ``sweep.parallel`` below it is kept by the trials' gates). The limits are the training DAG's
+    (``plugins.training_dag.training_dag``), the train timeout per trial; the dagrun timeout
+    also bounds each trial's wait at its gate."""
     if parallel < 1:
         raise ValueError(f"{dag_id}: parallel must be >= 1, got {parallel}")
     current = settings()
@@ -57,7 +67,8 @@ def sweep_dag(dag_id: str, *, parallel: int, train_timeout_s: float, dagrun_time
         trials = plan_trials(config)
         checked >> trials
         trained = _trial_group(shards, parallel=parallel, retry_delay=retry_delay, train_timeout_s=train_timeout_s,
-                               deferrable=deferrable, poll_s=current.train_poll_s).expand(trial=trials)
+                               deferrable=deferrable, poll_s=current.train_poll_s,
+                               gate_timeout_s=dagrun_timeout_s).expand(trial=trials)
 
         # all_done: it runs whatever the trials' ends; a trial that failed is left out of the choice.
         @task(trigger_rule="all_done", retries=2, retry_delay=retry_delay)
@@ -79,12 +90,19 @@ def sweep_dag(dag_id: str, *, parallel: int, train_timeout_s: float, dagrun_time
 
 
 def _trial_group(shards: Any, *, parallel: int, retry_delay: timedelta, train_timeout_s: float, deferrable: bool,
-                 poll_s: float) -> Any:
-    """One trial (a mapped task group, expanded over the planned trials): its own cluster
-    provisioned, the training job on it (retries resume from the trial's checkpoints), the
-    cluster released whatever happened."""
+                 poll_s: float, gate_timeout_s: float) -> Any:
+    """One trial (a mapped task group, expanded over the planned trials): its turn at the gate,
+    its own cluster provisioned, the training job on it (retries resume from the trial's
+    checkpoints), the cluster released whatever happened."""
     @task_group(group_id="trial")
     def trial_group(trial: dict) -> Any:
+        # No max_active_tis_per_dagrun here: a waiting gate must not take a slot of the cap.
+        # Its timeout: the run's own limit, else Airflow's [sensors] default_timeout (None); a
+        # timeout fails it for good (AirflowSensorTimeout), the retries are for a passing API error.
+        gate = TrialGateSensor(task_id="gate", trial=trial, cap=parallel, deferrable=deferrable, poll_s=poll_s,
+                               timeout=gate_timeout_s or None, retries=2, retry_delay=retry_delay,
+                               map_index_template="{{ task.trial['label'] }}")
+
         @setup
         @task(map_index_template=TRIAL_LABEL, max_active_tis_per_dagrun=parallel)
         @with_connections
@@ -98,6 +116,7 @@ def _trial_group(shards: Any, *, parallel: int, retry_delay: timedelta, train_ti
             return pipeline_tasks.teardown(cluster)
 
         cluster = provision(trial=trial)  # a keyword: the map index template reads op_kwargs
+        gate >> cluster
         trained = TrainJobOperator(task_id="train", cluster=cluster, shards=shards, trial=trial, retries=2,
                                    retry_delay=retry_delay, retry_exponential_backoff=True,
                                    execution_timeout=_limit(train_timeout_s), deferrable=deferrable, poll_s=poll_s,

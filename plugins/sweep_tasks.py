@@ -70,9 +70,10 @@ def _parent_tags(dag_id: str, run_id: str) -> dict[str, str]:
 
 
 def plan_trials(config: Mapping[str, Any], dag_id: str, run_id: str, max_parallel: int) -> list[dict[str, Any]]:
-    """The trials (``common.sweep.plan``) as the mapped trial tasks take them: index, label, config,
-    run key, pruning and the parent MLflow run's id (opened here, so every trial's run is its
-    child from its start)."""
+    """The trials (``common.sweep.plan``) as the mapped trial tasks take them: index (the plan's
+    order, which is the map index), label, config, run key, pruning, the run's ``sweep.parallel``
+    (the trial's gate admits it by it: ``plugins.sweep_gate``) and the parent MLflow run's id
+    (opened here, so every trial's run is its child from its start)."""
     from common.sweep import metric, plan
     from training.tracking.runs import PIPELINE_EXPERIMENT, bounded_mlflow_env, dag_run_name, log_tags, open_run
     from training.tracking.server import tracking_uri
@@ -106,8 +107,9 @@ def plan_trials(config: Mapping[str, Any], dag_id: str, run_id: str, max_paralle
                     "eta": sweep.reduction_factor, "metric": name, "higher": higher} if sweep.min_epochs else {})
         out.append({"index": trial.index, "label": trial.label, "values": trial.values,
                     "config": config_xcom(trial.config), "run_id": trial_run_id(run_id, trial.index),
-                    "pruning": pruning, "metric": name, "higher": higher, "tracking_tags": {"mlflow.parentRunId": parent_id,
-                                                         SWEEP_TAG: "trial", TRIAL_TAG: str(trial.index)}})
+                    "parallel": sweep.parallel, "pruning": pruning, "metric": name, "higher": higher,
+                    "tracking_tags": {"mlflow.parentRunId": parent_id, SWEEP_TAG: "trial",
+                                      TRIAL_TAG: str(trial.index)}})
     return out
 
 

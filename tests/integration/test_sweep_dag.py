@@ -1,5 +1,9 @@
 """A hyperparameter sweep through the real Airflow stack (scheduler, LocalExecutor, triggerer)
-against the S3 and MLflow fixtures: a grid of 6 trials of the digits debug config, 2 at once.
+against the S3 and MLflow fixtures: a grid of 6 trials of the digits debug config, 2 at once by
+the run's ``sweep.parallel`` under a deployment cap of 3 (``MXPIPE_SWEEP_PARALLEL``): the trials'
+gates, not the cap, keep no more than 2 trials between provision and release at any time (read
+from the task instances' start and end times), and 2 do run at once.
+
 Trials 0-2 are 2-worker ps-lite jobs on local clusters of their own, with ASHA pruning at
 epochs 1 and 2; worker 1 of the first trial to reach step 25 is killed (``training.loop.faults``,
 once; a step of epoch 1, which a trial pruned at epoch 1 never reaches), and since
@@ -9,11 +13,13 @@ stack has no settings for: their provision fails (no retry), and the sweep goes 
 The sweep finishes and registers its best trial; the trials are child runs of the sweep's MLflow
 run, which holds the sweep's cost and the pruning's savings.
 
-A bad sweep is refused by the first task, naming the field, before anything is sharded.
+A bad sweep is refused by the first task, naming the field, before anything is sharded (its run
+goes on beside the sweep's, so the module waits for one run).
 
 The learning rates are chosen so the pruning fires whatever the order the trials reach a rung
-in: trial 2 (2e-5) trains only once trial 0 or 1 ended (two at once), and is far worse at epoch 1
-than trial 0 (5e-3), so at rung 0 (2 or 3 trials there, eta 2) it is not the best."""
+in: trial 2 (2e-5) passes its gate only once trial 0 or 1 was released (two at once), and is far
+worse at epoch 1 than trial 0 (5e-3), so at rung 0 (2 or 3 trials there, eta 2) it is not the
+best."""
 import json
 import time
 
@@ -27,6 +33,8 @@ from testkit.airflow_stack import airflow_stack
 pytestmark = pytest.mark.integration
 
 DAG_ID = "mxnet_sweep"
+# The deployment's cap, above the run's sweep.parallel: the run's own value must hold.
+CAP, PARALLEL = 3, 2
 KILL_STEP = 25
 RATES = [0.005, 0.00001, 0.00002]
 REAL, FAILING = [0, 1, 2], [3, 4, 5]
@@ -40,8 +48,8 @@ def fault_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def stack(s3_server, mlflow_server, tmp_path_factory, fault_file):
-    env = {"MXPIPE_TRAIN_POLL_S": "0.5", "MXPIPE_SWEEP_PARALLEL": "2", "MXPIPE_LIVE_SYNC_S": "2",
-           "MXPIPE_GX_DATA_DOCS": "0",
+    env = {"MXPIPE_TRAIN_POLL_S": "0.5", "MXPIPE_SWEEP_PARALLEL": str(CAP), "MXPIPE_LIVE_SYNC_S": "2",
+           "MXPIPE_GX_DATA_DOCS": "0", "MXPIPE_MAX_ACTIVE_RUNS": "2",
            "MXPIPE_FAULT_KILL_STEP": str(KILL_STEP), "MXPIPE_FAULT_KILL_RANK": "1",
            "MXPIPE_FAULT_ONCE_FILE": str(fault_file)}
     with airflow_stack(tmp_path_factory.mktemp("sweep-home"), s3_server, mlflow_server, {DAG_ID: "mxnet_sweep.py"},
@@ -67,12 +75,16 @@ def _failed_logs(client, run_id, instances):
     return "\n".join(out)
 
 
-def _print_timeline(instances):
-    """Each task instance's start and end, seconds after the first start (where a run's time goes)."""
+def _at(text):
     from datetime import datetime
 
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _print_timeline(instances):
+    """Each task instance's start and end, seconds after the first start (where a run's time goes)."""
     def at(text):
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() if text else None
+        return _at(text) if text else None
 
     started = [at(ti.get("start_date")) for ti in instances if ti.get("start_date")]
     zero = min(started) if started else 0
@@ -82,16 +94,54 @@ def _print_timeline(instances):
               + (f"{start - zero:.0f}s → {end - zero:.0f}s" if start and end else "-"))
 
 
+def _most_holding_a_cluster(instances):
+    """The most trials at once between their provision's start and their release's end (a cluster
+    is held within that span: a superset of the time it is held), from Airflow's task instances;
+    and each trial's span."""
+    by = {(ti["task_id"], ti["map_index"]): ti for ti in instances}
+    spans = {}
+    for (task_id, index), ti in by.items():
+        if task_id == "trial.provision" and ti.get("start_date"):
+            ends = [t["end_date"] for t in (ti, by.get(("trial.release", index))) if t and t.get("end_date")]
+            spans[index] = (_at(ti["start_date"]), max(_at(e) for e in ends))
+    # An end sorts before a start at the same instant: the trial released, the next one admitted.
+    events = sorted([(start, 1) for start, _ in spans.values()] + [(end, -1) for _, end in spans.values()])
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most, spans
+
+
 def _xcom(client, run_id, task_id, key="return_value"):
     path = f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/{key}"
     return client.request("GET", path, params={"deserialize": "true"}).json()["value"]
 
 
-def test_a_bad_sweep_fails_the_first_task_naming_the_field_before_sharding(stack, dataset):
-    conf = {"dataset_uri": dataset, "recipe": "debug",
-            "sweep": {"space": {"optim.learning_rate": [0.01], "optim.epochs": ["3"]}}}
+BAD_CONF = {"recipe": "debug", "sweep": {"space": {"optim.learning_rate": [0.01], "optim.epochs": ["3"]}}}
+
+
+@pytest.fixture(scope="module")
+def runs(stack, dataset):
+    """The module's two runs, triggered together (``MXPIPE_MAX_ACTIVE_RUNS=2``): the bad sweep
+    fails in its first task while the sweep shards, so the module waits for one run, not two."""
+    conf = {"dataset_uri": dataset, "recipe": "debug", "registered_model_name": MODEL_NAME,
+            # Synchronous checkpoint writes: the one before the kill is committed when it comes.
+            "config": {"cluster": {"max_restarts_without_progress": 0}, "checkpoint": {"async_upload": False}},
+            "sweep": {"space": {"cluster.backend": ["local", "hosts"], "optim.learning_rate": RATES},
+                      "parallel": PARALLEL, "metric": "val_loss",
+                      "min_epochs": 1, "reduction_factor": 2}}
+    started = time.monotonic()
+    bad_id = trigger_dag_run(stack.airflow_url, DAG_ID, {"dataset_uri": dataset, **BAD_CONF})
     run_id = trigger_dag_run(stack.airflow_url, DAG_ID, conf)
-    state = wait_for_dag_run(stack.airflow_url, DAG_ID, run_id, timeout_s=180, poll_s=1)
+    bad_state = wait_for_dag_run(stack.airflow_url, DAG_ID, bad_id, timeout_s=300, poll_s=1)
+    state = wait_for_dag_run(stack.airflow_url, DAG_ID, run_id, timeout_s=900, poll_s=2)
+    print(f"sweep run {run_id}: {state} in {time.monotonic() - started:.0f}s")
+    return {"bad": (bad_id, bad_state), "sweep": (run_id, state)}
+
+
+def test_a_bad_sweep_fails_the_first_task_naming_the_field_before_sharding(stack, runs):
+    run_id, state = runs["bad"]
     with AirflowClient(stack.airflow_url) as client:
         states = client.task_states(DAG_ID, run_id)
         log = "\n".join(str(e.get("event", "")) for e in client.task_log(DAG_ID, run_id, "shard"))
@@ -100,24 +150,9 @@ def test_a_bad_sweep_fails_the_first_task_naming_the_field_before_sharding(stack
     assert states.get("shard_merge") in ("upstream_failed", None), states  # nothing was sharded
 
 
-@pytest.fixture(scope="module")
-def sweep_run(stack, dataset):
-    conf = {"dataset_uri": dataset, "recipe": "debug", "registered_model_name": MODEL_NAME,
-            # Synchronous checkpoint writes: the one before the kill is committed when it comes.
-            "config": {"cluster": {"max_restarts_without_progress": 0}, "checkpoint": {"async_upload": False}},
-            "sweep": {"space": {"cluster.backend": ["local", "hosts"], "optim.learning_rate": RATES},
-                      "parallel": 2, "metric": "val_loss",
-                      "min_epochs": 1, "reduction_factor": 2}}
-    started = time.monotonic()
-    run_id = trigger_dag_run(stack.airflow_url, DAG_ID, conf)
-    state = wait_for_dag_run(stack.airflow_url, DAG_ID, run_id, timeout_s=900, poll_s=2)
-    print(f"sweep run {run_id}: {state} in {time.monotonic() - started:.0f}s")
-    return run_id, state
-
-
-def test_a_sweep_with_a_killed_trial_prunes_and_registers_its_best_trial(stack, sweep_run, fault_file, mlflow_server,
+def test_a_sweep_with_a_killed_trial_prunes_and_registers_its_best_trial(stack, runs, fault_file, mlflow_server,
                                                                          s3_server):
-    run_id, state = sweep_run
+    run_id, state = runs["sweep"]
     with AirflowClient(stack.airflow_url) as client:
         instances = client.task_instances(DAG_ID, run_id)
         states = client.task_states(DAG_ID, run_id)
@@ -127,6 +162,13 @@ def test_a_sweep_with_a_killed_trial_prunes_and_registers_its_best_trial(stack, 
     _print_timeline(instances)
     trains = {ti["map_index"]: ti for ti in instances if ti["task_id"] == "trial.train"}
     assert sorted(trains) == REAL + FAILING, states
+    # The run's sweep.parallel, not the deployment's cap, bounds the trials holding a cluster; and
+    # the sweep used it (2 at once), every trial let through its gate.
+    most, spans = _most_holding_a_cluster(instances)
+    assert most == PARALLEL, (most, spans)
+    gates = {ti["map_index"]: ti for ti in instances if ti["task_id"] == "trial.gate"}
+    assert all(gates[i]["state"] == "success" for i in REAL + FAILING), states
+    assert all(gates[i]["rendered_map_index"].startswith(f"trial {i}: ") for i in gates), gates  # its trial's label
     assert all(trains[i]["state"] == "success" for i in REAL), states
     assert all(states[f"trial.release[{i}]"] == "success" for i in REAL), states  # every cluster released
     # A failed trial does not fail the sweep: the hosts trials failed to provision, nothing trained.

@@ -194,3 +194,123 @@ def test_a_trials_status_record_says_whether_it_was_pruned(tmp_path):
     assert JobStatus.from_json(JobStatus(state="succeeded", job_id="1-x", outcome="pruned").to_json()).outcome == \
         "pruned"
     assert JobStatus.from_json(json.dumps({"state": "succeeded", "job_id": "1-x"})).outcome == ""  # an older record
+
+
+def test_trials_take_a_cluster_in_plan_order_once_fewer_than_parallel_before_them_are_open():
+    from common.sweep import may_take_cluster, open_before
+
+    assert all(may_take_cluster(i, 2, set()) for i in (0, 1))  # the first `parallel` never wait
+    assert not may_take_cluster(2, 2, set())
+    assert may_take_cluster(2, 2, {1}) and may_take_cluster(2, 2, {0})  # any earlier trial's end frees a slot
+    assert not may_take_cluster(3, 2, {0}) and may_take_cluster(3, 2, {0, 2})
+    assert may_take_cluster(3, 2, {5, 0, 1}) and not may_take_cluster(3, 2, {5, 6})  # a later trial's end frees none
+    assert open_before(4, {1, 3}) == [0, 2]
+    assert [may_take_cluster(i, 1, set(range(i))) for i in range(4)] == [True] * 4  # one at a time, in order
+    with pytest.raises(ValueError):
+        may_take_cluster(0, 0, set())
+
+
+@pytest.mark.parametrize("parallel", [1, 2, 3, 5])
+def test_the_admission_rule_never_lets_more_than_parallel_trials_hold_a_cluster_and_every_trial_runs(parallel):
+    """Many random schedules: trials end in any order, a waiting trial's gate may fail (its
+    release ends without a cluster ever held), and gates are polled in any order; at no time do
+    more than `parallel` trials hold a cluster, and whenever a trial waits, `parallel` do (no slot
+    is left idle, no deadlock)."""
+    import random
+
+    from common.sweep import may_take_cluster
+
+    for seed in range(200):
+        rng = random.Random(seed)
+        n = rng.randint(1, 12)
+        ended: set[int] = set()
+        holding: set[int] = set()
+        waiting = list(range(n))
+        peak = 0
+        while waiting or holding:
+            rng.shuffle(waiting)  # gates poll in no particular order
+            for i in list(waiting):
+                if may_take_cluster(i, parallel, ended):
+                    waiting.remove(i)
+                    holding.add(i)
+            peak = max(peak, len(holding))
+            assert len(holding) <= parallel, (seed, holding)
+            assert not waiting or len(holding) == parallel, (seed, holding, waiting)
+            if waiting and rng.random() < 0.2:  # a gate fails (timed out): its trial ends unheld
+                failed = rng.choice(waiting)
+                waiting.remove(failed)
+                ended.add(failed)
+                continue
+            done = rng.choice(sorted(holding))  # any holder may end next
+            holding.discard(done)
+            ended.add(done)
+        assert ended == set(range(n)) and peak <= min(parallel, n)
+
+
+def test_the_gate_reads_ended_releases_from_airflows_task_states():
+    from plugins.sweep_gate import ended_trials
+
+    states = {"r1": {"trial.release_0": "success", "trial.release_1": "upstream_failed", "trial.release_2": "running",
+                     "trial.release_3": None, "trial.release_4": "up_for_retry", "trial.release_5": "skipped",
+                     "trial.release_6": "failed", "trial.release": "success", "trial.train_7": "success"},
+              "r2": {"trial.release_8": "success"}}
+    assert ended_trials(states, "r1") == {0, 1, 5, 6}  # a retry pending or an unexpanded task ends nothing
+    assert ended_trials(states, "r3") == set()
+
+
+def test_the_gates_trigger_waits_then_ends_the_task_itself(monkeypatch):
+    import asyncio
+
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+    from airflow.triggers.base import TaskSuccessEvent
+
+    from plugins.sweep_gate import TrialGateTrigger
+
+    answers = iter([RuntimeError("api down"), {"r1": {"trial.release_0": "running"}},
+                    {"r1": {"trial.release_0": "running", "trial.release_1": "failed"}}])
+    calls = []
+
+    def get_task_states(**kwargs):
+        calls.append(kwargs)
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(RuntimeTaskInstance, "get_task_states", staticmethod(get_task_states))
+    trigger = TrialGateTrigger(dag_id="mxnet_sweep", run_id="r1", index=2, parallel=2, poll_s=0.01)
+    classpath, kwargs = trigger.serialize()
+    assert classpath == "plugins.sweep_gate.TrialGateTrigger" and TrialGateTrigger(**kwargs).index == 2
+
+    async def first_event():
+        return await asyncio.wait_for(anext(trigger.run()), timeout=10)
+
+    event = asyncio.run(first_event())
+    assert isinstance(event, TaskSuccessEvent) and len(calls) == 3  # trial 1's failure freed a slot
+    assert calls[0] == {"dag_id": "mxnet_sweep", "task_ids": ["trial.release"], "run_ids": ["r1"]}
+
+
+def test_the_gate_pokes_its_runs_releases_and_refuses_a_trial_mapped_out_of_plan_order():
+    from types import SimpleNamespace
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from plugins.sweep_gate import TrialGateSensor
+
+    released: dict[str, str] = {}
+
+    def ti(map_index):
+        return SimpleNamespace(map_index=map_index, dag_id="mxnet_sweep", run_id="r1",
+                               get_task_states=lambda **kw: {"r1": dict(released)})
+
+    gate = TrialGateSensor(task_id="gate", trial={"index": 2, "parallel": 1}, cap=3)
+    assert not gate.poke({"ti": ti(2)})
+    released["trial.release_0"] = "success"
+    assert not gate.poke({"ti": ti(2)})  # parallel 1: trial 1 still open
+    released["trial.release_1"] = "failed"
+    assert gate.poke({"ti": ti(2)})
+    with pytest.raises(AirflowFailException, match="map index 3 is not the trial's index 2"):
+        gate.poke({"ti": ti(3)})
+    released.clear()
+    older = TrialGateSensor(task_id="gate", trial={"index": 2}, cap=3)  # planned before "parallel" was kept
+    assert older.poke({"ti": ti(2)})  # the cap: 3 at once
