@@ -7,8 +7,9 @@ exactly as a DAG run's id names a training run's. So a trial resumes from its ow
 has a cluster of its own and its own MLflow run; the sweep's MLflow run (the DAG run's) is the
 parent of the trials' (``mlflow.parentRunId``).
 
-``plan_trials`` expands the space (``common.sweep.plan``) and opens the parent run; each trial's
-train task is given its pruning (its rungs are under the sweep's ``sweep/rungs/``, shared by
+``plan_trials`` expands the space (``common.sweep.plan``), opens the parent run and resolves the
+sweep's warm start once (``plugins.pipeline_tasks.resolve_run_warm_start``): every trial, and
+every retry of one, loads that checkpoint, even when a ``models:/…@alias`` moves mid-sweep. Each trial's train task is given its pruning (its rungs are under the sweep's ``sweep/rungs/``, shared by
 every trial: ``training.loop.pruning``). ``select_best`` reads every trial's status record and
 metrics from storage (a failed trial has no result to pass on through XCom, and a trial's
 outcome is what its job recorded), picks the best finished one by the sweep's metric, and logs
@@ -28,7 +29,7 @@ from typing import Any
 from common import storage
 from common.config import ConfigError
 from plugins.failures import fail_without_retry
-from plugins.pipeline_tasks import config_xcom, load_config, run_paths
+from plugins.pipeline_tasks import config_xcom, load_config, resolve_run_warm_start, run_paths
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +70,14 @@ def _parent_tags(dag_id: str, run_id: str) -> dict[str, str]:
     return dag_run_tags(dag_id, run_id)
 
 
-def plan_trials(config: Mapping[str, Any], dag_id: str, run_id: str, max_parallel: int) -> list[dict[str, Any]]:
+def plan_trials(config: Mapping[str, Any], params: Mapping[str, Any], dag_id: str, run_id: str,
+                max_parallel: int) -> list[dict[str, Any]]:
     """The trials (``common.sweep.plan``) as the mapped trial tasks take them: index (the plan's
     order, which is the map index), label, config, run key, pruning, the run's ``sweep.parallel``
-    (the trial's gate admits it by it: ``plugins.sweep_gate``) and the parent MLflow run's id
-    (opened here, so every trial's run is its child from its start)."""
+    (the trial's gate admits it by it: ``plugins.sweep_gate``), the parent MLflow run's id
+    (opened here, so every trial's run is its child from its start) and the sweep's warm start
+    (the ``warm_start`` Param resolved here, once for the whole sweep, with the base config's
+    checkpoint settings as ``shard`` checked it: ``{"reference", "checkpoint"}``)."""
     from common.sweep import metric, plan
     from training.tracking.runs import PIPELINE_EXPERIMENT, bounded_mlflow_env, dag_run_name, log_tags, open_run
     from training.tracking.server import tracking_uri
@@ -86,6 +90,7 @@ def plan_trials(config: Mapping[str, Any], dag_id: str, run_id: str, max_paralle
         raise fail_without_retry(f"invalid sweep: {exc}") from exc
     sweep = cfg.sweep
     assert sweep is not None  # plan refused a config without one
+    warm = resolve_run_warm_start(params, dag_id, run_id, cfg)
     from mlflow.tracking import MlflowClient
 
     with bounded_mlflow_env():
@@ -99,8 +104,10 @@ def plan_trials(config: Mapping[str, Any], dag_id: str, run_id: str, max_paralle
                                      "sweep.pruning": (f"ASHA min_epochs={sweep.min_epochs} eta={sweep.reduction_factor}"
                                                        if sweep.min_epochs else "off")})
     rungs = rungs_prefix(dag_id, run_id)
-    log.info("sweep of %d trials (%s, %d at once at most), ranked by %s (%s); parent MLflow run %s", len(trials),
-             sweep.method, sweep.parallel, name, "max" if higher else "min", parent_id)
+    log.info("sweep of %d trials (%s, %d at once at most), ranked by %s (%s); parent MLflow run %s; warm start: %s",
+             len(trials), sweep.method, sweep.parallel, name, "max" if higher else "min", parent_id,
+             f"{warm['reference']} ({warm['checkpoint']['prefix']} step {warm['checkpoint']['step']}) for every trial"
+             if warm["checkpoint"] else "none")
     out = []
     for trial in trials:
         pruning = ({"rungs_prefix": rungs, "trial": trial.index, "min_epochs": sweep.min_epochs,
@@ -108,6 +115,7 @@ def plan_trials(config: Mapping[str, Any], dag_id: str, run_id: str, max_paralle
         out.append({"index": trial.index, "label": trial.label, "values": trial.values,
                     "config": config_xcom(trial.config), "run_id": trial_run_id(run_id, trial.index),
                     "parallel": sweep.parallel, "pruning": pruning, "metric": name, "higher": higher,
+                    "warm_start": warm,
                     "tracking_tags": {"mlflow.parentRunId": parent_id, SWEEP_TAG: "trial",
                                       TRIAL_TAG: str(trial.index)}})
     return out

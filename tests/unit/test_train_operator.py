@@ -106,7 +106,8 @@ def test_trigger_round_trips_through_serialize(tmp_path):
 def _operator(**kw):
     from plugins.train_operator import TrainJobOperator
 
-    return TrainJobOperator(task_id="train", cluster={}, shards={}, config={}, **kw)
+    return TrainJobOperator(task_id="train", cluster={}, shards={}, config={},
+                            warm_start={"reference": "", "checkpoint": None}, **kw)
 
 
 def test_execute_complete_maps_each_end(monkeypatch):
