@@ -36,7 +36,8 @@ one of the run's training inputs, and the same resolution goes to ``train`` (the
 loads it; resolving again there could load another checkpoint than the one the reuse decision
 and the registered version's input tags name (a ``models:/…@alias`` moved in between). A
 sweep resolves it once as well, in ``plan_trials`` (``plugins.sweep_tasks``): every trial
-carries that resolution to its train task. ``shard`` checks
+carries that resolution to its train task, and ``select_best`` puts it in the inputs the
+registered version is tagged with. ``shard`` checks
 the reference first all the same, before anything is written or provisioned, so a run naming
 a missing run, model, version or alias fails at once, not after a cluster was provisioned for it.
 

@@ -9,7 +9,9 @@ parent of the trials' (``mlflow.parentRunId``).
 
 ``plan_trials`` expands the space (``common.sweep.plan``), opens the parent run and resolves the
 sweep's warm start once (``plugins.pipeline_tasks.resolve_run_warm_start``): every trial, and
-every retry of one, loads that checkpoint, even when a ``models:/…@alias`` moves mid-sweep. Each trial's train task is given its pruning (its rungs are under the sweep's ``sweep/rungs/``, shared by
+every retry of one, loads that checkpoint, even when a ``models:/…@alias`` moves mid-sweep, and
+``select_best`` puts it in the training inputs the registered version is tagged with (so a later
+run with another warm start, or none, does not reuse it). Each trial's train task is given its pruning (its rungs are under the sweep's ``sweep/rungs/``, shared by
 every trial: ``training.loop.pruning``). ``select_best`` reads every trial's status record and
 metrics from storage (a failed trial has no result to pass on through XCom, and a trial's
 outcome is what its job recorded), picks the best finished one by the sweep's metric, and logs
@@ -191,7 +193,7 @@ def pruning_savings(outcomes: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 def select_best(trials: Sequence[Mapping[str, Any]], shards: Mapping[str, Any], dag_id: str,
                 run_id: str) -> dict[str, Any]:
     """The best finished trial (``best_of``) with what ``register`` takes (its job result, config,
-    training inputs and run key), after logging the sweep on the parent run and tagging every
+    training inputs, with the warm start the trial loaded, and run key), after logging the sweep on the parent run and tagging every
     trial's run (created here when live tracking made none). Fails without a retry when no trial
     finished."""
     from training.loop.resume import model_digest
@@ -211,7 +213,8 @@ def select_best(trials: Sequence[Mapping[str, Any]], shards: Mapping[str, Any], 
     trial = next(t for t in trials if t["index"] == best["index"])
     cfg = load_config(trial["config"])
     code = shards.get("model_code") or {}
-    inputs = TrainingInputs.of(shards["manifest_digest"], model_digest(cfg), code.get("sha256"), None)
+    inputs = TrainingInputs.of(shards["manifest_digest"], model_digest(cfg), code.get("sha256"),
+                               trial["warm_start"]["checkpoint"])
     log.info("best trial: %s with %s=%.6g", best["label"], name, best["value"])
     return {"trained": best["trained"], "config": trial["config"], "inputs": dataclasses.asdict(inputs),
             "trial_run_id": trial["run_id"], "trial": best["index"], "value": best["value"], "metric": name,

@@ -377,3 +377,24 @@ def test_every_trial_and_retry_of_a_sweep_loads_the_warm_start_planned_though_th
     assert loaded == [(i, t, "s3://b/run-1/checkpoints") for i in (0, 1) for t in (1, 2)]
     assert len(started) == 4
 
+
+def test_the_sweeps_registered_inputs_name_its_warm_start_so_a_run_without_one_does_not_reuse_it(
+        monkeypatch, tmp_path):
+    """``select_best`` returns the inputs ``register`` tags the version with: their warm start is
+    the checkpoint the sweep's trials loaded, not "none", so the training DAG's reuse check on
+    the same data and config without a warm start finds the warm start changed and trains."""
+    from plugins import sweep_tasks
+    from training.loop.resume import model_digest
+    from training.tracking.reuse import TrainingInputs, changed_inputs
+
+    trials = _plan_from_a_moving_champion(monkeypatch, tmp_path)
+    monkeypatch.setattr(sweep_tasks, "trial_outcome", lambda dag_id, t, name: {
+        "index": t["index"], "run_id": t["run_id"], "label": t["label"], "state": "succeeded",
+        "outcome": "completed", "value": 0.1 + t["index"], "epochs_run": 2, "epochs": 2, "trained": {"t": t["index"]}})
+    monkeypatch.setattr(sweep_tasks, "_log_sweep", lambda *a: "2 completed")
+    shards = {"manifest_digest": "m" * 64, "model_code": None}
+    best = sweep_tasks.select_best(trials, shards, "mxnet_sweep", "run")
+    assert best["trial"] == 0 and best["inputs"]["warm_start"] == "s3://b/run-1/checkpoints@10"
+    registered = TrainingInputs(**best["inputs"]).tags()
+    cold = TrainingInputs.of("m" * 64, model_digest(TrainConfig.from_dict(best["config"])), None, None)
+    assert changed_inputs(cold, registered) == ["warm_start"]
