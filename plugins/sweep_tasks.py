@@ -11,8 +11,9 @@ parent of the trials' (``mlflow.parentRunId``).
 sweep's warm start once (``plugins.pipeline_tasks.resolve_run_warm_start``): every trial, and
 every retry of one, loads that checkpoint, even when a ``models:/…@alias`` moves mid-sweep, and
 ``select_best`` puts it in the training inputs the registered version is tagged with (so a later
-run with another warm start, or none, does not reuse it). Each trial's train task is given its pruning (its rungs are under the sweep's ``sweep/rungs/``, shared by
-every trial: ``training.loop.pruning``). ``select_best`` reads every trial's status record and
+run with another warm start, or none, does not reuse it). Each trial's train task is given its
+pruning (its rungs are under the sweep's ``sweep/rungs/``, shared by every trial:
+``training.loop.pruning``). ``select_best`` reads every trial's status record and
 metrics from storage (a failed trial has no result to pass on through XCom, and a trial's
 outcome is what its job recorded), picks the best finished one by the sweep's metric, and logs
 the sweep on the parent run: the trials' outcomes and values, the cost (the sum of the trials'
@@ -193,9 +194,9 @@ def pruning_savings(outcomes: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 def select_best(trials: Sequence[Mapping[str, Any]], shards: Mapping[str, Any], dag_id: str,
                 run_id: str) -> dict[str, Any]:
     """The best finished trial (``best_of``) with what ``register`` takes (its job result, config,
-    training inputs, with the warm start the trial loaded, and run key), after logging the sweep on the parent run and tagging every
-    trial's run (created here when live tracking made none). Fails without a retry when no trial
-    finished."""
+    training inputs, with the warm start the trials loaded, and run key), after logging the sweep
+    on the parent run and tagging every trial's run (created here when live tracking made none).
+    Fails without a retry when no trial finished."""
     from training.loop.resume import model_digest
     from training.tracking.reuse import TrainingInputs
 

@@ -211,6 +211,18 @@ def test_a_poll_interval_that_is_not_positive_is_refused(poll_s):
         _operator(poll_s=poll_s)
 
 
+def test_an_operator_never_resolves_the_warm_start_itself():
+    """A run's config comes with the run's resolution of its warm start (check_reuse's XCom), a
+    sweep trial carries its own (plan_trials'): a DAG wired otherwise fails when it is parsed."""
+    from plugins.train_operator import TrainJobOperator
+
+    with pytest.raises(ValueError, match="warm start resolution"):
+        TrainJobOperator(task_id="train", cluster={}, shards={}, config={})
+    with pytest.raises(ValueError, match="a sweep trial carries its own"):
+        TrainJobOperator(task_id="train", cluster={}, shards={}, trial={"config": {}},
+                         warm_start={"reference": "", "checkpoint": None})
+
+
 
 def _ship(status_uri: str, job_id: str, *messages: str) -> None:
     """Lines of a job's log as its supervisor ships them (one chunk per call)."""
