@@ -35,7 +35,9 @@ one of the run's training inputs, and the same resolution goes to ``train`` (the
 ``WARM_START_XCOM_KEY`` XCom, the operator's templated ``warm_start``), whose every attempt
 loads it; resolving again there could load another checkpoint than the one the reuse decision
 and the registered version's input tags name (a ``models:/…@alias`` moved in between). A
-sweep's trials, which have no reuse check, resolve it in their train task. ``shard`` checks
+sweep resolves it once as well, in ``plan_trials`` (``plugins.sweep_tasks``): every trial
+carries that resolution to its train task, and ``select_best`` puts it in the inputs the
+registered version is tagged with. ``shard`` checks
 the reference first all the same, before anything is written or provisioned, so a run naming
 a missing run, model, version or alias fails at once, not after a cluster was provisioned for it.
 
@@ -221,6 +223,15 @@ def warm_start_checkpoint(params: Mapping[str, Any], dag_id: str, run_id: str,
         return resolve_warm_start(params.get("warm_start") or "", run_paths(dag_id, run_id), cfg)
 
 
+def resolve_run_warm_start(params: Mapping[str, Any], dag_id: str, run_id: str, cfg: TrainConfig) -> dict[str, Any]:
+    """The run's one resolution of its warm start, as ``train`` takes it: ``{"reference" (the
+    Param), "checkpoint" (``warm_start_checkpoint``: None without one)}``. Made once per DAG run
+    (``check_reuse``; a sweep's ``plan_trials``), never per attempt: a ``models:/…@alias`` may
+    move in between."""
+    return {"reference": params.get("warm_start") or "",
+            "checkpoint": warm_start_checkpoint(params, dag_id, run_id, cfg)}
+
+
 @contextmanager
 def _refuse_bad_warm_start() -> Iterator[None]:
     """A warm start naming nothing usable, or a wrong checkpoint key, fails without a retry."""
@@ -248,8 +259,8 @@ def check_reuse(config: Mapping[str, Any], params: Mapping[str, Any], shards: di
 
     cfg = load_config(config)
     code = shards.get("model_code") or {}
-    warm = warm_start_checkpoint(params, dag_id, run_id, cfg)
-    inputs = TrainingInputs.of(shards["manifest_digest"], model_digest(cfg), code.get("sha256"), warm)
+    warm = resolve_run_warm_start(params, dag_id, run_id, cfg)
+    inputs = TrainingInputs.of(shards["manifest_digest"], model_digest(cfg), code.get("sha256"), warm["checkpoint"])
     name = params["registered_model_name"]
     search = find_reusable(tracking_uri(), name, inputs)
     reason = search.explain(inputs, name)
@@ -260,7 +271,7 @@ def check_reuse(config: Mapping[str, Any], params: Mapping[str, Any], shards: di
              if reusable is not None else "training")
     return {"inputs": dataclasses.asdict(inputs), "reason": reason,
             "reusable": dataclasses.asdict(reusable) if reusable is not None else None,
-            "warm_start": {"reference": params.get("warm_start") or "", "checkpoint": warm}}
+            "warm_start": warm}
 
 
 def reuse(inputs: Mapping[str, Any], reusable: Mapping[str, Any], dag_id: str, run_id: str) -> dict[str, Any]:
@@ -391,29 +402,24 @@ def open_live_run(job: Mapping[str, Any]) -> str:
         return ""
 
 
-def prepare_job(config: Mapping[str, Any], params: Mapping[str, Any], cluster: dict[str, Any],
-                shards: dict[str, Any], dag_id: str, run_id: str, try_number: int, *,
-                warm_start: Mapping[str, Any] | None = None, pruning: Mapping[str, Any] | None = None,
+def prepare_job(config: Mapping[str, Any], cluster: dict[str, Any], shards: dict[str, Any], dag_id: str, run_id: str,
+                try_number: int, *, warm_start: Mapping[str, Any], pruning: Mapping[str, Any] | None = None,
                 tracking_tags: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Write the attempt's job document (``training.train_job.prepare_attempt``: config, where to
     read and write, its status record, the cluster its supervisor attaches to, provisioned again
-    for a retry); returns the pointers the training operator keeps. ``warm_start``: the reuse
-    check's resolution (``check_reuse``'s ``{"reference", "checkpoint"}``), which the job loads
-    whatever the reference resolves to by now; None: resolved here from the Param (a sweep
-    trial, which has no reuse check). A sweep trial's ``run_id`` is its run key
+    for a retry); returns the pointers the training operator keeps. ``warm_start``: the run's
+    resolution (``resolve_run_warm_start``'s ``{"reference", "checkpoint"}``: the training DAG's
+    reuse check, a sweep's ``plan_trials``), which the job loads whatever the reference resolves
+    to by now; nothing is resolved here. A sweep trial's ``run_id`` is its run key
     (``plugins.sweep_tasks.trial_run_id``), with its pruning and the tags of its MLflow run."""
     from infra.cluster import attach
     from training.train_job import AttemptRequest, prepare_attempt
 
     cfg = load_config(config)
-    checkpoint: Mapping[str, Any] | None
-    if warm_start is not None:
-        checkpoint = warm_start["checkpoint"]
-        if checkpoint:
-            log.info("warm start %s: %s step %s, as the reuse check resolved it", warm_start["reference"],
-                     checkpoint["prefix"], checkpoint["step"])
-    else:
-        checkpoint = warm_start_checkpoint(params, dag_id, run_id, cfg)
+    checkpoint = warm_start["checkpoint"]
+    if checkpoint:
+        log.info("warm start %s: %s step %s, as the run resolved it", warm_start["reference"], checkpoint["prefix"],
+                 checkpoint["step"])
     request = AttemptRequest(config=cfg, paths=run_paths(dag_id, run_id), attempt=try_number,
                              shards_prefix=shards["shards_prefix"], model_code=shards.get("model_code"),
                              warm_start=checkpoint, pruning=dict(pruning or {}),

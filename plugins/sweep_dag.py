@@ -2,7 +2,8 @@
 
 shard → validate (``plugins.training_dag.checked_shards``, the training DAG's own tasks; the
 first task also plans the sweep's trials and refuses a bad sweep before anything is sharded) →
-``plan_trials`` → one mapped task group per trial: ``gate`` (``plugins.sweep_gate``: waits,
+``plan_trials`` (which also resolves the sweep's warm start, once: every trial and retry loads
+that checkpoint) → one mapped task group per trial: ``gate`` (``plugins.sweep_gate``: waits,
 deferred, until the trial may take a cluster) → ``provision`` (setup) → ``train`` (the training
 DAG's ``TrainJobOperator``, on the trial's own cluster, under the trial's run key) → ``release``
 (teardown, on success and failure) → ``select_best`` (trigger rule ``all_done``: a failed trial
@@ -60,9 +61,9 @@ def sweep_dag(dag_id: str, *, parallel: int, train_timeout_s: float, dagrun_time
 
         @task(retries=2, retry_delay=retry_delay)
         @with_connections
-        def plan_trials(config: dict) -> list:
+        def plan_trials(config: dict, params: dict | None = None) -> list:
             dag_id, run_id, _ = _ids()
-            return sweep_tasks.plan_trials(config, dag_id, run_id, parallel)
+            return sweep_tasks.plan_trials(config, params, dag_id, run_id, parallel)
 
         trials = plan_trials(config)
         checked >> trials

@@ -7,9 +7,13 @@ exactly as a DAG run's id names a training run's. So a trial resumes from its ow
 has a cluster of its own and its own MLflow run; the sweep's MLflow run (the DAG run's) is the
 parent of the trials' (``mlflow.parentRunId``).
 
-``plan_trials`` expands the space (``common.sweep.plan``) and opens the parent run; each trial's
-train task is given its pruning (its rungs are under the sweep's ``sweep/rungs/``, shared by
-every trial: ``training.loop.pruning``). ``select_best`` reads every trial's status record and
+``plan_trials`` expands the space (``common.sweep.plan``), opens the parent run and resolves the
+sweep's warm start once (``plugins.pipeline_tasks.resolve_run_warm_start``): every trial, and
+every retry of one, loads that checkpoint, even when a ``models:/…@alias`` moves mid-sweep, and
+``select_best`` puts it in the training inputs the registered version is tagged with (so a later
+run with another warm start, or none, does not reuse it). Each trial's train task is given its
+pruning (its rungs are under the sweep's ``sweep/rungs/``, shared by every trial:
+``training.loop.pruning``). ``select_best`` reads every trial's status record and
 metrics from storage (a failed trial has no result to pass on through XCom, and a trial's
 outcome is what its job recorded), picks the best finished one by the sweep's metric, and logs
 the sweep on the parent run: the trials' outcomes and values, the cost (the sum of the trials'
@@ -28,7 +32,7 @@ from typing import Any
 from common import storage
 from common.config import ConfigError
 from plugins.failures import fail_without_retry
-from plugins.pipeline_tasks import config_xcom, load_config, run_paths
+from plugins.pipeline_tasks import config_xcom, load_config, resolve_run_warm_start, run_paths
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +73,14 @@ def _parent_tags(dag_id: str, run_id: str) -> dict[str, str]:
     return dag_run_tags(dag_id, run_id)
 
 
-def plan_trials(config: Mapping[str, Any], dag_id: str, run_id: str, max_parallel: int) -> list[dict[str, Any]]:
+def plan_trials(config: Mapping[str, Any], params: Mapping[str, Any], dag_id: str, run_id: str,
+                max_parallel: int) -> list[dict[str, Any]]:
     """The trials (``common.sweep.plan``) as the mapped trial tasks take them: index (the plan's
     order, which is the map index), label, config, run key, pruning, the run's ``sweep.parallel``
-    (the trial's gate admits it by it: ``plugins.sweep_gate``) and the parent MLflow run's id
-    (opened here, so every trial's run is its child from its start)."""
+    (the trial's gate admits it by it: ``plugins.sweep_gate``), the parent MLflow run's id
+    (opened here, so every trial's run is its child from its start) and the sweep's warm start
+    (the ``warm_start`` Param resolved here, once for the whole sweep, with the base config's
+    checkpoint settings as ``shard`` checked it: ``{"reference", "checkpoint"}``)."""
     from common.sweep import metric, plan
     from training.tracking.runs import PIPELINE_EXPERIMENT, bounded_mlflow_env, dag_run_name, log_tags, open_run
     from training.tracking.server import tracking_uri
@@ -86,6 +93,7 @@ def plan_trials(config: Mapping[str, Any], dag_id: str, run_id: str, max_paralle
         raise fail_without_retry(f"invalid sweep: {exc}") from exc
     sweep = cfg.sweep
     assert sweep is not None  # plan refused a config without one
+    warm = resolve_run_warm_start(params, dag_id, run_id, cfg)
     from mlflow.tracking import MlflowClient
 
     with bounded_mlflow_env():
@@ -99,8 +107,10 @@ def plan_trials(config: Mapping[str, Any], dag_id: str, run_id: str, max_paralle
                                      "sweep.pruning": (f"ASHA min_epochs={sweep.min_epochs} eta={sweep.reduction_factor}"
                                                        if sweep.min_epochs else "off")})
     rungs = rungs_prefix(dag_id, run_id)
-    log.info("sweep of %d trials (%s, %d at once at most), ranked by %s (%s); parent MLflow run %s", len(trials),
-             sweep.method, sweep.parallel, name, "max" if higher else "min", parent_id)
+    log.info("sweep of %d trials (%s, %d at once at most), ranked by %s (%s); parent MLflow run %s; warm start: %s",
+             len(trials), sweep.method, sweep.parallel, name, "max" if higher else "min", parent_id,
+             f"{warm['reference']} ({warm['checkpoint']['prefix']} step {warm['checkpoint']['step']}) for every trial"
+             if warm["checkpoint"] else "none")
     out = []
     for trial in trials:
         pruning = ({"rungs_prefix": rungs, "trial": trial.index, "min_epochs": sweep.min_epochs,
@@ -108,6 +118,7 @@ def plan_trials(config: Mapping[str, Any], dag_id: str, run_id: str, max_paralle
         out.append({"index": trial.index, "label": trial.label, "values": trial.values,
                     "config": config_xcom(trial.config), "run_id": trial_run_id(run_id, trial.index),
                     "parallel": sweep.parallel, "pruning": pruning, "metric": name, "higher": higher,
+                    "warm_start": warm,
                     "tracking_tags": {"mlflow.parentRunId": parent_id, SWEEP_TAG: "trial",
                                       TRIAL_TAG: str(trial.index)}})
     return out
@@ -183,9 +194,9 @@ def pruning_savings(outcomes: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 def select_best(trials: Sequence[Mapping[str, Any]], shards: Mapping[str, Any], dag_id: str,
                 run_id: str) -> dict[str, Any]:
     """The best finished trial (``best_of``) with what ``register`` takes (its job result, config,
-    training inputs and run key), after logging the sweep on the parent run and tagging every
-    trial's run (created here when live tracking made none). Fails without a retry when no trial
-    finished."""
+    training inputs, with the warm start the trials loaded, and run key), after logging the sweep
+    on the parent run and tagging every trial's run (created here when live tracking made none).
+    Fails without a retry when no trial finished."""
     from training.loop.resume import model_digest
     from training.tracking.reuse import TrainingInputs
 
@@ -203,7 +214,8 @@ def select_best(trials: Sequence[Mapping[str, Any]], shards: Mapping[str, Any], 
     trial = next(t for t in trials if t["index"] == best["index"])
     cfg = load_config(trial["config"])
     code = shards.get("model_code") or {}
-    inputs = TrainingInputs.of(shards["manifest_digest"], model_digest(cfg), code.get("sha256"), None)
+    inputs = TrainingInputs.of(shards["manifest_digest"], model_digest(cfg), code.get("sha256"),
+                               trial["warm_start"]["checkpoint"])
     log.info("best trial: %s with %s=%.6g", best["label"], name, best["value"])
     return {"trained": best["trained"], "config": trial["config"], "inputs": dataclasses.asdict(inputs),
             "trial_run_id": trial["run_id"], "trial": best["index"], "value": best["value"], "metric": name,

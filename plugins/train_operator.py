@@ -69,15 +69,20 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
         super().__init__(**kwargs)
         if (config is None) == (trial is None):
             raise ValueError("give the run's config, or a sweep trial (which carries its own), not both")
+        # Checked here, when the DAG file is parsed: an attempt never resolves the warm start itself.
+        if (config is None) != (warm_start is None):
+            raise ValueError("give the run's config with the run's warm start resolution (check_reuse's XCom); "
+                             "a sweep trial carries its own")
         if not poll_s > 0:
             raise ValueError(f"poll_s must be a number of seconds > 0, got {poll_s!r}")
         self.cluster = cluster
         self.shards = shards
         self.config = config
-        # A sweep trial (plugins.sweep_tasks.plan_trials): its config, run key, pruning and MLflow tags.
+        # A sweep trial (plugins.sweep_tasks.plan_trials): its config, run key, pruning, MLflow tags
+        # and the sweep's warm start, resolved once for every trial by plan_trials.
         self.trial = trial
         # The reuse check's warm start ({"reference", "checkpoint"}: plugins.pipeline_tasks.check_reuse),
-        # loaded by every attempt; None: the job resolves the warm_start Param itself (a sweep trial).
+        # loaded by every attempt; None for a sweep trial, which carries its own.
         self.warm_start = warm_start
         self.poll_s = poll_s
         self.deferrable = deferrable
@@ -88,6 +93,11 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
 
     def _config(self) -> Any:
         return self.trial["config"] if self.trial is not None else self.config
+
+    def _warm_start(self) -> Any:
+        """The run's one resolution of its warm start (``{"reference", "checkpoint"}``), which
+        every attempt loads: the reuse check's, or the sweep's (in the trial)."""
+        return self.trial["warm_start"] if self.trial is not None else self.warm_start
 
     def _run_key(self, context: Context) -> str:
         """What names the job's storage, cluster and MLflow run: the DAG run, or the sweep trial."""
@@ -132,8 +142,8 @@ class TrainJobOperator(ResumableJobMixin, BaseOperator):
 
         dag_id, run_id, try_number = context["dag"].dag_id, self._run_key(context), context["ti"].try_number
         trial = self.trial or {}
-        job = prepare_job(self._config(), context["params"], self.cluster, self.shards, dag_id, run_id, try_number,
-                          warm_start=self.warm_start, pruning=trial.get("pruning"),
+        job = prepare_job(self._config(), self.cluster, self.shards, dag_id, run_id, try_number,
+                          warm_start=self._warm_start(), pruning=trial.get("pruning"),
                           tracking_tags=trial.get("tracking_tags"))
         current = self._status(job)
         if current is not None and current.live(stale_after_s=self._stale_after_s()):

@@ -107,7 +107,8 @@ def _run(shards, tmp_path, env, factory):
                               stop_grace_s=5)
     event = trigger.judge(read_job_status(job.status_uri, "aws_default"), time.time())
     with pytest.raises((TrainingFailed, AirflowFailException)) as verdict:
-        TrainJobOperator(task_id="train", cluster={}, shards={}, config={}).execute_complete({}, event.payload)
+        TrainJobOperator(task_id="train", cluster={}, shards={}, config={},
+                         warm_start={"reference": "", "checkpoint": None}).execute_complete({}, event.payload)
     return failed.value, type(verdict.value).__name__
 
 

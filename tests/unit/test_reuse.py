@@ -178,22 +178,13 @@ def test_the_log_line_names_a_reused_versions_review_outcome():
 
 # ------------------------------------------------------------------ one warm start per run
 
-def test_every_train_attempt_loads_the_warm_start_the_reuse_check_resolved_though_the_alias_moved(
-        monkeypatch, tmp_path):
-    """``models:/digits@champion`` names one checkpoint at the reuse check, another once train
-    starts (a new champion registered in between) and another at train's retry: each attempt's
-    job loads the reuse check's, the checkpoint the run's inputs (and so its version's input
-    tags) name. The registry is faked: each resolution of the alias finds the next champion.
-    The operator gets check_reuse's XCom as the training DAG renders it (tests/dag checks the
-    wiring); its prepare_job and the job document are real, on a local cluster and local storage."""
-    from infra.cluster import ClusterSpec
-    from infra.local_cluster import LocalCluster
-    from plugins import pipeline_tasks
-    from plugins.train_operator import TrainJobOperator
-    from training.launch.job import JobSpec
+def moving_champion(monkeypatch) -> None:
+    """A registry where ``models:/digits@champion`` moves at each resolution: the n-th finds
+    version n, trained by run ``run-<n>`` (checkpoint ``s3://b/run-<n>/checkpoints`` at step
+    10n), as if a new champion were registered between any two resolutions."""
     from training.tracking import warm_start
 
-    champions = iter(range(1, 10))
+    champions = iter(range(1, 100))
 
     def moving_alias(source, **_):
         n = next(champions)
@@ -201,6 +192,24 @@ def test_every_train_attempt_loads_the_warm_start_the_reuse_check_resolved_thoug
                                                 "step": 10 * n, "model": "digits", "version": str(n)})
 
     monkeypatch.setattr(warm_start, "resolve_checkpoint", moving_alias)
+
+
+def test_every_train_attempt_loads_the_warm_start_the_reuse_check_resolved_though_the_alias_moved(
+        monkeypatch, tmp_path):
+    """``models:/digits@champion`` names one checkpoint at the reuse check, another once train
+    starts (a new champion registered in between) and another at train's retry: each attempt's
+    job loads the reuse check's, the checkpoint the run's inputs (and so its version's input
+    tags) name. The registry is faked: each resolution of the alias finds the next champion
+    (``moving_champion``).
+    The operator gets check_reuse's XCom as the training DAG renders it (tests/dag checks the
+    wiring); its prepare_job and the job document are real, on a local cluster and local storage."""
+    from infra.cluster import ClusterSpec
+    from infra.local_cluster import LocalCluster
+    from plugins import pipeline_tasks
+    from plugins.train_operator import TrainJobOperator
+    from training.launch.job import JobSpec
+
+    moving_champion(monkeypatch)
     monkeypatch.setattr(reuse, "find_reusable", lambda uri, name, inputs: Search(None))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
     monkeypatch.setenv("MXPIPE_ARTIFACT_ROOT", str(tmp_path / "artifacts"))

@@ -314,3 +314,87 @@ def test_the_gate_pokes_its_runs_releases_and_refuses_a_trial_mapped_out_of_plan
     released.clear()
     older = TrialGateSensor(task_id="gate", trial={"index": 2}, cap=3)  # planned before "parallel" was kept
     assert older.poke({"ti": ti(2)})  # the cap: 3 at once
+
+
+# ------------------------------------------------------------------ one warm start per sweep
+
+CHAMPION = {"registered_model_name": "digits", "warm_start": "models:/digits@champion"}
+
+
+def _plan_from_a_moving_champion(monkeypatch, tmp_path) -> list:
+    """``plan_trials`` of a two-trial sweep warm-started from ``models:/digits@champion``, whose
+    alias moves at each resolution (``tests.unit.test_reuse.moving_champion``); MLflow's parent
+    run is faked, storage is a local folder."""
+    from types import SimpleNamespace
+
+    from plugins import pipeline_tasks, sweep_tasks
+    from tests.unit.test_reuse import moving_champion
+    from training.tracking import runs
+
+    moving_champion(monkeypatch)
+    monkeypatch.setattr(runs, "open_run", lambda client, **kw: SimpleNamespace(info=SimpleNamespace(run_id="parent")))
+    monkeypatch.setattr(runs, "log_tags", lambda *a, **kw: None)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    monkeypatch.setenv("MXPIPE_ARTIFACT_ROOT", str(tmp_path / "artifacts"))
+    monkeypatch.setenv("MXPIPE_LIVE_TRACKING", "0")
+    config = pipeline_tasks.config_xcom(_with({"space": {"optim.learning_rate": [0.1, 0.01]}}))
+    return sweep_tasks.plan_trials(config, CHAMPION, "mxnet_sweep", "run", 2)
+
+
+def test_every_trial_and_retry_of_a_sweep_loads_the_warm_start_planned_though_the_alias_moved(monkeypatch, tmp_path):
+    """The sweep resolves ``models:/digits@champion`` once, when it plans its trials; a new
+    champion registered after that (here: at every later resolution) changes nothing: each
+    trial's train task, first attempt and retry, writes a job that loads the planned checkpoint.
+    The operators get the trials as the sweep DAG maps them; their prepare_job and the job
+    documents are real, on a local cluster and local storage."""
+    from types import SimpleNamespace
+
+    from infra.cluster import ClusterSpec
+    from infra.local_cluster import LocalCluster
+    from plugins.train_operator import TrainJobOperator
+    from training.launch.job import JobSpec
+
+    trials = _plan_from_a_moving_champion(monkeypatch, tmp_path)
+    assert [t["warm_start"]["checkpoint"]["prefix"] for t in trials] == ["s3://b/run-1/checkpoints"] * 2
+    shards = {"manifest_digest": "m" * 64, "model_code": None, "shards_prefix": "s3://b/shards/m"}
+    cluster = LocalCluster("sweep--run", ClusterSpec(run_tag="sweep--run", workers=1, servers=1),
+                           str(tmp_path / "home"))
+    cluster.write_record()
+    started = []
+    monkeypatch.setattr(LocalCluster, "start_supervisor",
+                        lambda self, job_uri, **kw: started.append(job_uri) or {"host": "here"})
+    loaded = []
+    try:
+        for trial in trials:
+            op = TrainJobOperator(task_id="train", cluster=cluster.describe(), shards=shards, trial=trial)
+            for try_number in (1, 2):  # the first attempt, then a retry (its job's supervisor gone)
+                ti = SimpleNamespace(try_number=try_number, xcom_push=lambda **kw: None)
+                job = op.submit_job({"dag": SimpleNamespace(dag_id="mxnet_sweep"), "run_id": "run", "ti": ti,
+                                     "params": CHAMPION})
+                loaded.append((trial["index"], try_number, JobSpec.load(job["job_uri"]).warm_start_prefix))
+    finally:
+        cluster.remove_record()
+    assert loaded == [(i, t, "s3://b/run-1/checkpoints") for i in (0, 1) for t in (1, 2)]
+    assert len(started) == 4
+
+
+def test_the_sweeps_registered_inputs_name_its_warm_start_so_a_run_without_one_does_not_reuse_it(
+        monkeypatch, tmp_path):
+    """``select_best`` returns the inputs ``register`` tags the version with: their warm start is
+    the checkpoint the sweep's trials loaded, not "none", so the training DAG's reuse check on
+    the same data and config without a warm start finds the warm start changed and trains."""
+    from plugins import sweep_tasks
+    from training.loop.resume import model_digest
+    from training.tracking.reuse import TrainingInputs, changed_inputs
+
+    trials = _plan_from_a_moving_champion(monkeypatch, tmp_path)
+    monkeypatch.setattr(sweep_tasks, "trial_outcome", lambda dag_id, t, name: {
+        "index": t["index"], "run_id": t["run_id"], "label": t["label"], "state": "succeeded",
+        "outcome": "completed", "value": 0.1 + t["index"], "epochs_run": 2, "epochs": 2, "trained": {"t": t["index"]}})
+    monkeypatch.setattr(sweep_tasks, "_log_sweep", lambda *a: "2 completed")
+    shards = {"manifest_digest": "m" * 64, "model_code": None}
+    best = sweep_tasks.select_best(trials, shards, "mxnet_sweep", "run")
+    assert best["trial"] == 0 and best["inputs"]["warm_start"] == "s3://b/run-1/checkpoints@10"
+    registered = TrainingInputs(**best["inputs"]).tags()
+    cold = TrainingInputs.of("m" * 64, model_digest(TrainConfig.from_dict(best["config"])), None, None)
+    assert changed_inputs(cold, registered) == ["warm_start"]

@@ -106,7 +106,8 @@ def test_trigger_round_trips_through_serialize(tmp_path):
 def _operator(**kw):
     from plugins.train_operator import TrainJobOperator
 
-    return TrainJobOperator(task_id="train", cluster={}, shards={}, config={}, **kw)
+    return TrainJobOperator(task_id="train", cluster={}, shards={}, config={},
+                            warm_start={"reference": "", "checkpoint": None}, **kw)
 
 
 def test_execute_complete_maps_each_end(monkeypatch):
@@ -208,6 +209,18 @@ def test_a_long_execution_timeout_reaches_the_deferral_counted_from_the_jobs_sta
 def test_a_poll_interval_that_is_not_positive_is_refused(poll_s):
     with pytest.raises(ValueError, match=f"poll_s must be a number of seconds > 0, got {poll_s!r}"):
         _operator(poll_s=poll_s)
+
+
+def test_an_operator_never_resolves_the_warm_start_itself():
+    """A run's config comes with the run's resolution of its warm start (check_reuse's XCom), a
+    sweep trial carries its own (plan_trials'): a DAG wired otherwise fails when it is parsed."""
+    from plugins.train_operator import TrainJobOperator
+
+    with pytest.raises(ValueError, match="warm start resolution"):
+        TrainJobOperator(task_id="train", cluster={}, shards={}, config={})
+    with pytest.raises(ValueError, match="a sweep trial carries its own"):
+        TrainJobOperator(task_id="train", cluster={}, shards={}, trial={"config": {}},
+                         warm_start={"reference": "", "checkpoint": None})
 
 
 
