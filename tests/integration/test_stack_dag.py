@@ -31,10 +31,43 @@ def _dataset(bucket, csv):
     return uri
 
 
-def test_out_of_range_param_is_rejected_at_trigger(stack):
-    with pytest.raises(AirflowAPIError, match="num_workers") as err:
-        trigger_dag_run(stack.airflow_url, DAG_ID, {"num_workers": 0})
-    assert "HTTP 400" in str(err.value)
+REFUSED_BASE = {"dataset_uri": "s3://mxpipe/nonexistent/digits.csv", "recipe": "debug", "num_workers": 2}
+# (what is wrong, conf overrides, text the rejection must contain)
+REFUSED_AT_TRIGGER = [
+    ("wrong type: string epochs", {"epochs": "ten"}, "epochs"),
+    ("wrong type: fractional batch size", {"batch_size": 2.5}, "batch_size"),
+    ("out of range: too many workers", {"num_workers": 17}, "num_workers"),
+    ("out of range: zero learning rate", {"learning_rate": 0}, "learning_rate"),
+    ("unknown optimizer", {"optimizer": "adamw"}, "adamw"),
+    ("unknown model", {"model": "vgg19"}, "vgg19"),
+    ("unknown kvstore mode", {"kvstore": "local"}, "kvstore"),
+    ("unknown backend", {"backend": "k8s"}, "k8s"),
+    ("malformed S3 URI (one slash)", {"dataset_uri": "s3:/mxpipe/data.csv"}, "dataset_uri"),
+    ("malformed S3 URI (bucket name)", {"dataset_uri": "s3://Bad_Bucket/data.csv"}, "dataset_uri"),
+    ("warm start that is no run id", {"warm_start": "no such run!"}, "warm_start"),
+    ("wrong type in config: 'false' for a boolean", {"config": {"checkpoint": {"elastic": "false"}}},
+     "On instance['checkpoint']['elastic']"),
+    ("wrong type in config: fractional workers", {"config": {"cluster": {"num_workers": 2.5}}},
+     "2.5 is not of type 'integer'"),
+    ("unknown key in config", {"config": {"optim": {"epochz": 3}}}, "'epochz' was unexpected"),
+    ("malformed import path of a custom network", {"config": {"model": {"name": "my-net.arch:build"}}},
+     "'my-net.arch:build' does not match"),
+    ("config file that is neither JSON nor YAML", {"config_uri": "/etc/run.txt"}, "config_uri"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(REFUSED_AT_TRIGGER)), ids=[k for k, _, _ in REFUSED_AT_TRIGGER])
+def test_a_bad_param_is_refused_at_trigger_with_a_readable_message(stack, index):
+    """The REST API (what the UI's trigger form calls) validates the conf against the Params'
+    schema when it creates the run: HTTP 400 with the message naming the field, and no run."""
+    _, overrides, expected = REFUSED_AT_TRIGGER[index]
+    with AirflowClient(stack.airflow_url) as client:
+        runs_before = len(client.dag_runs(DAG_ID))
+    with pytest.raises(AirflowAPIError) as err:
+        trigger_dag_run(stack.airflow_url, DAG_ID, {**REFUSED_BASE, **overrides})
+    assert "HTTP 400" in str(err.value) and expected in str(err.value), str(err.value)
+    with AirflowClient(stack.airflow_url) as client:
+        assert len(client.dag_runs(DAG_ID)) == runs_before  # refused: no run was created
 
 
 @pytest.fixture(scope="module")
