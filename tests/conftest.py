@@ -12,6 +12,7 @@ folder with fresh random credentials, and stopped (whole process group) at the e
 """
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +45,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             for item in items:
                 if item.get_closest_marker(tier):
                     item.add_marker(skip)
+    _longest_files_first(items)
+
+
+# The seconds each test file took in a recorded run (scripts/test_durations.py writes them).
+DURATIONS = Path(__file__).with_name("durations.json")
+# A file with no recorded time: an integration file is assumed to take about a minute.
+UNKNOWN_INTEGRATION_S = 60.0
+
+
+def _longest_files_first(items: list[pytest.Item]) -> None:
+    """Order whole files longest first, keeping each file's own order. ``make test`` hands files
+    to two pytest-xdist workers in this order (``--dist loadfile --no-loadscope-reorder``):
+    longest-processing-time first ends the two workers close together, where xdist's own order
+    (most tests first) left the long, few-test integration files to the end, one worker idle."""
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+
+    def seconds(item: pytest.Item) -> float:
+        path = item.nodeid.split("::", 1)[0]
+        default = UNKNOWN_INTEGRATION_S if item.get_closest_marker("integration") else 0.0
+        return float(recorded.get(path, default))
+
+    weight = {}
+    for item in items:
+        weight.setdefault(item.nodeid.split("::", 1)[0], seconds(item))
+    items.sort(key=lambda item: -weight[item.nodeid.split("::", 1)[0]])  # stable: a file keeps its order
 
 
 # ---------------------------------------------------------------------------------------------
