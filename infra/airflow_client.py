@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -65,7 +65,7 @@ class AirflowClient:
                     break
             # The API server answers 500 "Database error" when its metadata database is busy (the
             # embedded stack's SQLite on a loaded machine): an idempotent call is worth repeating;
-            # a POST (a trigger) is not, since it may have been applied.
+            # a POST is not, since it may have been applied (``trigger`` repeats its own by run id).
             if not (resp.status_code == 500 and "Database error" in resp.text and method.upper() != "POST"
                     and busy < DB_BUSY_RETRIES):
                 break
@@ -102,11 +102,20 @@ class AirflowClient:
             if logical_date.tzinfo is None:
                 raise ValueError("logical_date must be timezone-aware")
             logical_date = logical_date.isoformat()
-        body: dict[str, Any] = {"logical_date": logical_date, "conf": dict(conf or {})}
-        if run_id:
-            body["dag_run_id"] = run_id
-        resp = self.request("POST", f"/dags/{dag_id}/dagRuns", ok=(200, 201), json=body)
-        return resp.json()["dag_run_id"]
+        # The run is named here, the way Airflow names a manual run, so that a trigger answered
+        # "Database error" (a busy metadata database) can be repeated: a repeat that finds the run
+        # already there (409) means the first attempt was applied.
+        run_id = run_id or f"manual__{datetime.now(timezone.utc).isoformat()}"
+        body: dict[str, Any] = {"logical_date": logical_date, "conf": dict(conf or {}), "dag_run_id": run_id}
+        path = f"/dags/{dag_id}/dagRuns"
+        for busy in range(DB_BUSY_RETRIES + 1):
+            resp = self.request("POST", path, ok=(200, 201, 409, 500), json=body)
+            if resp.status_code in (200, 201) or (resp.status_code == 409 and busy > 0):
+                return run_id
+            if not (resp.status_code == 500 and "Database error" in resp.text and busy < DB_BUSY_RETRIES):
+                break
+            time.sleep(1.0 + busy)
+        raise AirflowAPIError(f"POST {path}: HTTP {resp.status_code}: {resp.text[:500]}")
 
     def dag_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
         return self.request("GET", f"/dags/{dag_id}/dagRuns/{run_id}").json()

@@ -290,7 +290,7 @@ def test_an_unchanged_rerun_reuses_the_version_and_a_warm_start_from_it_trains_a
     assert third["state"] == "success", logs[-4000:]
     assert f"warm start from {first['run_id']} step" in logs  # shard's check
     # train loads what check_reuse resolved (its XCom, rendered into the operator), not its own resolution
-    assert re.search(rf"warm start {re.escape(first['run_id'])}: \S+ step \d+, as the reuse check resolved it",
+    assert re.search(rf"warm start {re.escape(first['run_id'])}: \S+ step \d+, as the run resolved it",
                      logs), logs[-4000:]
     # The worker's own "warm start: parameters from step" line did not appear in dag.test()'s output
     # (seen here); the worker side is checked in test_warm_start.py.

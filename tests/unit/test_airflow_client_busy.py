@@ -1,6 +1,7 @@
 """The Airflow client repeats an idempotent call that the API server answered with its busy
-database's "Database error" (HTTP 500), and never repeats a POST, which may have been applied; a
-wait polls again after an answer slower than its read timeout. A real HTTP server on loopback
+database's "Database error" (HTTP 500), and never repeats a POST, which may have been applied, except
+a trigger, which names its run and so can tell its repeat from a second run; a wait polls again
+after an answer slower than its read timeout. A real HTTP server on loopback
 plays the API server."""
 from __future__ import annotations
 
@@ -74,6 +75,53 @@ def test_a_post_is_not_repeated(api):
     with _client(api) as client, pytest.raises(AirflowAPIError, match="HTTP 500"):
         client.request("POST", "/dags/d/dagRuns", json={})
     assert _Busy.calls["POST"] == 1
+
+
+class _AppliedButBusy(BaseHTTPRequestHandler):
+    """Creates the named run on the first POST yet answers it with the database error (the commit
+    went through, the answer did not); a POST naming an existing run gets the API's 409."""
+
+    runs: dict[str, dict] = {}
+    posts = 0
+
+    def do_POST(self) -> None:
+        type(self).posts += 1
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        run_id = body["dag_run_id"]
+        if run_id in self.runs:
+            status, answer = 409, {"detail": f"DAG run {run_id} already exists"}
+        else:
+            self.runs[run_id] = body["conf"]
+            status, answer = 500, {"detail": {"reason": "Database error", "message": "Serious error"}}
+        data = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_trigger_answered_busy_is_repeated_by_its_run_id_and_makes_one_run():
+    _AppliedButBusy.runs, _AppliedButBusy.posts = {}, 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _AppliedButBusy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with _client(f"http://127.0.0.1:{server.server_address[1]}") as client:
+            run_id = client.trigger("d", {"epochs": 1})
+            assert run_id.startswith("manual__") and _AppliedButBusy.runs == {run_id: {"epochs": 1}}
+            assert _AppliedButBusy.posts == 2  # the repeat found the run: no second one
+            # A run id the caller names that exists already is refused, not taken for a repeat.
+            with pytest.raises(AirflowAPIError, match="HTTP 409"):
+                client.trigger("d", {"epochs": 2}, run_id=run_id)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    assert _AppliedButBusy.runs == {run_id: {"epochs": 1}}
 
 
 class _Slow(BaseHTTPRequestHandler):
