@@ -206,10 +206,12 @@ def host_records(root: Path, host: str) -> Path:
 
 
 def _host_env(root: Path, settings: TopologySettings, host: str, extra: Mapping[str, str]) -> dict[str, str]:
-    """The ambient environment cleaned (``service_env``), the host's own ``HOME`` and
-    ``MXPIPE_HOME``, and a tag naming the topology (``leftovers`` looks for it)."""
+    """The ambient environment cleaned (``service_env``), the host's own ``HOME``, ``MXPIPE_HOME``
+    and ``TMPDIR`` (this machine's /tmp is one for every host: a temporary file goes to the home,
+    which no other host sees), and a tag naming the topology (``leftovers`` looks for it)."""
     home = host_home(root, host)
-    return service_env({"HOME": str(home), "MXPIPE_HOME": str(home / "mxpipe"), "MXPIPE_TOPOLOGY": settings.prefix,
+    return service_env({"HOME": str(home), "MXPIPE_HOME": str(home / "mxpipe"), "TMPDIR": str(home / "tmp"),
+                        "MXPIPE_TOPOLOGY": settings.prefix,
                         "MXPIPE_HOST_ADDRESS": settings.address(host), **extra})
 
 
@@ -227,6 +229,7 @@ mount --bind "$root/hosts/$host" "$view/hosts/$host"
 mount --bind -o ro "$root/etc" "$view/etc"
 mount --move "$view" "$root"
 mount -o remount,ro,bind "$root"
+mkdir -p "$root/hosts/$host/tmp"
 cd "$root/hosts/$host"
 exec "$@"
 """

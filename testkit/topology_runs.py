@@ -186,13 +186,18 @@ def cross_host_reads(root: Path) -> dict[str, Any]:
     probe = host_home(root, "worker2") / f"probe-{uuid.uuid4().hex[:8]}.txt"
     written = _on_worker(root, "worker2", ["-c", f"open({str(probe)!r}, 'w').write('worker2 wrote this')"])
     own = json.loads(_on_worker(root, "worker2", ["-c", _READ_ON_HOST, str(probe)]))[str(probe)]
+    # A temporary file (tempfile, as libraries make them) lands in the host's own home too.
+    temp = _on_worker(root, "worker2", ["-c", "import tempfile\nwith tempfile.NamedTemporaryFile(delete=False) as f:"
+                                               "\n    f.write(b'worker2 wrote this')\nprint(f.name)"]).strip()
     record = host_records(root, "worker2") / "logs" / "airflow-celery-worker.log"
-    paths = [str(probe), str(host_home(root, "worker2")), str(root / "hosts"), str(record)]
+    paths = [str(probe), str(host_home(root, "worker2")), str(root / "hosts"), str(record), temp]
     other = json.loads(_on_worker(root, "worker1", ["-c", _READ_ON_HOST, *paths]))
     return {"written": written == "" and probe.exists(), "read_on_worker2": own,
             "worker1_reads_worker2_file": other[str(probe)], "worker1_lists_worker2_home": other[paths[1]],
             "worker1_lists_homes": other[paths[2]], "worker1_reads_worker2_records": other[paths[3]],
-            "record_exists": record.exists()}
+            "record_exists": record.exists(), "worker2_temp_file": temp,
+            "temp_in_own_home": Path(temp).is_relative_to(host_home(root, "worker2")),
+            "worker1_reads_worker2_temp_file": other[temp]}
 
 
 def worker_files(root: Path) -> dict[str, list[str]]:

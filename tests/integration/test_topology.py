@@ -55,7 +55,9 @@ def test_training_dag_runs_on_the_topology_and_down_leaves_nothing(digits_csv, m
         assert reads["written"] and reads["read_on_worker2"] == "ok: worker2 wrote this", reads
         assert reads["record_exists"], reads
         assert (reads["worker1_reads_worker2_file"], reads["worker1_lists_worker2_home"],
-                reads["worker1_reads_worker2_records"]) == ("FileNotFoundError",) * 3, reads
+                reads["worker1_reads_worker2_records"], reads["worker1_reads_worker2_temp_file"]) == \
+            ("FileNotFoundError",) * 4, reads
+        assert reads["temp_in_own_home"], reads
         assert reads["worker1_lists_homes"] == "listed: worker1", reads
         result = run_training_dag(root, digits_csv, backend="hosts", timeout_s=900)
         # The release (on either worker) removed the run's cluster record from S3.
