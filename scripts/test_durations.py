@@ -1,8 +1,8 @@
 """Write ``tests/durations.json`` (seconds per test file) from a pytest JUnit XML report.
 
-``make test`` writes ``.local/test-report.xml``; the suite's conftest hands files to the two
+``make test`` writes ``.local/test-report.xml``; the suite's conftest hands files to the
 pytest-xdist workers longest first by these figures (longest-processing-time first keeps the
-two workers' ends close). The figures only order the files: a stale or missing entry changes
+workers' ends close). A run with a hung test records its timeout: refresh from a clean run. The figures only order the files: a stale or missing entry changes
 the suite's wall time, never its result.
 
     .venv/bin/python scripts/test_durations.py [.local/test-report.xml]
