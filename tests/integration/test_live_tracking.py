@@ -6,6 +6,7 @@ import _thread
 import dataclasses
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -178,6 +179,9 @@ def test_stopping_the_supervisor_ends_the_run_killed(digits_shards, s3_prefix, t
                 if left_the_wait.wait(120):
                     break
 
+    # interrupt_main() acts through the SIGINT handler, which an earlier test of this process
+    # (Airflow's in-process task runs) may have replaced with one that does not raise.
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     stopper = threading.Thread(target=stop_after_first_epoch, daemon=True)
     stopper.start()
     try:
@@ -185,6 +189,7 @@ def test_stopping_the_supervisor_ends_the_run_killed(digits_shards, s3_prefix, t
             run_job(job, s3_prefix, tmp_path, env=SLOW)
     finally:
         left_the_wait.set()
+        signal.signal(signal.SIGINT, handler)
     stopper.join(5)
     assert not stopper_failed, stopper_failed
     [run_id] = _run_ids(client, "live-stopped")
