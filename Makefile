@@ -12,7 +12,7 @@ demo: setup
 
 # Three pytest workers, each taking whole files (module fixtures and a file's order stay on one):
 # most of the integration tier waits on real jobs, servers and Airflow, so three share 2 cores
-# well (two took 31 min on this machine, three about 25). Files go out longest first (tests/conftest.py, from tests/durations.json; refresh it with
+# well (timings: benchmarks/README.md). Files go out longest first (tests/conftest.py, from tests/durations.json; refresh it with
 # scripts/test_durations.py from the JUnit report). The 30 slowest tests are listed at the end.
 test: setup
 	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=30 --junitxml=.local/test-report.xml
