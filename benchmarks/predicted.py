@@ -151,25 +151,51 @@ def constrained_links(r: dict[str, Any], source: str = "results.json N1") -> lis
                  [p["measured_comm_s"] for p in sweep], "s", source)]
 
 
+# Runs of the data step whose cores, not their chains, bound them: other work shared the machine.
+# c recorded its runnable threads (13-15); a and b recorded none, and every step of theirs took
+# 1.6-2.5× what it took on the quiet machine (d, 2.5-3.2 threads runnable: the job's own).
+QUIET = "figures/mapped_shard-112mb-d.json"
+LOADED_SHARD_RUNS = {"figures/mapped_shard-112mb.json", "figures/mapped_shard-112mb-b.json",
+                     "figures/mapped_shard-112mb-c.json"}
+
+
+def _shard_2_over_1(d: dict[str, Any], name: str, runs: dict[int, dict[str, Any]]) -> float:
+    """The model's 2 parts ÷ 1 part on one 2-core host: on a quiet host each part a chain on a
+    core of its own (``shard_s``); on a loaded one the step's CPU (``shard_cpu_s``), times the
+    change of runnable threads between the two runs where the file records them."""
+    mb = d["source_mb"]
+    if name not in LOADED_SHARD_RUNS:
+        return pm.shard_s(mb, 2, CORES / 2) / pm.shard_s(mb, 1)
+    load = runs[2]["runnable"] / runs[1]["runnable"] if runs[1].get("runnable") else 1.0
+    return pm.shard_cpu_s(mb, 2) / pm.shard_cpu_s(mb, 1) * load
+
+
 def mapped_shard(d: dict[str, Any], name: str) -> list[Line]:
     runs = {r["parts"]: r for r in d["runs"]}
     order = " then ".join(str(r["parts"]) for r in d["runs"])
+    loaded = name in LOADED_SHARD_RUNS
+    host = "loaded host" if loaded else "quiet host"
     out = []
     for n in sorted(runs):
-        # The SHARD_* constants came from the one-part run of the first file.
-        basis = "fit" if n == 1 and name == "figures/mapped_shard-112mb.json" else "check"
+        # The SHARD_* constants came from the one-part run of the first file; SHARD_PART_CORES
+        # (the quiet host's 2 parts) and the CPU ones (the loaded hosts') from the quiet run d.
+        basis = "fit" if (n == 1 and name == "figures/mapped_shard-112mb.json") or (n > 1 and name == QUIET) \
+            else "check"
         runnable = runs[n].get("runnable")
         case = (f"{d['source_mb']:.0f} MB CSV, " + (f"{n} parts side by side" if n > 1 else "1 part")
-                + f" on {CORES} cores (runs: {order}"
+                + f" on {CORES} cores, {host} (runs: {order}"
                 + (f"; {runnable:.1f} threads runnable, measured, not in the model)" if runnable is not None else ")"))
-        out.append(Line("data step, plan → merge", case, [pm.shard_s(d["source_mb"], n, CORES / n)],
-                        [runs[n]["total_s"]], "s", name, basis))
+        predicted = pm.shard_s(d["source_mb"], 1)
+        if n > 1:
+            predicted *= _shard_2_over_1(d, name, runs)
+        out.append(Line("data step, plan → merge", case, [predicted], [runs[n]["total_s"]], "s", name, basis))
     if 1 in runs and 2 in runs:
-        # The same host's load moves both runs alike (minutes apart): their ratio is the model's
-        # claim that on one host a part alone already uses every core (pyarrow's threads).
-        out.append(Line("data step, 2 parts ÷ 1 part on one host", f"{d['source_mb']:.0f} MB CSV, {CORES} cores "
-                        f"(runs: {order})", [pm.shard_s(d["source_mb"], 2, CORES / 2) / pm.shard_s(d["source_mb"], 1)],
-                        [runs[2]["total_s"] / runs[1]["total_s"]], "", name))
+        # The same host's load moves both runs alike (minutes apart): their ratio is what the
+        # model says a second part costs or gains on one host.
+        load = "; the change of runnable threads between the runs in" if runs[1].get("runnable") and loaded else ""
+        out.append(Line("data step, 2 parts ÷ 1 part on one host", f"{d['source_mb']:.0f} MB CSV, {CORES} cores, "
+                        f"{host} (runs: {order}{load})", [_shard_2_over_1(d, name, runs)],
+                        [runs[2]["total_s"] / runs[1]["total_s"]], "", name, "fit" if name == QUIET else "check"))
     return out
 
 
@@ -192,7 +218,7 @@ def lines(report_rows: dict[str, dict[str, Any]] | None = None) -> list[Line]:
         if (d := _load(name)) is not None and "sweep" in d:
             out += constrained_links(d, name)
     for name in ("figures/mapped_shard-112mb.json", "figures/mapped_shard-112mb-b.json",
-                 "figures/mapped_shard-112mb-c.json"):
+                 "figures/mapped_shard-112mb-c.json", "figures/mapped_shard-112mb-d.json"):
         if (d := _load(name)) is not None:
             out += mapped_shard(d, name)
     return out

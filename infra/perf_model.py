@@ -99,17 +99,33 @@ RESTORE_CPU_S = 0.044
 RESTORE_LATENCY_S = 0.14
 
 # The data step (``data_checks.parts``), per MB of CSV source and per task, fitted on one part
-# of benchmarks/figures/mapped_shard-112mb.json (111.8 MB, 256 float32 columns): count 3.65 s,
-# shard 5.67 s, plan 1.25 s, merge 2.76 s of work; a task's start (interpreter, imports) is its
-# wall less its work, 1.0-1.2 s. Count and shard parse with pyarrow's CSV reader, which runs a
-# thread per core: the one part had the machine's SHARD_FIT_CORES cores, so a part with c cores
-# takes SHARD_FIT_CORES / c times as long per MB; the merge is taken as serial.
+# of benchmarks/figures/mapped_shard-112mb.json (run a: 111.8 MB, 256 float32 columns): count
+# 3.65 s, shard 5.67 s, plan 1.25 s, merge 2.76 s of work; a task's start (interpreter, imports)
+# is its wall less its work, 1.0-1.2 s. Run a shared the machine with other work: on the quiet
+# machine (mapped_shard-112mb-d.json) every step took 0.5-0.6 of these, so the constants carry
+# run a's load.
 SHARD_COUNT_S_PER_MB = 3.65 / 111.8
 SHARD_PART_S_PER_MB = 5.67 / 111.8
 SHARD_PLAN_S = 1.25
 SHARD_MERGE_S_PER_MB = 2.76 / 111.8
-SHARD_FIT_CORES = 2
 TASK_START_S = 1.1
+# A part is a chain, not a pool of threads: pyarrow's streaming CSV reader (``open_csv``, what a
+# part reads with) is single-threaded, and the bytes come from the S3 server, which serves them
+# while the part waits. On the quiet machine (mapped_shard-112mb-d.json) the 1-part count and
+# shard kept 1.27 cores busy: 3.41 + 5.21 CPU-s (their tasks and SeaweedFS) over 2.79 + 3.99 s.
+# A part given fewer cores slows by SHARD_PART_CORES / its cores; more cores do not speed it up.
+SHARD_PART_CORES = 1.27
+# CPU seconds of the whole data step (every task and the S3 server on the same cores), from the
+# quiet run d's CPU clocks (wait4 of each task, psutil of SeaweedFS): 12.29 CPU-s for 111.8 MB in
+# 1 part. Each further part adds its two tasks' fixed CPU (interpreter, imports, S3 clients, the
+# plan and counts read: 2.19 CPU-s, d's 2 parts' count + shard tasks less its 1 part's), and its
+# boundary makes both count and shard fetch SHARD_PROBE_MB again (the line-start probes and the
+# header each pull an 8 MB readahead block: 139.9 MB fetched for 111.8 MB, benchmarks/range_reads.py)
+# at the server's 0.0122 CPU-s per MB (d's count: SeaweedFS 1.36 CPU-s for 111.8 MB).
+SHARD_CPU_S_PER_MB = 12.29 / 111.8
+SHARD_PART_CPU_S = 2.19
+SHARD_PROBE_MB = 28.1
+STORE_CPU_S_PER_MB = 0.0122
 
 
 @dataclass(frozen=True)
@@ -232,9 +248,18 @@ def restore_s(nbytes: float, workers: int, cores: int, storage_procs: int = 0,
     return max(RESTORE_LATENCY_S, cpu * fair_share(busy, cores))
 
 
-def shard_s(source_mb: float, parts: int, cores_per_part: float = SHARD_FIT_CORES) -> float:
+def shard_s(source_mb: float, parts: int, cores_per_part: float = 2.0) -> float:
     """The data step with ``parts`` mapped parts, each a task with ``cores_per_part`` cores (its
-    own Airflow worker's; N parts side by side on a C-core host: C / N): plan, the parts' counts
-    side by side, their shards side by side, then one merge over the whole source."""
-    per_mb = (SHARD_COUNT_S_PER_MB + SHARD_PART_S_PER_MB) * SHARD_FIT_CORES / cores_per_part
+    own Airflow worker's; N parts side by side on a C-core host: C / N), the cores otherwise
+    free: plan, the parts' counts side by side, their shards side by side, then one merge over the
+    whole source. A part is a chain that keeps ``SHARD_PART_CORES`` busy (module constants)."""
+    per_mb = (SHARD_COUNT_S_PER_MB + SHARD_PART_S_PER_MB) * max(1.0, SHARD_PART_CORES / cores_per_part)
     return 4 * TASK_START_S + SHARD_PLAN_S + source_mb / parts * per_mb + source_mb * SHARD_MERGE_S_PER_MB
+
+
+def shard_cpu_s(source_mb: float, parts: int) -> float:
+    """CPU seconds of the whole data step in ``parts`` parts, the S3 server's included: what it
+    takes on a host whose cores, not its chains, bound it (other work on them). Every part past
+    the first adds its tasks' fixed CPU and the bytes its boundary fetches twice more."""
+    extra = (parts - 1) * (SHARD_PART_CPU_S + 2 * SHARD_PROBE_MB * STORE_CPU_S_PER_MB)
+    return source_mb * SHARD_CPU_S_PER_MB + extra

@@ -93,9 +93,20 @@ def test_sharding_time_with_mapped_parts():
     # over the parts, merge 2.76 s.
     assert pm.shard_s(111.8, 1) == pytest.approx(4.4 + 1.25 + 9.32 + 2.76)
     assert pm.shard_s(111.8, 2) == pytest.approx(4.4 + 1.25 + 9.32 / 2 + 2.76)  # 2 workers of 2 cores
-    # Two parts side by side on one 2-core host: a core each, half the bytes each: no gain.
-    assert pm.shard_s(111.8, 2, cores_per_part=1) == pytest.approx(pm.shard_s(111.8, 1))
-    assert pm.shard_s(111.8, 4, cores_per_part=8) == pytest.approx(4.4 + 1.25 + 9.32 / 4 / 4 + 2.76)
+    # A part is a chain keeping 1.27 cores busy: more cores do not speed it up...
+    assert pm.shard_s(111.8, 4, cores_per_part=8) == pytest.approx(4.4 + 1.25 + 9.32 / 4 + 2.76)
+    # ...and two side by side on a quiet 2-core host, a core each, run half the bytes 1.27× slower.
+    assert pm.shard_s(111.8, 2, cores_per_part=1) == pytest.approx(4.4 + 1.25 + 9.32 / 2 * 1.27 + 2.76)
+    assert pm.shard_s(111.8, 2, cores_per_part=1) / pm.shard_s(111.8, 1) == pytest.approx(0.808, abs=1e-3)
+
+
+def test_sharding_cpu_on_a_loaded_host():
+    # Quiet run d's CPU clocks: 12.29 CPU-s in 1 part; a second part adds 2.19 CPU-s of its tasks
+    # and 2 × 28.1 MB fetched again at the server's 0.0122 CPU-s per MB.
+    assert pm.shard_cpu_s(111.8, 1) == pytest.approx(12.29)
+    assert pm.shard_cpu_s(111.8, 2) == pytest.approx(12.29 + 2.19 + 2 * 28.1 * 0.0122)
+    # Where the cores bound the step, a second part costs 23 %: runs a and b measured 27 %.
+    assert pm.shard_cpu_s(111.8, 2) / pm.shard_cpu_s(111.8, 1) == pytest.approx(1.234, abs=1e-3)
 
 
 def test_bad_counts_are_refused():
