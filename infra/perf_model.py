@@ -90,6 +90,27 @@ DETECT_HANDLING_S = 0.057
 # P3's 89.5 MB in 0.216 + 0.430 s = 138.5 MB/s.
 SAVE_BYTES_PER_S = 134e6
 RESTORE_BYTES_PER_S = 138.5e6
+# A save's own CPU beside its bytes (thread, np.savez, pickle, hash pool, three files and the
+# manifest, the prune's listing): 3.3-3.5 ms in the writer thread for the digits MLP's 31 kB
+# checkpoint (and its 50 kB state.json) on the quiet machine, 60 saves alone, two runs
+# (benchmarks/save_alone.py; wall 3.7-4.0 ms).
+SAVE_CPU_S = 0.0035
+# Inside a job a save is not its CPU: it waits for the engine's copies of the step's arrays, for
+# the GIL the loop's next step holds, for its hash thread. Fitted (the mean) on the sizes of
+# benchmarks/many_roles.json whose workers are idle by then (3+1, 6+2, 12+4: 13.7, 15.6, 15.4 ms,
+# a run with other work on the machine; on the quiet machine the 3+1 save took 8.9 ms,
+# benchmarks/figures/many_roles-d.json).
+SAVE_LATENCY_S = 0.0149
+# The others are not asleep while rank 0 saves. Every worker reads its losses back at a
+# checkpoint's step (training.checkpoint.manager: ``due`` answers alike on every rank), so the
+# workers other than rank 0, which run ahead queueing their steps, all wait there and are then
+# released together: each runs SAVE_BURST_CPU_S of queued work at once, and every one of them
+# is runnable. The burst starts SAVE_BURST_LEAD_S (about one step: rank 0's read-back of its
+# losses, then its save) before the save. Both from the run queue sampled every 10 ms around job
+# B's 57 saves at 24+8 (many_roles-d.json: 15-22 threads runnable from 0.12 s before a save to
+# 0.06 s after it, 2-4 outside): 0.18 s of 2 cores for 19 workers, 19 ms each.
+SAVE_BURST_CPU_S = 0.019
+SAVE_BURST_LEAD_S = 0.12
 # Restore's own CPU beside the bytes (build the model, fetch the shard list): fitted on
 # benchmarks/many_roles.json 24+8: 0.53 s for 24 workers on 2 cores = 12 × (0.044 + 31 kB at
 # 138.5 MB/s), the checkpoint being the digits MLP's 31 kB of arrays (the 1.7 MB of that file's
@@ -233,7 +254,23 @@ def checkpoint_bytes(params: int, state_values: int, aux: int = 0) -> int:
 def save_s(nbytes: float, busy: float = 1.0, cores: int = 1) -> float:
     """One checkpoint save (serialise, hash, put, commit) with ``busy`` processes (or measured
     runnable threads) wanting ``cores``."""
-    return nbytes / SAVE_BYTES_PER_S * fair_share(busy, cores)
+    return (SAVE_CPU_S + nbytes / SAVE_BYTES_PER_S) * fair_share(busy, cores)
+
+
+def checkpoint_step_save_s(nbytes: float, workers: int, cores: int) -> float:
+    """Rank 0's save in a ``dist_sync`` job of ``workers`` on ``cores`` shared by all, the other
+    workers released together at the checkpoint's step (module constants). While their burst
+    lasts the save is one of ``workers`` runnable threads; once it is over (or if it ended before
+    the save began) the save runs alone, never under the in-job latency ``SAVE_LATENCY_S``."""
+    others = workers - 1
+    own = save_s(nbytes)
+    left = others * SAVE_BURST_CPU_S / cores - SAVE_BURST_LEAD_S  # the burst's wall time still to run
+    if left <= 0:
+        return max(SAVE_LATENCY_S, own)
+    shared = own * fair_share(others + 1, cores)
+    if shared > left:  # the burst ends first: the rest of the save alone
+        shared = left + own - left * cores / (others + 1)
+    return max(SAVE_LATENCY_S, shared)
 
 
 def restore_s(nbytes: float, workers: int, cores: int, storage_procs: int = 0,
