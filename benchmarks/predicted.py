@@ -242,7 +242,8 @@ def lines(report_rows: dict[str, dict[str, Any]] | None = None) -> list[Line]:
         if (d := _load(name)) is not None and "sweep" in d:
             out += constrained_links(d, name)
     for name in ("figures/mapped_shard-112mb.json", "figures/mapped_shard-112mb-b.json",
-                 "figures/mapped_shard-112mb-c.json", "figures/mapped_shard-112mb-d.json"):
+                 "figures/mapped_shard-112mb-c.json", "figures/mapped_shard-112mb-d.json",
+                 "figures/mapped_shard-112mb-e.json"):
         if (d := _load(name)) is not None:
             out += mapped_shard(d, name)
     return out

@@ -135,6 +135,10 @@ TASK_START_S = 1.1
 # while the part waits. On the quiet machine (mapped_shard-112mb-d.json) the 1-part count and
 # shard kept 1.27 cores busy: 3.41 + 5.21 CPU-s (their tasks and SeaweedFS) over 2.79 + 3.99 s.
 # A part given fewer cores slows by SHARD_PART_CORES / its cores; more cores do not speed it up.
+# What this does not know: at 112 MB on a quiet host most of a count or shard task is fixed work
+# (its setup: about 2.5 s of d's 2.8 and 4.0 s, from its 1 part against its 2), which the SHARD_*
+# constants count per MB, so a second part's gain is overstated there (0.81 predicted; 0.89 and
+# 0.98 measured, runs d and e).
 SHARD_PART_CORES = 1.27
 # CPU seconds of the whole data step (every task and the S3 server on the same cores), from the
 # quiet run d's CPU clocks (wait4 of each task, psutil of SeaweedFS): 12.29 CPU-s for 111.8 MB in
