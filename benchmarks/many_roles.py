@@ -90,6 +90,7 @@ from common import storage  # noqa: E402
 from common.events import CheckpointCommitted, FirstStep, FirstStepAfterResume, Resumed, WorkerStarted  # noqa: E402
 from testkit.killer import LiveRole, live_hosts_roles, live_roles  # noqa: E402
 from testkit.result_file import write_json  # noqa: E402
+from testkit.run_queue import RunQueueSampler  # noqa: E402
 from training.launch.launcher import JobStopped  # noqa: E402
 from testkit.timeline import LEAD, Event, failure_timeline, first_event, role_event, role_event_of  # noqa: E402
 
@@ -104,6 +105,8 @@ FIGURES = ("first_step_s", "supervisor_cpu_s", "supervisor_peak_rss_mb", "superv
            "supervisor_peak_fds", "roles_peak_rss_mb", "role_peak_fds", "worker_kill_detect_s", "worker_kill_restart_s",
            "server_kill_detect_s", "server_kill_restart_s", "restore_s", "checkpoint_save_s",
            "checkpoint_blocked_s", "elastic_resume_s", "orderly_stop_s",
+           # Job B's saves one by one, and the roles' CPU and wall per training step (save_figures).
+           "checkpoint_commit_upload_s", "job_b_step_cpu_s", "job_b_step_s", "save_runnable", "job_b_runnable",
            # --backend hosts: the transport's processes (an ssh client here, sshd on the host).
            "ssh_clients", "sshd_processes", "transport_peak_rss_mb",
            # --s3: the resume's S3 requests (job B: job_start → first step after the resume).
@@ -315,11 +318,16 @@ class Sampler(threading.Thread):
     supervisor's child processes on ``local``, the recorded role processes on the hosts) and the
     transport's processes with psutil until stopped: CPU time, RSS, threads, file descriptors."""
 
-    def __init__(self, status_uri: str, backend: Any) -> None:
+    def __init__(self, status_uri: str, backend: Any, skip_pid: int | None = None) -> None:
         super().__init__(name="many-roles-sampler", daemon=True)
         self.status_uri, self.backend = status_uri, backend
+        self.skip_pid = skip_pid  # an earlier job's supervisor, whose status record may still be there
+        self.pid: int | None = None
         self.stopping = threading.Event()
         self.result: dict[str, float] = {}
+        # (time.time(), CPU seconds of every role seen so far, each at its last sample): the
+        # roles' CPU per training step is its slope between two checkpoints (``step_cpu_s``).
+        self.roles_cpu: list[tuple[float, float]] = []
 
     def stop(self) -> None:
         self.stopping.set()
@@ -335,8 +343,9 @@ class Sampler(threading.Thread):
                 status = read_status(self.status_uri)
             except Exception:  # noqa: BLE001 - half written: read again
                 continue
-            if status is not None and status.pid:
+            if status is not None and status.pid and status.pid != self.skip_pid:
                 try:
+                    self.pid = status.pid
                     return psutil.Process(status.pid)
                 except psutil.NoSuchProcess:
                     return None
@@ -351,6 +360,7 @@ class Sampler(threading.Thread):
         peak = {"rss": 0.0, "hwm": 0.0, "threads": 0, "fds": 0, "roles_rss": 0.0, "role_fds": 0,
                 "ssh": 0, "sshd": 0, "transport_rss": 0.0}
         cpu = 0.0
+        role_cpu: dict[int, float] = {}
         while True:
             try:
                 with proc.oneshot():
@@ -368,9 +378,12 @@ class Sampler(threading.Thread):
                         roles += child.memory_info().rss
                         # ps-lite connects every role to every other one (common.procs.limits).
                         peak["role_fds"] = max(peak["role_fds"], child.num_fds())
+                        times = child.cpu_times()
+                        role_cpu[child.pid] = times.user + times.system
                     except psutil.NoSuchProcess:
                         continue
                 peak["roles_rss"] = max(peak["roles_rss"], roles)
+                self.roles_cpu.append((time.time(), sum(role_cpu.values())))
                 clients, served = self.backend.transport_processes(proc)
                 transport = 0.0
                 for p in clients + served:
@@ -473,13 +486,21 @@ def measure(root: Path, store: str, backend: Any, cfg: Any, shards: str, workers
     # Job B: fewer workers on job A's checkpoints (its emergency one), trained to the end.
     fewer = workers - max(1, workers // 6)
     job_b = make_job(job_config(cfg, fewer, servers, epochs), shards, prefix)
-    backend.run(job_b, prefix, {**env, "MXPIPE_EVENTS_FILE": str(events_b)})
+    sampler_b = Sampler(status_uri, backend, skip_pid=sampler.pid)
+    sampler_b.start()
+    # The machine's runnable threads every 10 ms: who wants the cores while rank 0 saves.
+    with RunQueueSampler(every_s=0.01) as run_queue:
+        try:
+            backend.run(job_b, prefix, {**env, "MXPIPE_EVENTS_FILE": str(events_b)})
+        finally:
+            sampler_b.stop()
     # Rank 0's checkpoint statistics of job B (job A was stopped: no metrics record).
     stats = json.loads(storage.get_bytes(job_b.metrics_uri))["checkpoint"]
     out["checkpoint_save_s"] = stats["upload_s"] / max(1, stats["committed"])
     out["checkpoint_blocked_s"] = stats["blocked_s"] / max(1, stats["committed"])
     out["checkpoint_stats"] = stats
     events = read_events(events_b)
+    out.update(save_figures(events, sampler_b.roles_cpu, run_queue.samples))
     job_start = first_event(events, lambda e: e["event"] == "job_start", 0.0)["t"]
     first = first_event(events, role_event(FirstStepAfterResume, LEAD), job_start)
     out["elastic_workers"] = fewer
@@ -494,6 +515,56 @@ def measure(root: Path, store: str, backend: Any, cfg: Any, shards: str, workers
         out["resume_s3_checkpoint_requests"] = resume["worker_by_part"].get("checkpoints", {}).get("requests", 0)
         out["resume_s3_peak_requests_per_s"] = resume["peak_requests_per_s"]
     return out
+
+
+def save_figures(events: list[Event], roles_cpu: list[tuple[float, float]],
+                 run_queue: list[tuple[float, int]]) -> dict[str, Any]:
+    """Job B's saves one by one (each commit event's ``upload_s``: serialise, write, commit; the
+    prune after it is not in it), the roles' CPU seconds per training step between its first
+    and its last periodic commit (no start, no end of training in the window): the work of one
+    synchronous step of the whole job, which rank 0's save shares the cores with; and the
+    machine's runnable threads during the saves and around them (``save_run_queue``)."""
+    commits = [(e["t"], got) for e in events if isinstance(got := role_event_of(e), CheckpointCommitted)]
+    out: dict[str, Any] = {}
+    uploads = [c.upload_s for _, c in commits if c.upload_s is not None]
+    if uploads:
+        out["checkpoint_commit_upload_s"] = statistics.median(uploads)
+        out["checkpoint_commit_upload_all_s"] = uploads
+        out.update(save_run_queue([(t - c.upload_s, t) for t, c in commits if c.upload_s is not None], run_queue))
+    periodic = [(t, c.step) for t, c in commits if c.step % CKPT_EVERY == 0]
+    if len(periodic) >= 3 and len(roles_cpu) >= 2:
+        (t0, s0), (t1, s1) = periodic[1], periodic[-2]  # well inside training: not the first, not the last
+
+        def cpu_at(t: float) -> float:
+            return min(roles_cpu, key=lambda x: abs(x[0] - t))[1]
+
+        if s1 > s0:
+            out["job_b_step_cpu_s"] = (cpu_at(t1) - cpu_at(t0)) / (s1 - s0)
+            out["job_b_step_s"] = (t1 - t0) / (s1 - s0)
+    return out
+
+
+def save_run_queue(saves: list[tuple[float, float]], samples: list[tuple[float, int]],
+                   bin_s: float = 0.02, before_s: float = 0.5, after_s: float = 0.1) -> dict[str, Any]:
+    """Runnable threads (machine-wide, ``testkit.run_queue``) while each save ran (from its commit
+    event's time less its ``upload_s``), their mean over the saves, and their mean by time from a
+    save's start (bins of ``bin_s``, ``before_s`` before to ``after_s`` after): when in the job's
+    10-step cycle the cores are wanted."""
+    during = []
+    for t0, t1 in saves:
+        inside = [n for t, n in samples if t0 <= t <= t1]
+        if inside:
+            during.append(sum(inside) / len(inside))
+    bins: dict[int, list[int]] = {}
+    for t0, _ in saves:
+        for t, n in samples:
+            if t0 - before_s <= t < t0 + after_s:
+                bins.setdefault(math.floor((t - t0) / bin_s), []).append(n)
+    profile = [[round(b * bin_s, 3), round(sum(v) / len(v), 2)] for b, v in sorted(bins.items())]
+    overall = [n for t, n in samples if saves and saves[0][0] <= t <= saves[-1][1]]
+    return {"save_runnable": statistics.mean(during) if during else None,
+            "job_b_runnable": statistics.mean(overall) if overall else None,
+            "save_runnable_profile": profile}
 
 
 def suite_running() -> bool:

@@ -68,7 +68,10 @@ def many_roles(d: dict[str, Any]) -> list[Line]:
     wall = [statistics.median(r["job_a_wall_s"] for r in s["runs"]) for s in sizes]
     detect = [statistics.mean(x for r in s["runs"] for x in (r["worker_kill_detect_s"], r["server_kill_detect_s"]))
               for s in sizes]
-    ckpt = [statistics.median(r["checkpoint_stats"]["bytes"] for r in s["runs"]) for s in sizes]
+    # The uploader's "bytes" add up every committed save's files (training.checkpoint.uploader):
+    # one checkpoint is that ÷ "committed" (31 kB of the MLP's arrays, not the 1.7 MB of 55 saves).
+    ckpt = [statistics.median(r["checkpoint_stats"]["bytes"] / max(1, r["checkpoint_stats"]["committed"])
+                              for r in s["runs"]) for s in sizes]
     return [
         Line("time to the first step", case, [pm.first_step_s(n, CORES) for n in procs],
              [m["first_step_s"] for m in med], "s", src, "form"),
@@ -81,12 +84,34 @@ def many_roles(d: dict[str, Any]) -> list[Line]:
              [m["supervisor_peak_threads"] for m in med], "", src, "form"),
         Line("failure detection (mean of the worker and server kills)", case, [pm.detect_s() for _ in procs],
              detect, "s", src, "form"),
-        Line("restore, every worker at once (1.7 MB, local storage)", case,
+        Line(f"restore, every worker at once ({ckpt[-1] / 1e3:.0f} kB, local storage)", case,
              [pm.restore_s(b, s["workers"], CORES) for b, s in zip(ckpt, sizes)], [m["restore_s"] for m in med], "s",
              src, "form"),
-        Line("checkpoint save (rank 0, the others mostly asleep)", case, [pm.save_s(b) for b in ckpt],
-             [m["checkpoint_save_s"] for m in med], "s", src),
+        # The saves of job B (its fewer workers), every worker released at the checkpoint's step.
+        # SAVE_LATENCY_S is the mean of the first three sizes: "form"; the burst's constants and
+        # SAVE_CPU_S came from other measurements (many_roles-d.json, a save alone).
+        Line("checkpoint save (rank 0; the other workers released together at its step)", case,
+             save_after_burst(ckpt, sizes), [m["checkpoint_save_s"] for m in med], "s", src, "form"),
     ]
+
+
+def save_after_burst(ckpt: list[float], sizes: list[dict[str, Any]]) -> list[float]:
+    """``checkpoint_step_save_s`` for each size's job B (its elastic worker count)."""
+    return [pm.checkpoint_step_save_s(b, s["runs"][0]["elastic_workers"], CORES) for b, s in zip(ckpt, sizes)]
+
+
+def many_roles_quiet(d: dict[str, Any], name: str) -> list[Line]:
+    """The save line of a many_roles run on the quiet machine, with the threads runnable during
+    the saves it measured (its 24+8 burst gave SAVE_BURST_*: "fit")."""
+    sizes = d["sizes"]
+    ckpt = [statistics.median(r["checkpoint_stats"]["bytes"] / max(1, r["checkpoint_stats"]["committed"])
+                              for r in s["runs"]) for s in sizes]
+    busy = " / ".join(f"{s['median']['save_runnable']:.1f}" for s in sizes)
+    case = ("W+S = " + ", ".join(f"{s['workers']}+{s['servers']}" for s in sizes)
+            + f", job B on {' / '.join(str(s['runs'][0]['elastic_workers']) for s in sizes)} workers; quiet machine; "
+            f"{busy} threads runnable during the saves, measured")
+    return [Line("checkpoint save (rank 0; the other workers released together at its step)", case,
+                 save_after_burst(ckpt, sizes), [s["median"]["checkpoint_save_s"] for s in sizes], "s", name, "fit")]
 
 
 def _sizes(d: dict[str, Any]) -> list[int]:
@@ -148,25 +173,51 @@ def constrained_links(r: dict[str, Any], source: str = "results.json N1") -> lis
                  [p["measured_comm_s"] for p in sweep], "s", source)]
 
 
+# Runs of the data step whose cores, not their chains, bound them: other work shared the machine.
+# c recorded its runnable threads (13-15); a and b recorded none, and every step of theirs took
+# 1.6-2.5× what it took on the quiet machine (d, 2.5-3.2 threads runnable: the job's own).
+QUIET = "figures/mapped_shard-112mb-d.json"
+LOADED_SHARD_RUNS = {"figures/mapped_shard-112mb.json", "figures/mapped_shard-112mb-b.json",
+                     "figures/mapped_shard-112mb-c.json"}
+
+
+def _shard_2_over_1(d: dict[str, Any], name: str, runs: dict[int, dict[str, Any]]) -> float:
+    """The model's 2 parts ÷ 1 part on one 2-core host: on a quiet host each part a chain on a
+    core of its own (``shard_s``); on a loaded one the step's CPU (``shard_cpu_s``), times the
+    change of runnable threads between the two runs where the file records them."""
+    mb = d["source_mb"]
+    if name not in LOADED_SHARD_RUNS:
+        return pm.shard_s(mb, 2, CORES / 2) / pm.shard_s(mb, 1)
+    load = runs[2]["runnable"] / runs[1]["runnable"] if runs[1].get("runnable") else 1.0
+    return pm.shard_cpu_s(mb, 2) / pm.shard_cpu_s(mb, 1) * load
+
+
 def mapped_shard(d: dict[str, Any], name: str) -> list[Line]:
     runs = {r["parts"]: r for r in d["runs"]}
     order = " then ".join(str(r["parts"]) for r in d["runs"])
+    loaded = name in LOADED_SHARD_RUNS
+    host = "loaded host" if loaded else "quiet host"
     out = []
     for n in sorted(runs):
-        # The SHARD_* constants came from the one-part run of the first file.
-        basis = "fit" if n == 1 and name == "figures/mapped_shard-112mb.json" else "check"
+        # The SHARD_* constants came from the one-part run of the first file; SHARD_PART_CORES
+        # (the quiet host's 2 parts) and the CPU ones (the loaded hosts') from the quiet run d.
+        basis = "fit" if (n == 1 and name == "figures/mapped_shard-112mb.json") or (n > 1 and name == QUIET) \
+            else "check"
         runnable = runs[n].get("runnable")
         case = (f"{d['source_mb']:.0f} MB CSV, " + (f"{n} parts side by side" if n > 1 else "1 part")
-                + f" on {CORES} cores (runs: {order}"
+                + f" on {CORES} cores, {host} (runs: {order}"
                 + (f"; {runnable:.1f} threads runnable, measured, not in the model)" if runnable is not None else ")"))
-        out.append(Line("data step, plan → merge", case, [pm.shard_s(d["source_mb"], n, CORES / n)],
-                        [runs[n]["total_s"]], "s", name, basis))
+        predicted = pm.shard_s(d["source_mb"], 1)
+        if n > 1:
+            predicted *= _shard_2_over_1(d, name, runs)
+        out.append(Line("data step, plan → merge", case, [predicted], [runs[n]["total_s"]], "s", name, basis))
     if 1 in runs and 2 in runs:
-        # The same host's load moves both runs alike (minutes apart): their ratio is the model's
-        # claim that on one host a part alone already uses every core (pyarrow's threads).
-        out.append(Line("data step, 2 parts ÷ 1 part on one host", f"{d['source_mb']:.0f} MB CSV, {CORES} cores "
-                        f"(runs: {order})", [pm.shard_s(d["source_mb"], 2, CORES / 2) / pm.shard_s(d["source_mb"], 1)],
-                        [runs[2]["total_s"] / runs[1]["total_s"]], "", name))
+        # The same host's load moves both runs alike (minutes apart): their ratio is what the
+        # model says a second part costs or gains on one host.
+        load = "; the change of runnable threads between the runs in" if runs[1].get("runnable") and loaded else ""
+        out.append(Line("data step, 2 parts ÷ 1 part on one host", f"{d['source_mb']:.0f} MB CSV, {CORES} cores, "
+                        f"{host} (runs: {order}{load})", [_shard_2_over_1(d, name, runs)],
+                        [runs[2]["total_s"] / runs[1]["total_s"]], "", name, "fit" if name == QUIET else "check"))
     return out
 
 
@@ -176,6 +227,8 @@ def lines(report_rows: dict[str, dict[str, Any]] | None = None) -> list[Line]:
     out: list[Line] = []
     if (d := _load("many_roles.json")) is not None:
         out += many_roles(d)
+    if (d := _load("figures/many_roles-d.json")) is not None:
+        out += many_roles_quiet(d, "figures/many_roles-d.json")
     for name in ("figures/big_model-100m.json", "figures/big_model-100m-run-b.json", "figures/big_model-9m.json",
                  "figures/big_model-9m-b.json", "figures/big_model-mlp64x64.json"):
         if (d := _load(name)) is not None:
@@ -189,7 +242,8 @@ def lines(report_rows: dict[str, dict[str, Any]] | None = None) -> list[Line]:
         if (d := _load(name)) is not None and "sweep" in d:
             out += constrained_links(d, name)
     for name in ("figures/mapped_shard-112mb.json", "figures/mapped_shard-112mb-b.json",
-                 "figures/mapped_shard-112mb-c.json"):
+                 "figures/mapped_shard-112mb-c.json", "figures/mapped_shard-112mb-d.json",
+                 "figures/mapped_shard-112mb-e.json"):
         if (d := _load(name)) is not None:
             out += mapped_shard(d, name)
     return out

@@ -90,25 +90,67 @@ DETECT_HANDLING_S = 0.057
 # P3's 89.5 MB in 0.216 + 0.430 s = 138.5 MB/s.
 SAVE_BYTES_PER_S = 134e6
 RESTORE_BYTES_PER_S = 138.5e6
+# A save's own CPU beside its bytes (thread, np.savez, pickle, hash pool, three files and the
+# manifest, the prune's listing): 3.3-3.5 ms in the writer thread for the digits MLP's 31 kB
+# checkpoint (and its 50 kB state.json) on the quiet machine, 60 saves alone, two runs
+# (benchmarks/save_alone.py; wall 3.7-4.0 ms).
+SAVE_CPU_S = 0.0035
+# Inside a job a save is not its CPU: it waits for the engine's copies of the step's arrays, for
+# the GIL the loop's next step holds, for its hash thread. Fitted (the mean) on the sizes of
+# benchmarks/many_roles.json whose workers are idle by then (3+1, 6+2, 12+4: 13.7, 15.6, 15.4 ms,
+# a run with other work on the machine; on the quiet machine the 3+1 save took 8.9 ms,
+# benchmarks/figures/many_roles-d.json).
+SAVE_LATENCY_S = 0.0149
+# The others are not asleep while rank 0 saves. Every worker reads its losses back at a
+# checkpoint's step (training.checkpoint.manager: ``due`` answers alike on every rank), so the
+# workers other than rank 0, which run ahead queueing their steps, all wait there and are then
+# released together: each runs SAVE_BURST_CPU_S of queued work at once, and every one of them
+# is runnable. The burst starts SAVE_BURST_LEAD_S (about one step: rank 0's read-back of its
+# losses, then its save) before the save. Both from the run queue sampled every 10 ms around job
+# B's 57 saves at 24+8 (many_roles-d.json: 15-22 threads runnable from 0.12 s before a save to
+# 0.06 s after it, 2-4 outside): 0.18 s of 2 cores for 19 workers, 19 ms each.
+SAVE_BURST_CPU_S = 0.019
+SAVE_BURST_LEAD_S = 0.12
 # Restore's own CPU beside the bytes (build the model, fetch the shard list): fitted on
-# benchmarks/many_roles.json 24+8: 0.53 s for 24 workers on 2 cores = 12 × (0.032 + 1.7 MB at
-# 138.5 MB/s). Below the cores' limit a restore still takes RESTORE_LATENCY_S (3+1 and 6+2
-# measured 0.16 and 0.12 s).
-RESTORE_CPU_S = 0.032
+# benchmarks/many_roles.json 24+8: 0.53 s for 24 workers on 2 cores = 12 × (0.044 + 31 kB at
+# 138.5 MB/s), the checkpoint being the digits MLP's 31 kB of arrays (the 1.7 MB of that file's
+# "bytes" are 55 saves' together). Below the cores' limit a restore still takes
+# RESTORE_LATENCY_S (3+1 and 6+2 measured 0.16 and 0.12 s).
+RESTORE_CPU_S = 0.044
 RESTORE_LATENCY_S = 0.14
 
 # The data step (``data_checks.parts``), per MB of CSV source and per task, fitted on one part
-# of benchmarks/figures/mapped_shard-112mb.json (111.8 MB, 256 float32 columns): count 3.65 s,
-# shard 5.67 s, plan 1.25 s, merge 2.76 s of work; a task's start (interpreter, imports) is its
-# wall less its work, 1.0-1.2 s. Count and shard parse with pyarrow's CSV reader, which runs a
-# thread per core: the one part had the machine's SHARD_FIT_CORES cores, so a part with c cores
-# takes SHARD_FIT_CORES / c times as long per MB; the merge is taken as serial.
+# of benchmarks/figures/mapped_shard-112mb.json (run a: 111.8 MB, 256 float32 columns): count
+# 3.65 s, shard 5.67 s, plan 1.25 s, merge 2.76 s of work; a task's start (interpreter, imports)
+# is its wall less its work, 1.0-1.2 s. Run a shared the machine with other work: on the quiet
+# machine (mapped_shard-112mb-d.json) every step took 0.5-0.6 of these, so the constants carry
+# run a's load.
 SHARD_COUNT_S_PER_MB = 3.65 / 111.8
 SHARD_PART_S_PER_MB = 5.67 / 111.8
 SHARD_PLAN_S = 1.25
 SHARD_MERGE_S_PER_MB = 2.76 / 111.8
-SHARD_FIT_CORES = 2
 TASK_START_S = 1.1
+# A part is a chain, not a pool of threads: pyarrow's streaming CSV reader (``open_csv``, what a
+# part reads with) is single-threaded, and the bytes come from the S3 server, which serves them
+# while the part waits. On the quiet machine (mapped_shard-112mb-d.json) the 1-part count and
+# shard kept 1.27 cores busy: 3.41 + 5.21 CPU-s (their tasks and SeaweedFS) over 2.79 + 3.99 s.
+# A part given fewer cores slows by SHARD_PART_CORES / its cores; more cores do not speed it up.
+# What this does not know: at 112 MB on a quiet host most of a count or shard task is fixed work
+# (its setup: about 2.5 s of d's 2.8 and 4.0 s, from its 1 part against its 2), which the SHARD_*
+# constants count per MB, so a second part's gain is overstated there (0.81 predicted; 0.89 and
+# 0.98 measured, runs d and e).
+SHARD_PART_CORES = 1.27
+# CPU seconds of the whole data step (every task and the S3 server on the same cores), from the
+# quiet run d's CPU clocks (wait4 of each task, psutil of SeaweedFS): 12.29 CPU-s for 111.8 MB in
+# 1 part. Each further part adds its two tasks' fixed CPU (interpreter, imports, S3 clients, the
+# plan and counts read: 2.19 CPU-s, d's 2 parts' count + shard tasks less its 1 part's), and its
+# boundary makes both count and shard fetch SHARD_PROBE_MB again (the line-start probes and the
+# header each pull an 8 MB readahead block: 139.9 MB fetched for 111.8 MB, benchmarks/range_reads.py)
+# at the server's 0.0122 CPU-s per MB (d's count: SeaweedFS 1.36 CPU-s for 111.8 MB).
+SHARD_CPU_S_PER_MB = 12.29 / 111.8
+SHARD_PART_CPU_S = 2.19
+SHARD_PROBE_MB = 28.1
+STORE_CPU_S_PER_MB = 0.0122
 
 
 @dataclass(frozen=True)
@@ -216,7 +258,23 @@ def checkpoint_bytes(params: int, state_values: int, aux: int = 0) -> int:
 def save_s(nbytes: float, busy: float = 1.0, cores: int = 1) -> float:
     """One checkpoint save (serialise, hash, put, commit) with ``busy`` processes (or measured
     runnable threads) wanting ``cores``."""
-    return nbytes / SAVE_BYTES_PER_S * fair_share(busy, cores)
+    return (SAVE_CPU_S + nbytes / SAVE_BYTES_PER_S) * fair_share(busy, cores)
+
+
+def checkpoint_step_save_s(nbytes: float, workers: int, cores: int) -> float:
+    """Rank 0's save in a ``dist_sync`` job of ``workers`` on ``cores`` shared by all, the other
+    workers released together at the checkpoint's step (module constants). While their burst
+    lasts the save is one of ``workers`` runnable threads; once it is over (or if it ended before
+    the save began) the save runs alone, never under the in-job latency ``SAVE_LATENCY_S``."""
+    others = workers - 1
+    own = save_s(nbytes)
+    left = others * SAVE_BURST_CPU_S / cores - SAVE_BURST_LEAD_S  # the burst's wall time still to run
+    if left <= 0:
+        return max(SAVE_LATENCY_S, own)
+    shared = own * fair_share(others + 1, cores)
+    if shared > left:  # the burst ends first: the rest of the save alone
+        shared = left + own - left * cores / (others + 1)
+    return max(SAVE_LATENCY_S, shared)
 
 
 def restore_s(nbytes: float, workers: int, cores: int, storage_procs: int = 0,
@@ -231,9 +289,18 @@ def restore_s(nbytes: float, workers: int, cores: int, storage_procs: int = 0,
     return max(RESTORE_LATENCY_S, cpu * fair_share(busy, cores))
 
 
-def shard_s(source_mb: float, parts: int, cores_per_part: float = SHARD_FIT_CORES) -> float:
+def shard_s(source_mb: float, parts: int, cores_per_part: float = 2.0) -> float:
     """The data step with ``parts`` mapped parts, each a task with ``cores_per_part`` cores (its
-    own Airflow worker's; N parts side by side on a C-core host: C / N): plan, the parts' counts
-    side by side, their shards side by side, then one merge over the whole source."""
-    per_mb = (SHARD_COUNT_S_PER_MB + SHARD_PART_S_PER_MB) * SHARD_FIT_CORES / cores_per_part
+    own Airflow worker's; N parts side by side on a C-core host: C / N), the cores otherwise
+    free: plan, the parts' counts side by side, their shards side by side, then one merge over the
+    whole source. A part is a chain that keeps ``SHARD_PART_CORES`` busy (module constants)."""
+    per_mb = (SHARD_COUNT_S_PER_MB + SHARD_PART_S_PER_MB) * max(1.0, SHARD_PART_CORES / cores_per_part)
     return 4 * TASK_START_S + SHARD_PLAN_S + source_mb / parts * per_mb + source_mb * SHARD_MERGE_S_PER_MB
+
+
+def shard_cpu_s(source_mb: float, parts: int) -> float:
+    """CPU seconds of the whole data step in ``parts`` parts, the S3 server's included: what it
+    takes on a host whose cores, not its chains, bound it (other work on them). Every part past
+    the first adds its tasks' fixed CPU and the bytes its boundary fetches twice more."""
+    extra = (parts - 1) * (SHARD_PART_CPU_S + 2 * SHARD_PROBE_MB * STORE_CPU_S_PER_MB)
+    return source_mb * SHARD_CPU_S_PER_MB + extra

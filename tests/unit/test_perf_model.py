@@ -79,13 +79,29 @@ def test_the_detection_model_uses_the_launchers_poll():
 def test_checkpoint_size_save_and_restore():
     assert pm.checkpoint_bytes(100, 1, aux=10) == (200 + 10) * 4
     assert pm.checkpoint_bytes(100_760_010, 1) == 806_080_080  # the 100 M model with momentum
-    assert pm.save_s(134e6) == pytest.approx(1.0)
-    assert pm.save_s(134e6, busy=6, cores=2) == pytest.approx(3.0)  # six processes want the two cores
-    assert pm.save_s(134e6, busy=1, cores=2) == pytest.approx(1.0)
-    # 138.5 MB: 1 s of reading, verifying and loading, plus 0.032 s of the restore's own CPU.
-    assert pm.restore_s(138.5e6, workers=1, cores=4) == pytest.approx(1.032)
-    assert pm.restore_s(138.5e6, workers=2, cores=2, storage_procs=1) == pytest.approx(1.032 * 1.5)
+    assert pm.save_s(134e6) == pytest.approx(1.0035)  # the bytes, and 3.5 ms of the save's own CPU
+    assert pm.save_s(134e6, busy=6, cores=2) == pytest.approx(3 * 1.0035)  # six processes want the two cores
+    assert pm.save_s(134e6, busy=1, cores=2) == pytest.approx(1.0035)
+    # 138.5 MB: 1 s of reading, verifying and loading, plus 0.044 s of the restore's own CPU.
+    assert pm.restore_s(138.5e6, workers=1, cores=4) == pytest.approx(1.044)
+    assert pm.restore_s(138.5e6, workers=2, cores=2, storage_procs=1) == pytest.approx(1.044 * 1.5)
     assert pm.restore_s(1000, workers=1, cores=2) == pytest.approx(0.14)  # the latency floor
+
+
+def test_a_save_at_the_checkpoint_step_shares_the_cores_with_the_released_workers():
+    own = pm.save_s(31_000)  # the digits MLP's checkpoint: 3.5 ms of CPU, 0.2 ms of bytes
+    # 2, 5, 10 workers: their burst (19 ms each on 2 cores) is over within the 0.12 s before the
+    # save: the save takes its in-job latency.
+    for workers in (2, 5, 10):
+        assert pm.checkpoint_step_save_s(31_000, workers, 2) == pytest.approx(pm.SAVE_LATENCY_S)
+    # 20 workers: 19 × 19 ms on 2 cores outlast the 0.12 s lead by 60 ms; the save is one of 20
+    # runnable threads throughout: 10 times its own time.
+    assert pm.checkpoint_step_save_s(31_000, 20, 2) == pytest.approx(own * 10)
+    # 14 workers: the burst has 3.5 ms left; the save gets 2/14 of the cores for it, then runs alone.
+    left = 13 * 0.019 / 2 - 0.12
+    assert pm.checkpoint_step_save_s(31_000, 14, 2) == pytest.approx(max(pm.SAVE_LATENCY_S, left + own - left * 2 / 14))
+    # More cores end the burst sooner.
+    assert pm.checkpoint_step_save_s(31_000, 20, 8) == pytest.approx(pm.SAVE_LATENCY_S)
 
 
 def test_sharding_time_with_mapped_parts():
@@ -93,9 +109,20 @@ def test_sharding_time_with_mapped_parts():
     # over the parts, merge 2.76 s.
     assert pm.shard_s(111.8, 1) == pytest.approx(4.4 + 1.25 + 9.32 + 2.76)
     assert pm.shard_s(111.8, 2) == pytest.approx(4.4 + 1.25 + 9.32 / 2 + 2.76)  # 2 workers of 2 cores
-    # Two parts side by side on one 2-core host: a core each, half the bytes each: no gain.
-    assert pm.shard_s(111.8, 2, cores_per_part=1) == pytest.approx(pm.shard_s(111.8, 1))
-    assert pm.shard_s(111.8, 4, cores_per_part=8) == pytest.approx(4.4 + 1.25 + 9.32 / 4 / 4 + 2.76)
+    # A part is a chain keeping 1.27 cores busy: more cores do not speed it up...
+    assert pm.shard_s(111.8, 4, cores_per_part=8) == pytest.approx(4.4 + 1.25 + 9.32 / 4 + 2.76)
+    # ...and two side by side on a quiet 2-core host, a core each, run half the bytes 1.27× slower.
+    assert pm.shard_s(111.8, 2, cores_per_part=1) == pytest.approx(4.4 + 1.25 + 9.32 / 2 * 1.27 + 2.76)
+    assert pm.shard_s(111.8, 2, cores_per_part=1) / pm.shard_s(111.8, 1) == pytest.approx(0.808, abs=1e-3)
+
+
+def test_sharding_cpu_on_a_loaded_host():
+    # Quiet run d's CPU clocks: 12.29 CPU-s in 1 part; a second part adds 2.19 CPU-s of its tasks
+    # and 2 × 28.1 MB fetched again at the server's 0.0122 CPU-s per MB.
+    assert pm.shard_cpu_s(111.8, 1) == pytest.approx(12.29)
+    assert pm.shard_cpu_s(111.8, 2) == pytest.approx(12.29 + 2.19 + 2 * 28.1 * 0.0122)
+    # Where the cores bound the step, a second part costs 23 %: runs a and b measured 27 %.
+    assert pm.shard_cpu_s(111.8, 2) / pm.shard_cpu_s(111.8, 1) == pytest.approx(1.234, abs=1e-3)
 
 
 def test_bad_counts_are_refused():
