@@ -58,7 +58,7 @@ in place after the worker's kill. The PNGs are ``many_roles_s3_*.png``.
 
 Each figure is also plotted against the role count (workers + servers) into ``--plots`` (PNG).
 Before sizes of 16 roles and more run, the script waits (polling every minute, at most
-``--wait-idle-s``) while the lead's test suite (``pytest -n 2``) runs, and records whether it did.
+``--wait-idle-s``) while ``make test``'s suite (``pytest -n <workers>``) runs, and records whether it did.
 
     nice -n 5 .venv/bin/python benchmarks/many_roles.py [--sizes 3+1,6+2,12+4,24+8] [--runs 2] \\
         [--plots benchmarks] [--json OUT] [--backend hosts --hosts 3] [--s3]
@@ -568,8 +568,8 @@ def save_run_queue(saves: list[tuple[float, float]], samples: list[tuple[float, 
 
 
 def suite_running() -> bool:
-    """Whether the lead's test suite (``pytest -n 2``) runs on this machine now."""
-    return subprocess.run(["pgrep", "-f", "pytest -n 2"], capture_output=True).returncode == 0
+    """Whether ``make test``'s suite (``pytest -n <workers> --dist loadfile``) runs on this machine now."""
+    return subprocess.run(["pgrep", "-f", r"pytest -n [0-9]+ --dist loadfile"], capture_output=True).returncode == 0
 
 
 def wait_idle(limit_s: float) -> bool:
