@@ -105,15 +105,21 @@ def test_a_save_at_the_checkpoint_step_shares_the_cores_with_the_released_worker
 
 
 def test_sharding_time_with_mapped_parts():
-    # 111.8 MB: 4 task starts of 1.1 s, plan 1.25 s, count 3.65 s + shard 5.67 s on 2 cores split
-    # over the parts, merge 2.76 s.
-    assert pm.shard_s(111.8, 1) == pytest.approx(4.4 + 1.25 + 9.32 + 2.76)
-    assert pm.shard_s(111.8, 2) == pytest.approx(4.4 + 1.25 + 9.32 / 2 + 2.76)  # 2 workers of 2 cores
+    # Quiet run d's 1 part, 111.8 MB: 4 task starts (wall less work, mean 0.6725 s), plan 0.65 s
+    # of work, which is also the fixed setup of count, shard and merge; per MB: count 1.50 s +
+    # shard 2.58 s over the parts, merge 0.76 s.
+    fixed = 4 * 0.6725 + 0.65 + 3 * 0.65
+    assert pm.shard_s(111.8, 1) == pytest.approx(fixed + 4.08 + 0.76)
+    assert pm.shard_s(111.8, 1) == pytest.approx(10.13)  # d's four steps' walls: 1.25 + 2.79 + 3.99 + 2.1
+    assert pm.shard_s(111.8, 2) == pytest.approx(fixed + 4.08 / 2 + 0.76)  # 2 workers of 2 cores
     # A part is a chain keeping 1.27 cores busy: more cores do not speed it up...
-    assert pm.shard_s(111.8, 4, cores_per_part=8) == pytest.approx(4.4 + 1.25 + 9.32 / 4 + 2.76)
-    # ...and two side by side on a quiet 2-core host, a core each, run half the bytes 1.27× slower.
-    assert pm.shard_s(111.8, 2, cores_per_part=1) == pytest.approx(4.4 + 1.25 + 9.32 / 2 * 1.27 + 2.76)
-    assert pm.shard_s(111.8, 2, cores_per_part=1) / pm.shard_s(111.8, 1) == pytest.approx(0.808, abs=1e-3)
+    assert pm.shard_s(111.8, 4, cores_per_part=8) == pytest.approx(fixed + 4.08 / 4 + 0.76)
+    # ...and two side by side on a quiet 2-core host, a core each, run half the bytes 1.27× slower;
+    # their tasks' start and setup are not split by the parts.
+    assert pm.shard_s(111.8, 2, cores_per_part=1) == pytest.approx(fixed + 4.08 / 2 * 1.27 + 0.76)
+    assert pm.shard_s(111.8, 2, cores_per_part=1) / pm.shard_s(111.8, 1) == pytest.approx(0.853, abs=1e-3)
+    # At zero bytes a step is its tasks' starts, plan and setups.
+    assert pm.shard_s(0.0, 1) == pytest.approx(fixed)
 
 
 def test_sharding_cpu_on_a_loaded_host():
