@@ -56,7 +56,7 @@ UNKNOWN_INTEGRATION_S = 60.0
 
 def _longest_files_first(items: list[pytest.Item]) -> None:
     """Order whole files longest first, keeping each file's own order. ``make test`` hands files
-    to the pytest-xdist workers in this order (``--dist loadfile --no-loadscope-reorder``):
+    to the two pytest-xdist workers in this order (``--dist loadfile --no-loadscope-reorder``):
     longest-processing-time first ends the workers close together, where xdist's own order
     (most tests first) left the long, few-test integration files to the end, one worker idle."""
     recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
