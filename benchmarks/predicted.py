@@ -68,10 +68,7 @@ def many_roles(d: dict[str, Any]) -> list[Line]:
     wall = [statistics.median(r["job_a_wall_s"] for r in s["runs"]) for s in sizes]
     detect = [statistics.mean(x for r in s["runs"] for x in (r["worker_kill_detect_s"], r["server_kill_detect_s"]))
               for s in sizes]
-    # The uploader's "bytes" add up every committed save's files (training.checkpoint.uploader):
-    # one checkpoint is that ÷ "committed" (31 kB of the MLP's arrays, not the 1.7 MB of 55 saves).
-    ckpt = [statistics.median(r["checkpoint_stats"]["bytes"] / max(1, r["checkpoint_stats"]["committed"])
-                              for r in s["runs"]) for s in sizes]
+    ckpt = _checkpoint_bytes(sizes)
     return [
         Line("time to the first step", case, [pm.first_step_s(n, CORES) for n in procs],
              [m["first_step_s"] for m in med], "s", src, "form"),
@@ -95,6 +92,14 @@ def many_roles(d: dict[str, Any]) -> list[Line]:
     ]
 
 
+def _checkpoint_bytes(sizes: list[dict[str, Any]]) -> list[float]:
+    """One checkpoint's bytes per size (median over runs): the uploader's "bytes" add up every
+    committed save's files (training.checkpoint.uploader), so one is that ÷ "committed" (31 kB of
+    the MLP's arrays, not the 1.7 MB of 55 saves)."""
+    return [statistics.median(r["checkpoint_stats"]["bytes"] / max(1, r["checkpoint_stats"]["committed"])
+                              for r in s["runs"]) for s in sizes]
+
+
 def save_after_burst(ckpt: list[float], sizes: list[dict[str, Any]]) -> list[float]:
     """``checkpoint_step_save_s`` for each size's job B (its elastic worker count)."""
     return [pm.checkpoint_step_save_s(b, s["runs"][0]["elastic_workers"], CORES) for b, s in zip(ckpt, sizes)]
@@ -104,8 +109,7 @@ def many_roles_quiet(d: dict[str, Any], name: str) -> list[Line]:
     """The save line of a many_roles run on the quiet machine, with the threads runnable during
     the saves it measured (its 24+8 burst gave SAVE_BURST_*: "fit")."""
     sizes = d["sizes"]
-    ckpt = [statistics.median(r["checkpoint_stats"]["bytes"] / max(1, r["checkpoint_stats"]["committed"])
-                              for r in s["runs"]) for s in sizes]
+    ckpt = _checkpoint_bytes(sizes)
     busy = " / ".join(f"{s['median']['save_runnable']:.1f}" for s in sizes)
     case = ("W+S = " + ", ".join(f"{s['workers']}+{s['servers']}" for s in sizes)
             + f", job B on {' / '.join(str(s['runs'][0]['elastic_workers']) for s in sizes)} workers; quiet machine; "

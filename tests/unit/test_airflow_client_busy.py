@@ -18,7 +18,25 @@ from infra.airflow_client import AirflowAPIError, AirflowClient
 pytestmark = pytest.mark.unit
 
 
-class _Busy(BaseHTTPRequestHandler):
+class _JsonHandler(BaseHTTPRequestHandler):
+    """A loopback API server's handler: JSON answers, no request log."""
+
+    def send_json(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up on a slow answer
+            pass
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _Busy(_JsonHandler):
     """Answers the first ``busy`` calls of each method with the API server's database error."""
 
     busy = 2
@@ -32,17 +50,9 @@ class _Busy(BaseHTTPRequestHandler):
             body, status = {"detail": {"reason": "Database error", "message": "Serious error"}}, 500
         else:
             body, status = {"ok": True}, 200
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self.send_json(status, body)
 
     do_GET = do_PATCH = do_POST = _answer
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 @pytest.fixture
@@ -77,7 +87,7 @@ def test_a_post_is_not_repeated(api):
     assert _Busy.calls["POST"] == 1
 
 
-class _AppliedButBusy(BaseHTTPRequestHandler):
+class _AppliedButBusy(_JsonHandler):
     """Creates the named run on the first POST yet answers it with the database error (the commit
     went through, the answer did not); a POST naming an existing run gets the API's 409."""
 
@@ -93,15 +103,7 @@ class _AppliedButBusy(BaseHTTPRequestHandler):
         else:
             self.runs[run_id] = body["conf"]
             status, answer = 500, {"detail": {"reason": "Database error", "message": "Serious error"}}
-        data = json.dumps(answer).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.send_json(status, answer)
 
 
 def test_a_trigger_answered_busy_is_repeated_by_its_run_id_and_makes_one_run():
@@ -124,7 +126,7 @@ def test_a_trigger_answered_busy_is_repeated_by_its_run_id_and_makes_one_run():
     assert _AppliedButBusy.runs == {run_id: {"epochs": 1}}
 
 
-class _Slow(BaseHTTPRequestHandler):
+class _Slow(_JsonHandler):
     """Answers a run's state, the first time only after ``delay_s`` (an API server on a loaded
     machine), then ``success``; its task instances at once."""
 
@@ -141,18 +143,7 @@ class _Slow(BaseHTTPRequestHandler):
             if type(self).run_calls == 1:
                 time.sleep(self.delay_s)
             body = {"state": "success"}
-        data = json.dumps(body).encode()
-        try:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):  # the client gave up on the slow answer
-            pass
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.send_json(200, body)
 
 
 def test_a_wait_polls_again_after_an_answer_slower_than_the_read_timeout(monkeypatch):
