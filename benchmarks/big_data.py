@@ -41,6 +41,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -195,6 +196,90 @@ class MemorySampler:
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
 
 
+class DiskSampler:
+    """Every ``interval_s``: the filesystem's used bytes and the store's folder (SeaweedFS's volume
+    files), for the peak above the start and a timeline. Two duties beside measuring:
+
+    - **Reclaim.** SeaweedFS frees a deleted object's bytes only when it compacts ("vacuums") the
+      volume; its master does so every 14 min on its own. The merge deletes the parts' pieces (as
+      many bytes as the shards) once the manifest is committed, and the workers download their
+      shards soon after, so the benchmark asks the master to vacuum as soon as ``shard_merge`` has
+      succeeded, as the store's operator would; on S3 a deletion frees the space at once.
+    - **Guard.** Below ``min_free`` bytes free, this process gets SIGTERM: it unwinds like an
+      interrupt (every server and role stopped) instead of a task failing on a full disk with the
+      machine's other work.
+    """
+
+    def __init__(self, airflow_url: str, run_id: str, store_dir: Path, master_url: str, interval_s: float = 10.0,
+                 min_free: int = 3 << 30) -> None:
+        self.airflow_url, self.run_id, self.store_dir, self.master_url = airflow_url, run_id, store_dir, master_url
+        self.interval_s, self.min_free = interval_s, min_free
+        self.started = time.time()
+        self.start_used = shutil.disk_usage(store_dir).used
+        self.timeline: list[tuple[float, float, float]] = []  # (seconds, GB used above the start, store GB)
+        self.vacuum: dict[str, Any] = {}
+        self.guard_tripped = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="disk-sampler", daemon=True)
+
+    def __enter__(self) -> "DiskSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _store_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.store_dir.rglob("*") if f.is_file())
+
+    def _merged(self) -> bool:
+        from infra.airflow_client import AirflowClient
+
+        if not self.run_id:  # the table is still being written
+            return False
+        with AirflowClient(self.airflow_url) as client:
+            return any(t["task_id"] == "shard_merge" and t.get("state") == "success"
+                       for t in client.task_instances(DAG_ID, self.run_id))
+
+    def _reclaim(self) -> None:
+        import urllib.request
+
+        before, started = self._store_bytes(), time.monotonic()
+        # Volumes with over 10 % deleted bytes are compacted; the call returns when they are done.
+        with urllib.request.urlopen(f"{self.master_url}/vol/vacuum?garbageThreshold=0.1", timeout=1800) as reply:
+            reply.read()
+        self.vacuum = {"at_s": round(time.time() - self.started, 1), "seconds": round(time.monotonic() - started, 1),
+                       "store_gb_before": round(before / 1e9, 2), "store_gb_after": round(self._store_bytes() / 1e9, 2)}
+        print(f"store vacuumed: {json.dumps(self.vacuum)}", flush=True)
+
+    def sample_once(self) -> None:
+        usage = shutil.disk_usage(self.store_dir)
+        self.timeline.append((round(time.time() - self.started, 1), round((usage.used - self.start_used) / 1e9, 2),
+                              round(self._store_bytes() / 1e9, 2)))
+        if usage.free < self.min_free and not self.guard_tripped:
+            self.guard_tripped = True
+            print(f"disk guard: {usage.free / 1e9:.1f} GB free, stopping the benchmark", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        if not self.vacuum and self._merged():
+            self._reclaim()
+
+    def figures(self) -> dict[str, Any]:
+        peak = max(self.timeline, key=lambda s: s[1], default=(0.0, 0.0, 0.0))
+        return {"peak_used_above_start_gb": peak[1], "peak_at_s": peak[0],
+                "peak_store_gb": max((s[2] for s in self.timeline), default=0.0), "vacuum": self.vacuum,
+                "guard_tripped": self.guard_tripped, "timeline": self.timeline}
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.sample_once()
+            except Exception as exc:  # a file gone mid-walk, the API busy: the next sample counts
+                print(f"disk sample failed: {exc!r}", flush=True)
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+
 # --- the run ---------------------------------------------------------------------------------------
 
 def run_conf(uri: str, parts: int, gb: float) -> dict[str, Any]:
@@ -262,20 +347,23 @@ def train_figures(s3_root: str, run_id: str, rows: dict[str, int]) -> dict[str, 
 
 
 def run_size(cfg: Any, bucket: str, s3_root: str, gb: float, args: argparse.Namespace, tmp: str,
-             started_runs: list[str]) -> dict[str, Any]:
-    """One size: its table written, the DAG run on it sampled, its figures; the table deleted after."""
+             started_runs: list[str], store: tuple[Path, str]) -> dict[str, Any]:
+    """One size: its table written, the DAG run on it sampled, its figures; the table deleted after.
+    ``store``: the S3 store's data folder and its master's URL (disk figures, reclaiming)."""
     from infra.airflow_client import AirflowClient, trigger_dag_run, wait_for_dag_run
 
     prefix = f"s3://{bucket}/big/{gb:g}gb/"
-    table = write_table(prefix, gb, args.files, args.cols, tmp)
-    print(f"table {gb:g} GB: {json.dumps(table)}", flush=True)
-    run_id = trigger_dag_run(cfg.airflow_url, DAG_ID, run_conf(prefix, args.parts, gb))
-    started_runs.append(run_id)
-    with MemorySampler(run_id) as sampler:
-        try:
-            state = wait_for_dag_run(cfg.airflow_url, DAG_ID, run_id, timeout_s=args.timeout_s, poll_s=5)
-        except TimeoutError:  # the figures of the stages that ended are still measured
-            state = "timeout"
+    with DiskSampler(cfg.airflow_url, "", *store) as disk:
+        table = write_table(prefix, gb, args.files, args.cols, tmp)
+        print(f"table {gb:g} GB: {json.dumps(table)}", flush=True)
+        run_id = trigger_dag_run(cfg.airflow_url, DAG_ID, run_conf(prefix, args.parts, gb))
+        started_runs.append(run_id)
+        disk.run_id = run_id
+        with MemorySampler(run_id) as sampler:
+            try:
+                state = wait_for_dag_run(cfg.airflow_url, DAG_ID, run_id, timeout_s=args.timeout_s, poll_s=5)
+            except TimeoutError:  # the figures of the stages that ended are still measured
+                state = "timeout"
     with AirflowClient(cfg.airflow_url) as client:
         tis = client.task_instances(DAG_ID, run_id)
         # A failed task's last log lines, for the report (the stack's logs go with its folder).
@@ -294,7 +382,7 @@ def run_size(cfg: Any, bucket: str, s3_root: str, gb: float, args: argparse.Name
             tasks[name] = sampler.tasks[ti["id"]]
     result_train = train_figures(s3_root, run_id, rows)
     result = {"gb": gb, "state": state, "training": result_train, "run_id": run_id, "table": table, "rows": rows,
-              "failed": failed,
+              "failed": failed, "disk": disk.figures(),
               "stages": stage_figures(tis, table["bytes"], rows), "tasks": dict(sorted(tasks.items())),
               "roles": dict(sorted(sampler.roles.items())), "samples": sampler.samples}
     print(json.dumps(result, indent=1), flush=True)
@@ -431,7 +519,9 @@ def main() -> int:
                 for gb in args.gb:
                     files = args.files or max(2, round(gb * 8))
                     one = argparse.Namespace(**{**vars(args), "files": files})
-                    runs.append(run_size(stack, cfg.bucket, s3.env["MXPIPE_ARTIFACT_ROOT"], gb, one, tmp, started))
+                    store = (cfg.home / "s3", f"http://{cfg.s3_host}:{cfg.weed_master_port}")
+                    runs.append(run_size(stack, cfg.bucket, s3.env["MXPIPE_ARTIFACT_ROOT"], gb, one, tmp, started,
+                                         store))
                     if args.json:
                         write_json(args.json, {"runs": sorted(runs, key=lambda r: r["gb"])})
     runs.sort(key=lambda r: r["gb"])
