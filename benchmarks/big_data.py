@@ -266,7 +266,7 @@ class DiskSampler:
 
     def figures(self) -> dict[str, Any]:
         peak = max(self.timeline, key=lambda s: s[1], default=(0.0, 0.0, 0.0))
-        return {"peak_used_above_start_gb": peak[1], "peak_at_s": peak[0],
+        return {"started_at": round(self.started, 1), "peak_used_above_start_gb": peak[1], "peak_at_s": peak[0],
                 "peak_store_gb": max((s[2] for s in self.timeline), default=0.0), "vacuum": self.vacuum,
                 "guard_tripped": self.guard_tripped, "timeline": self.timeline}
 
@@ -303,9 +303,11 @@ def stage_figures(tis: list[dict[str, Any]], source_bytes: int, rows: dict[str, 
                 and t.get("start_date") and t.get("end_date")]
         if not mine:
             continue
-        span = max(_ts(t["end_date"]) for t in mine) - min(_ts(t["start_date"]) for t in mine)
+        first, last = min(_ts(t["start_date"]) for t in mine), max(_ts(t["end_date"]) for t in mine)
+        span = last - first
         n = rows["train"] if stage == "train" else rows["test"] if stage == "register" else rows["all"]
-        out[stage] = {"seconds": round(span, 1), "tasks": len(mine), "rows": n,
+        out[stage] = {"seconds": round(span, 1), "tasks": len(mine), "rows": n, "start": round(first, 1),
+                      "end": round(last, 1),
                       "mb_per_s": round(source_bytes / MB / span, 2) if span else None,
                       "rows_per_s": round(n / span) if span else None}
     return out
@@ -447,6 +449,42 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def plot_disk(runs: list[dict[str, Any]], path: str) -> None:
+    """Disk over each run: the filesystem's use above the start and the store's folder, the table's
+    generation, each stage's span (where recorded) and the store's vacuum."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in runs if r.get("disk", {}).get("timeline")]
+    if not runs:
+        return
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3.6 * len(runs)), squeeze=False)
+    for ax, run in zip(axes[:, 0], sorted(runs, key=lambda r: r["gb"])):
+        disk = run["disk"]
+        t, used, store = zip(*disk["timeline"])
+        minutes = [x / 60 for x in t]
+        ax.plot(minutes, used, label="filesystem used above the start (store, local temp files, logs)")
+        ax.plot(minutes, store, label="S3 store's folder (SeaweedFS volumes)")
+        ax.axvspan(0, run["table"]["generate_s"] / 60, color="grey", alpha=0.15, label="table generated")
+        for i, (stage, st) in enumerate(run["stages"].items()):
+            if "start" in st and "started_at" in disk:
+                ax.axvspan((st["start"] - disk["started_at"]) / 60, (st["end"] - disk["started_at"]) / 60,
+                           color=f"C{i + 2}", alpha=0.15, label=stage)
+        if disk.get("vacuum"):
+            ax.axvline(disk["vacuum"]["at_s"] / 60, color="k", ls="--", lw=1, label="store vacuumed")
+        ax.set_title(f"{run['table']['bytes'] / 1e9:.1f} GB table: peak {disk['peak_used_above_start_gb']:.1f} GB "
+                     f"above the start")
+        ax.set_xlabel("minutes since the table's generation began")
+        ax.set_ylabel("GB")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def markdown(runs: list[dict[str, Any]]) -> str:
     """The per-stage throughput and the per-task (and role) peak memory of each size, as tables."""
     sizes = [f"{r['table']['bytes'] / (1 << 30):.2f} GiB" for r in runs]
@@ -495,6 +533,7 @@ def main() -> int:
         runs = [merged[gb] for gb in sorted(merged)]
         write_json(args.json, {"runs": runs})
         plot(runs, args.plot or os.path.splitext(args.json)[0] + ".png")
+        plot_disk(runs, os.path.splitext(args.json)[0] + "_disk.png")
         print(markdown(runs))
         return 0
     # A TERM (``timeout``, a kill by pid) unwinds like an interrupt: every ``finally`` below stops
@@ -528,6 +567,7 @@ def main() -> int:
     if args.json:
         write_json(args.json, {"runs": runs})
         plot(runs, args.plot or os.path.splitext(args.json)[0] + ".png")
+        plot_disk(runs, os.path.splitext(args.json)[0] + "_disk.png")
     return 0 if all(r["state"] == "success" for r in runs) else 1
 
 
