@@ -219,6 +219,7 @@ class DiskSampler:
         self.timeline: list[tuple[float, float, float]] = []  # (seconds, GB used above the start, store GB)
         self.vacuum: dict[str, Any] = {}
         self.guard_tripped = False
+        self.load_max = 0.0  # the 1-minute load average's peak: whether the machine was the run's alone
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="disk-sampler", daemon=True)
 
@@ -255,6 +256,7 @@ class DiskSampler:
 
     def sample_once(self) -> None:
         usage = shutil.disk_usage(self.store_dir)
+        self.load_max = max(self.load_max, round(os.getloadavg()[0], 1))
         self.timeline.append((round(time.time() - self.started, 1), round((usage.used - self.start_used) / 1e9, 2),
                               round(self._store_bytes() / 1e9, 2)))
         if usage.free < self.min_free and not self.guard_tripped:
@@ -381,9 +383,11 @@ def run_size(cfg: Any, bucket: str, s3_root: str, gb: float, args: argparse.Name
     for ti in tis:
         name = ti["task_id"] if ti.get("map_index", -1) < 0 else f"{ti['task_id']}[{ti['map_index']}]"
         if ti["id"] in sampler.tasks:
-            tasks[name] = sampler.tasks[ti["id"]]
+            tasks[name] = dict(sampler.tasks[ti["id"]])
+            if ti.get("start_date") and ti.get("end_date"):  # its own span, for the planner's per-step check
+                tasks[name]["seconds"] = round(_ts(ti["end_date"]) - _ts(ti["start_date"]), 1)
     result_train = train_figures(s3_root, run_id, rows)
-    result = {"gb": gb, "state": state, "training": result_train, "run_id": run_id, "table": table, "rows": rows,
+    result = {"gb": gb, "parts": args.parts, "load_average_1min_max": disk.load_max, "state": state, "training": result_train, "run_id": run_id, "table": table, "rows": rows,
               "failed": failed, "disk": disk.figures(),
               "stages": stage_figures(tis, table["bytes"], rows), "tasks": dict(sorted(tasks.items())),
               "roles": dict(sorted(sampler.roles.items())), "samples": sampler.samples}

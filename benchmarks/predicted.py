@@ -10,7 +10,8 @@ model's constants were fitted over these points (least squares over the sizes): 
 the model's shape; *fit*, a constant was solved on that very figure: it checks the arithmetic.
 
 Sources: ``benchmarks/many_roles.json`` (medians per size), ``benchmarks/figures/big_model-*.json``,
-``benchmarks/figures/mapped_shard-112mb*.json``, ``benchmarks/figures/constrained_links-512x512.json``
+``benchmarks/figures/mapped_shard-112mb*.json``, ``benchmarks/figures/constrained_links-512x512.json``,
+``benchmarks/big_data.json``
 and the N1 row's raw figures of the report (``benchmarks/results.json``).
 """
 from __future__ import annotations
@@ -226,6 +227,22 @@ def mapped_shard(d: dict[str, Any], name: str) -> list[Line]:
     return out
 
 
+def big_data(d: dict[str, Any], name: str) -> list[Line]:
+    """The shard stage of ``big_data.py``'s runs through the DAG (plan → merge, Parquet files cut
+    into ``shard_parts`` groups side by side on the 2 cores): the model's constants came from the
+    112 MB CSV of ``mapped_shard.py``, so every size is a check, of other bytes and another format.
+    (The recorded runs had the machine to themselves; the model has no term for other work.)"""
+    out = []
+    runs = [r for r in d["runs"] if "shard" in r["stages"]]
+    if runs:
+        parts = runs[0].get("parts", 2)  # the script's default, which every run before the field used
+        out.append(Line("data step through the DAG, plan → merge", f"Parquet, {parts} parts side by side on {CORES} "
+                        "cores, quiet host; " + " / ".join(f"{r['table']['bytes'] / 1e9:.1f}" for r in runs) + " GB",
+                        [pm.shard_s(r["table"]["bytes"] / (1 << 20), parts, CORES / parts) for r in runs],
+                        [r["stages"]["shard"]["seconds"] for r in runs], "s", name))
+    return out
+
+
 def lines(report_rows: dict[str, dict[str, Any]] | None = None) -> list[Line]:
     """Every comparison whose measurement is recorded; ``report_rows`` are the report's raw
     results by id (N1's comes from there, else from ``results.json``)."""
@@ -251,6 +268,8 @@ def lines(report_rows: dict[str, dict[str, Any]] | None = None) -> list[Line]:
                  "figures/mapped_shard-112mb-e.json"):
         if (d := _load(name)) is not None:
             out += mapped_shard(d, name)
+    if (d := _load("big_data.json")) is not None:
+        out += big_data(d, "big_data.json")
     return out
 
 
