@@ -19,13 +19,17 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 from dataclasses import dataclass
 from typing import Any
 
-from infra import perf_model as pm
-from testkit import REPO
-from testkit.netns_hosts import tbf_burst_bytes
-from testkit.server_load import imbalance, mlp_keys
+# The checkout on the path (run as ``python benchmarks/predicted.py``): testkit and the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from infra import perf_model as pm  # noqa: E402
+from testkit import REPO  # noqa: E402
+from testkit.netns_hosts import tbf_burst_bytes  # noqa: E402
+from testkit.server_load import imbalance, mlp_keys  # noqa: E402
 
 BENCH = os.path.join(REPO, "benchmarks")
 FEATURES, CLASSES = 64, 10  # the digits MLPs of every benchmark below
@@ -227,19 +231,46 @@ def mapped_shard(d: dict[str, Any], name: str) -> list[Line]:
     return out
 
 
+BIG_DATA_FIT_BYTES = 20_217_643_800  # the run whose count and merge fitted perf_model's Parquet and disk terms
+
+
+def _mean_task_s(run: dict[str, Any], task: str) -> float | None:
+    """The mean span of a task (of its mapped instances), where the run recorded task spans."""
+    got = [v["seconds"] for k, v in run["tasks"].items() if (k == task or k.startswith(task + "[")) and "seconds" in v]
+    return statistics.mean(got) if got else None
+
+
 def big_data(d: dict[str, Any], name: str) -> list[Line]:
-    """The shard stage of ``big_data.py``'s runs through the DAG (plan → merge, Parquet files cut
-    into ``shard_parts`` groups side by side on the 2 cores): the model's constants came from the
-    112 MB CSV of ``mapped_shard.py``, so every size is a check, of other bytes and another format.
-    (The recorded runs had the machine to themselves; the model has no term for other work.)"""
-    out = []
+    """The shard stage of ``big_data.py``'s runs through the DAG, Parquet files cut into
+    ``shard_parts`` groups side by side on the 2 cores, whole and step by step (a part's count and
+    shard: the mean of the parts). Every size is a check but for the 20.2 GB run's count and
+    merge, which fitted the Parquet count and the merge's rate per MB of shards
+    (``perf_model.SHARD_COUNT_PARQUET_S_PER_MB``, ``SHARD_MERGE_S_PER_SHARD_MB``); with them its
+    whole stage is a fit too. (The recorded runs had the machine to themselves; the model has no
+    term for other work.)"""
     runs = [r for r in d["runs"] if "shard" in r["stages"]]
-    if runs:
-        parts = runs[0].get("parts", 2)  # the script's default, which every run before the field used
-        out.append(Line("data step through the DAG, plan → merge", f"Parquet, {parts} parts side by side on {CORES} "
-                        "cores, quiet host; " + " / ".join(f"{r['table']['bytes'] / 1e9:.1f}" for r in runs) + " GB",
-                        [pm.shard_s(r["table"]["bytes"] / (1 << 20), parts, CORES / parts) for r in runs],
-                        [r["stages"]["shard"]["seconds"] for r in runs], "s", name))
+    out = []
+    for quantity, task, step in (("data step through the DAG, plan → merge", None, None),
+                                 ("a part's count (mean of the parts)", "shard_count", "count"),
+                                 ("a part's shard (mean of the parts)", "shard_part", "shard"),
+                                 ("merge", "shard_merge", "merge")):
+        for basis in ("check", "fit"):
+            pred, meas, sizes = [], [], []
+            for r in runs:
+                fitted = r["table"]["bytes"] == BIG_DATA_FIT_BYTES and step != "shard"
+                if fitted != (basis == "fit"):
+                    continue
+                parts = r.get("parts", 2)  # the script's default, which every run before the field used
+                steps = pm.shard_steps_s(r["table"]["bytes"] / 1e6, parts, CORES / parts, "parquet")
+                got = r["stages"]["shard"]["seconds"] if task is None else _mean_task_s(r, task)
+                if got is None:
+                    continue
+                pred.append(sum(steps.values()) if step is None else steps[step])
+                meas.append(got)
+                sizes.append(f"{r['table']['bytes'] / 1e9:.1f}")
+            if pred:
+                out.append(Line(quantity, f"Parquet, {parts} parts side by side on {CORES} cores, quiet host; "
+                                + " / ".join(sizes) + " GB", pred, meas, "s", name, basis))
     return out
 
 

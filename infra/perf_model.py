@@ -135,7 +135,21 @@ SHARD_PLAN_S = 0.65
 SHARD_SETUP_S = SHARD_PLAN_S
 SHARD_COUNT_S_PER_MB = (2.15 - SHARD_SETUP_S) / 111.8
 SHARD_PART_S_PER_MB = (3.23 - SHARD_SETUP_S) / 111.8
-SHARD_MERGE_S_PER_MB = (1.41 - SHARD_SETUP_S) / 111.8
+# Two terms the 112 MB CSV could not show, both fitted on the 20.2 GB Parquet run of
+# benchmarks/big_data.py (big_data.json, 2 parts side by side, the machine the run's alone):
+# - A Parquet source's count reads the label column alone (columnar: the features' bytes are
+#   skipped): 49.0 s (the two counts' mean; a task's start and setup less) for 10,109 MB a part,
+#   against the CSV constant's 136 s (0.35 × its time per MB).
+# - The merge's work follows the shards' bytes, not the source's: it downloads each piece,
+#   writes the shard, hashes and uploads it. 307.2 s (start and setup less) for 21,292 MB of
+#   records (39.1 M rows × 544 B): 70 MB/s. The same constant gives d's CSV merge (42.2 MB of
+#   records from 111.8 MB of text) 1.93 s against 2.10 s measured, and the 1 GiB Parquet run's
+#   17.7 s against 16.0 s. A record is 32 B of framing and header plus 4 B a value
+#   (common.record_codec): 0.378 MB of shards per MB of the 256-column CSV (2,795 B a row of
+#   text), 1.053 per MB of the float32 Parquet (516.5 B a row).
+SHARD_COUNT_PARQUET_S_PER_MB = (49.0 - TASK_START_S - SHARD_SETUP_S) / (20217.6 / 2)
+SHARD_MERGE_S_PER_SHARD_MB = (307.2 - TASK_START_S - SHARD_SETUP_S) / (39_140_250 * 544 / 1e6)
+SHARD_MB_PER_SOURCE_MB = {"csv": 40_000 * (32 + 4 * 256) / 1e6 / 111.8, "parquet": 544 / 516.5}
 # A part is a chain, not a pool of threads: pyarrow's streaming CSV reader (``open_csv``, what a
 # part reads with) is single-threaded, and the bytes come from the S3 server, which serves them
 # while the part waits. On the quiet machine (mapped_shard-112mb-d.json) the 1-part count and
@@ -294,16 +308,33 @@ def restore_s(nbytes: float, workers: int, cores: int, storage_procs: int = 0,
     return max(RESTORE_LATENCY_S, cpu * fair_share(busy, cores))
 
 
-def shard_s(source_mb: float, parts: int, cores_per_part: float = 2.0) -> float:
-    """The data step with ``parts`` mapped parts, each a task with ``cores_per_part`` cores (its
-    own Airflow worker's; N parts side by side on a C-core host: C / N), the cores otherwise
-    free: plan, the parts' counts side by side, their shards side by side, then one merge over the
-    whole source. Each task starts (``TASK_START_S``); count, shard and merge each do a fixed
-    setup (``SHARD_SETUP_S``) before their bytes. A part is a chain that keeps
-    ``SHARD_PART_CORES`` busy (module constants)."""
-    per_mb = (SHARD_COUNT_S_PER_MB + SHARD_PART_S_PER_MB) * max(1.0, SHARD_PART_CORES / cores_per_part)
-    fixed = 4 * TASK_START_S + SHARD_PLAN_S + 3 * SHARD_SETUP_S
-    return fixed + source_mb / parts * per_mb + source_mb * SHARD_MERGE_S_PER_MB
+def shard_steps_s(source_mb: float, parts: int, cores_per_part: float = 2.0, source_format: str = "csv",
+                  shard_mb: float | None = None) -> dict[str, float]:
+    """The data step's tasks, each from its start to its end: plan, a part's count, a part's shard
+    (the parts side by side), the merge. ``parts`` mapped parts, each a task with
+    ``cores_per_part`` cores (its own Airflow worker's; N parts side by side on a C-core host:
+    C / N), the cores otherwise free. Each task starts (``TASK_START_S``); count, shard and merge
+    each do a fixed setup (``SHARD_SETUP_S``) before their bytes. A part is a chain that keeps
+    ``SHARD_PART_CORES`` busy. A Parquet source's count reads one column; the merge's work is per
+    MB of shards written, ``shard_mb`` (default: the measured tables' ratio to the source, module
+    constants)."""
+    if source_format not in SHARD_MB_PER_SOURCE_MB:
+        raise ValueError(f"source_format must be 'csv' or 'parquet', not {source_format!r}")
+    stretch = max(1.0, SHARD_PART_CORES / cores_per_part)
+    count_per_mb = SHARD_COUNT_PARQUET_S_PER_MB if source_format == "parquet" else SHARD_COUNT_S_PER_MB * stretch
+    if shard_mb is None:
+        shard_mb = source_mb * SHARD_MB_PER_SOURCE_MB[source_format]
+    part_mb = source_mb / parts
+    return {"plan": TASK_START_S + SHARD_PLAN_S,
+            "count": TASK_START_S + SHARD_SETUP_S + part_mb * count_per_mb,
+            "shard": TASK_START_S + SHARD_SETUP_S + part_mb * SHARD_PART_S_PER_MB * stretch,
+            "merge": TASK_START_S + SHARD_SETUP_S + shard_mb * SHARD_MERGE_S_PER_SHARD_MB}
+
+
+def shard_s(source_mb: float, parts: int, cores_per_part: float = 2.0, source_format: str = "csv",
+            shard_mb: float | None = None) -> float:
+    """The data step, plan → merge: its four steps one after another (``shard_steps_s``)."""
+    return sum(shard_steps_s(source_mb, parts, cores_per_part, source_format, shard_mb).values())
 
 
 def shard_cpu_s(source_mb: float, parts: int) -> float:

@@ -105,21 +105,46 @@ def test_a_save_at_the_checkpoint_step_shares_the_cores_with_the_released_worker
 
 
 def test_sharding_time_with_mapped_parts():
-    # Quiet run d's 1 part, 111.8 MB: 4 task starts (wall less work, mean 0.6725 s), plan 0.65 s
-    # of work, which is also the fixed setup of count, shard and merge; per MB: count 1.50 s +
-    # shard 2.58 s over the parts, merge 0.76 s.
+    # Quiet run d's 1 part, 111.8 MB of CSV: 4 task starts (wall less work, mean 0.6725 s), plan
+    # 0.65 s of work, which is also the fixed setup of count, shard and merge; per MB: count
+    # 1.50 s + shard 2.58 s over the parts; the merge per MB of shards (40,000 records of 1,056 B:
+    # 42.24 MB) at the 20.2 GB run's rate, 1.93 s of wall against d's 2.10.
     fixed = 4 * 0.6725 + 0.65 + 3 * 0.65
-    assert pm.shard_s(111.8, 1) == pytest.approx(fixed + 4.08 + 0.76)
-    assert pm.shard_s(111.8, 1) == pytest.approx(10.13)  # d's four steps' walls: 1.25 + 2.79 + 3.99 + 2.1
-    assert pm.shard_s(111.8, 2) == pytest.approx(fixed + 4.08 / 2 + 0.76)  # 2 workers of 2 cores
+    merge = 42.24 * pm.SHARD_MERGE_S_PER_SHARD_MB
+    assert pm.shard_steps_s(111.8, 1)["merge"] == pytest.approx(2 * 0.6725 / 2 + 0.65 + merge)
+    assert pm.shard_steps_s(111.8, 1)["merge"] == pytest.approx(1.93, abs=0.005)
+    assert pm.shard_s(111.8, 1) == pytest.approx(fixed + 4.08 + merge)
+    assert pm.shard_s(111.8, 2) == pytest.approx(fixed + 4.08 / 2 + merge)  # 2 workers of 2 cores
     # A part is a chain keeping 1.27 cores busy: more cores do not speed it up...
-    assert pm.shard_s(111.8, 4, cores_per_part=8) == pytest.approx(fixed + 4.08 / 4 + 0.76)
+    assert pm.shard_s(111.8, 4, cores_per_part=8) == pytest.approx(fixed + 4.08 / 4 + merge)
     # ...and two side by side on a quiet 2-core host, a core each, run half the bytes 1.27× slower;
     # their tasks' start and setup are not split by the parts.
-    assert pm.shard_s(111.8, 2, cores_per_part=1) == pytest.approx(fixed + 4.08 / 2 * 1.27 + 0.76)
-    assert pm.shard_s(111.8, 2, cores_per_part=1) / pm.shard_s(111.8, 1) == pytest.approx(0.853, abs=1e-3)
+    assert pm.shard_s(111.8, 2, cores_per_part=1) == pytest.approx(fixed + 4.08 / 2 * 1.27 + merge)
+    assert pm.shard_s(111.8, 2, cores_per_part=1) / pm.shard_s(111.8, 1) == pytest.approx(0.85, abs=0.01)
     # At zero bytes a step is its tasks' starts, plan and setups.
     assert pm.shard_s(0.0, 1) == pytest.approx(fixed)
+
+
+def test_sharding_a_parquet_source():
+    # big_data.json's 20.2 GB Parquet run, 2 parts on 2 cores: its count (49.0 s) and merge
+    # (307.2 s, 39.1 M records of 544 B) are the fitted terms; the parts' shard keeps the CSV
+    # constant, 1.27× on a core each.
+    steps = pm.shard_steps_s(20217.6, 2, cores_per_part=1, source_format="parquet")
+    assert steps["count"] == pytest.approx(49.0)
+    assert steps["merge"] == pytest.approx(307.2, abs=0.1)
+    assert steps["shard"] == pytest.approx(pm.TASK_START_S + 0.65 + 10108.8 * 2.58 / 111.8 * 1.27)
+    assert sum(steps.values()) == pytest.approx(pm.shard_s(20217.6, 2, 1, "parquet"))
+    # A CSV's count parses every byte: 2.8× the Parquet count's time per MB.
+    assert pm.shard_steps_s(20217.6, 2, 1)["count"] > 2.5 * steps["count"]
+    # The merge follows the shards' bytes: a CSV's text makes 0.378 MB of records per MB, float32
+    # Parquet 1.053; given, the shards' MB decide.
+    fixed = pm.TASK_START_S + pm.SHARD_SETUP_S
+    assert (pm.shard_steps_s(1000, 1, source_format="parquet")["merge"] - fixed) / (
+        pm.shard_steps_s(1000, 1)["merge"] - fixed) == pytest.approx(1.053 / 0.378, rel=1e-3)
+    assert pm.shard_steps_s(1000, 1, shard_mb=500)["merge"] == pytest.approx(
+        pm.shard_steps_s(1000, 1, source_format="parquet", shard_mb=500)["merge"])
+    with pytest.raises(ValueError, match="source_format must be 'csv' or 'parquet', not 'orc'"):
+        pm.shard_steps_s(1.0, 1, source_format="orc")
 
 
 def test_sharding_cpu_on_a_loaded_host():
