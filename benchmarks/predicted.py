@@ -283,7 +283,7 @@ def lines(report_rows: dict[str, dict[str, Any]] | None = None) -> list[Line]:
     if (d := _load("figures/many_roles-d.json")) is not None:
         out += many_roles_quiet(d, "figures/many_roles-d.json")
     for name in ("figures/big_model-100m.json", "figures/big_model-100m-run-b.json", "figures/big_model-9m.json",
-                 "figures/big_model-9m-b.json", "figures/big_model-mlp64x64.json"):
+                 "figures/big_model-9m-b.json", "figures/big_model-9m-c.json", "figures/big_model-mlp64x64.json"):
         if (d := _load(name)) is not None:
             out += big_model(d, name)
     n1 = (report_rows or {}).get("N1")
