@@ -12,7 +12,8 @@ demo: setup
 
 # Two pytest workers, each taking whole files (module fixtures and a file's order stay on one):
 # most of the integration tier waits on real jobs, servers and Airflow, so two share 2 cores
-# well; a third made each test slower by as much as it gained (benchmarks/README.md). Files go out longest first (tests/conftest.py, from tests/durations.json; refresh it with
+# well; a third made each test slower by as much as it gained (benchmarks/README.md). Files go
+# out longest first (tests/conftest.py, from tests/durations.json; refresh it with
 # scripts/test_durations.py from the JUnit report). The 30 slowest tests are listed at the end.
 test: setup
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30 --junitxml=.local/test-report.xml

@@ -45,7 +45,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -57,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.operator_durability import _servers  # noqa: E402
 from testkit.dag_services import embedded_services, use_in_this_process  # noqa: E402
+from testkit.periodic import PeriodicSampler  # noqa: E402
 from testkit.result_file import write_json  # noqa: E402
 
 DAG_ID = "mxnet_training"
@@ -121,25 +121,16 @@ def _status_kb(pid: int) -> dict[str, int]:
     return out
 
 
-class MemorySampler:
+class MemorySampler(PeriodicSampler):
     """Every ``interval_s``: each task process (by its title) and each of the run's role processes,
     with their children; per key the peak ``VmHWM`` (summed over the tree) and peak ``RssAnon``."""
 
     def __init__(self, run_id: str, interval_s: float = 1.0) -> None:
-        self.run_id, self.interval_s = run_id, interval_s
+        super().__init__(interval_s, "memory-sampler")
+        self.run_id = run_id
         self.tasks: dict[str, dict[str, float]] = {}  # task instance id → peaks
         self.roles: dict[str, dict[str, float]] = {}  # role name → peaks
         self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
-
-    def __enter__(self) -> "MemorySampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
 
     @staticmethod
     def _tree(proc: Any) -> tuple[float, float, float]:
@@ -170,7 +161,7 @@ class MemorySampler:
             return role
         return "supervisor" if "supervise" in " ".join(proc.cmdline()) else f"other (pid {proc.pid})"
 
-    def sample_once(self) -> None:
+    def sample(self) -> None:
         import psutil
 
         from testkit.operator_runs import role_processes
@@ -188,15 +179,8 @@ class MemorySampler:
                            (s.get("VmHWM", 0) / 1024, s.get("VmRSS", 0) / 1024, s.get("RssAnon", 0) / 1024))
         self.samples += 1
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            with contextlib.suppress(Exception):  # a process gone mid-read: the next sample counts
-                self.sample_once()
-            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
 
-
-class DiskSampler:
+class DiskSampler(PeriodicSampler):
     """Every ``interval_s``: the filesystem's used bytes and the store's folder (SeaweedFS's volume
     files), for the peak above the start and a timeline. Two duties beside measuring:
 
@@ -212,24 +196,15 @@ class DiskSampler:
 
     def __init__(self, airflow_url: str, run_id: str, store_dir: Path, master_url: str, interval_s: float = 10.0,
                  min_free: int = 3 << 30) -> None:
+        super().__init__(interval_s, "disk-sampler", join_timeout_s=60)
         self.airflow_url, self.run_id, self.store_dir, self.master_url = airflow_url, run_id, store_dir, master_url
-        self.interval_s, self.min_free = interval_s, min_free
+        self.min_free = min_free
         self.started = time.time()
         self.start_used = shutil.disk_usage(store_dir).used
         self.timeline: list[tuple[float, float, float]] = []  # (seconds, GB used above the start, store GB)
         self.vacuum: dict[str, Any] = {}
         self.guard_tripped = False
         self.load_max = 0.0  # the 1-minute load average's peak: whether the machine was the run's alone
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="disk-sampler", daemon=True)
-
-    def __enter__(self) -> "DiskSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
 
     def _store_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.store_dir.rglob("*") if f.is_file())
@@ -254,7 +229,7 @@ class DiskSampler:
                        "store_gb_before": round(before / 1e9, 2), "store_gb_after": round(self._store_bytes() / 1e9, 2)}
         print(f"store vacuumed: {json.dumps(self.vacuum)}", flush=True)
 
-    def sample_once(self) -> None:
+    def sample(self) -> None:
         usage = shutil.disk_usage(self.store_dir)
         self.load_max = max(self.load_max, round(os.getloadavg()[0], 1))
         self.timeline.append((round(time.time() - self.started, 1), round((usage.used - self.start_used) / 1e9, 2),
@@ -272,14 +247,8 @@ class DiskSampler:
                 "peak_store_gb": max((s[2] for s in self.timeline), default=0.0), "vacuum": self.vacuum,
                 "guard_tripped": self.guard_tripped, "timeline": self.timeline}
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                self.sample_once()
-            except Exception as exc:  # a file gone mid-walk, the API busy: the next sample counts
-                print(f"disk sample failed: {exc!r}", flush=True)
-            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+    def sample_failed(self, exc: Exception) -> None:  # a file gone mid-walk, the API busy: the next sample counts
+        print(f"disk sample failed: {exc!r}", flush=True)
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -387,8 +356,9 @@ def run_size(cfg: Any, bucket: str, s3_root: str, gb: float, args: argparse.Name
             if ti.get("start_date") and ti.get("end_date"):  # its own span, for the planner's per-step check
                 tasks[name]["seconds"] = round(_ts(ti["end_date"]) - _ts(ti["start_date"]), 1)
     result_train = train_figures(s3_root, run_id, rows)
-    result = {"gb": gb, "parts": args.parts, "load_average_1min_max": disk.load_max, "state": state, "training": result_train, "run_id": run_id, "table": table, "rows": rows,
-              "failed": failed, "disk": disk.figures(),
+    result = {"gb": gb, "parts": args.parts, "load_average_1min_max": disk.load_max, "state": state,
+              "training": result_train, "run_id": run_id, "table": table, "rows": rows, "failed": failed,
+              "disk": disk.figures(),
               "stages": stage_figures(tis, table["bytes"], rows), "tasks": dict(sorted(tasks.items())),
               "roles": dict(sorted(sampler.roles.items())), "samples": sampler.samples}
     print(json.dumps(result, indent=1), flush=True)

@@ -231,7 +231,7 @@ def mapped_shard(d: dict[str, Any], name: str) -> list[Line]:
     return out
 
 
-BIG_DATA_FIT_BYTES = 20_217_643_800  # the run whose count and merge fitted perf_model's Parquet and disk terms
+BIG_DATA_FIT_BYTES = 20_217_643_800  # the run whose count and merge fitted perf_model's Parquet count and merge
 
 
 def _mean_task_s(run: dict[str, Any], task: str) -> float | None:

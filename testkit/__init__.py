@@ -32,6 +32,7 @@ import every package of the project. What it holds:
 - ``server_load``: each parameter server's share of a model by MXNet's key assignment, and its
   measured traffic (``ss``) and memory while a local job runs (``benchmarks/big_model.py``);
 - ``run_queue``: the machine's runnable threads sampled during a benchmark, for the planner's fair share;
+- ``periodic``: the sampler thread the benchmarks' samplers share (``sample()`` every period);
 - ``s3_requests``: every S3 request of a job's processes counted by a boto3 event hook (a
   ``sitecustomize`` on the roles' ``PYTHONPATH``), read back by process, operation and key;
 - ``waits``: waiting on a condition with a bound (never a fixed sleep and one read);

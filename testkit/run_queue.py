@@ -10,8 +10,9 @@ asleep in uninterruptible I/O.
 """
 from __future__ import annotations
 
-import threading
 import time
+
+from testkit.periodic import PeriodicSampler
 
 
 def procs_running() -> int | None:
@@ -26,29 +27,17 @@ def procs_running() -> int | None:
     return None
 
 
-class RunQueueSampler:
+class RunQueueSampler(PeriodicSampler):
     """``with RunQueueSampler() as rq: ...`` then ``rq.mean(t0, t1)``."""
 
     def __init__(self, every_s: float = 0.25) -> None:
-        self.every_s = every_s
+        super().__init__(every_s, "run-queue", join_timeout_s=5)
         self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="run-queue", daemon=True)
 
-    def __enter__(self) -> RunQueueSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            n = procs_running()
-            if n is not None:
-                self.samples.append((time.time(), n))
-            self._stop.wait(self.every_s)
+    def sample(self) -> None:
+        n = procs_running()
+        if n is not None:
+            self.samples.append((time.time(), n))
 
     def mean(self, t0: float, t1: float) -> float | None:
         """Mean runnable threads over ``[t0, t1]`` (the nearest sample for a window shorter than a period)."""
